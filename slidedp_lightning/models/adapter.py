@@ -1,0 +1,65 @@
+"""The interface between the runtime and a model architecture, and the adapter registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no streaming-unit adapter, or its shape is not supported."""
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One streaming unit: the modules whose parameters it owns, in forward order.
+
+    A module listed in a unit is also a *compute module*: its forward makes resident every unit that
+    owns one of its parameters (a tied ``lm_head`` borrows the embedding unit this way).
+    """
+
+    name: str
+    modules: tuple[nn.Module, ...]
+
+
+class ArchitectureAdapter(Protocol):
+    """What the runtime needs to know about one family of models."""
+
+    name: str
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        """True when this adapter understands ``model``."""
+
+    def units(self, model: nn.Module) -> list[UnitSpec]:
+        """The streaming units in forward order (embedding, blocks, head)."""
+
+    def init_weights(self, model: nn.Module, module: nn.Module) -> None:
+        """Initialize ``module`` (already materialized on CPU, uninitialized memory) as the model would."""
+
+    def materialize_buffers(self, model: nn.Module) -> None:
+        """Recompute non-persistent buffers (rotary frequencies, ...) left on the meta device."""
+
+
+_ADAPTERS: list[type] = []
+
+
+def register_adapter(cls: type) -> type:
+    """Class decorator: make an adapter discoverable by :func:`adapter_for`."""
+    _ADAPTERS.append(cls)
+    return cls
+
+
+def adapter_for(model: nn.Module) -> ArchitectureAdapter:
+    """Find the adapter for ``model`` or say clearly why there is none."""
+    for cls in _ADAPTERS:
+        if cls.matches(model):
+            return cls()
+    known = ", ".join(getattr(c, "name", c.__name__) for c in _ADAPTERS)
+    raise UnsupportedModelError(
+        f"SlideDP found no block list in {type(model).__name__}: it streams models one decoder block at a "
+        f"time and knows these architectures: {known}. Wrap a supported transformers causal LM, or register "
+        "an adapter with slidedp_lightning.models.register_adapter."
+    )

@@ -1,0 +1,449 @@
+"""The SlideDP engine: streams a model's units through the device and updates them on the CPU.
+
+Device-agnostic and free of Lightning: it needs a model, a device, a compute dtype and (for R > 1) an
+initialized ``torch.distributed`` process group whose ranks all run on this host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import cpu_ops
+from slidedp_lightning.models import adapter_for
+from slidedp_lightning.models.adapter import UnsupportedModelError
+from slidedp_lightning.runtime.grads import GRAD_ROUTES, GradRoute
+from slidedp_lightning.runtime.host_state import SHM_DIR, HostLedger, LedgerGeometry, check_host_memory
+from slidedp_lightning.runtime.layout import Layout, build_layout
+from slidedp_lightning.runtime.params import UnitResidency
+from slidedp_lightning.runtime.sync import Liveness, wait_until
+from slidedp_lightning.runtime.update import UpdateLane, UpdateTask, read_hyper, validate_optimizer
+
+log = logging.getLogger(__name__)
+
+PARAM_ROUTES = ("full",)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user chooses; everything else is derived."""
+
+    grad_route: str = "gpu_reduce"
+    param_route: str = "full"
+    prefetch_window: int = 2
+    update_threads: int | None = None
+    staging_slots: int = 2
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.grad_route not in GRAD_ROUTES:
+            raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {self.grad_route!r}.")
+        if self.param_route not in PARAM_ROUTES:
+            raise ValueError(
+                f"param_route must be one of {PARAM_ROUTES}, got {self.param_route!r}; "
+                "the sharded route (H2D of a 1/R shard + all-gather) is not available yet."
+            )
+        if not isinstance(self.prefetch_window, int) or self.prefetch_window < 1:
+            raise ValueError(f"prefetch_window must be an integer >= 1, got {self.prefetch_window!r}.")
+        if self.update_threads is not None and (not isinstance(self.update_threads, int) or self.update_threads < 1):
+            raise ValueError(f"update_threads must be None (auto) or an integer >= 1, got {self.update_threads!r}.")
+        if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
+            raise ValueError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}.")
+
+
+def find_streamed_model(root: nn.Module) -> nn.Module:
+    """The first submodule of ``root`` (itself included) that an architecture adapter understands."""
+    last_error: UnsupportedModelError | None = None
+    for module in root.modules():
+        try:
+            adapter_for(module)
+            return module
+        except UnsupportedModelError as err:
+            last_error = err
+    assert last_error is not None
+    raise last_error
+
+
+class SlideDPEngine:
+    """Owns the ledger, the device buffers, the hooks and the lanes of one rank."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        config: EngineConfig,
+        *,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        local_rank: int = 0,
+        local_world_size: int = 1,
+        group=None,
+    ) -> None:
+        if local_world_size != world_size:
+            raise ValueError(
+                "SlideDP keeps one ledger per host and runs on a single host for now: "
+                f"world size {world_size} spans more than this host's {local_world_size} ranks."
+            )
+        self.root = root
+        self.config = config
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.rank, self.world_size = rank, world_size
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.group = group
+        self.step = 0  # optimizer steps whose updates have all been dispatched
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._handles: list = []
+        self._closed = False
+        self._aborted = False
+        self.ledger: HostLedger | None = None
+        self.lane: UpdateLane | None = None
+        self._setup()
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _collective_check(self, fn) -> object:
+        """Run ``fn`` on rank 0; every rank receives its result or raises its error (no rank hangs)."""
+        result: list = [None]
+        if self.rank == 0:
+            try:
+                result[0] = ("ok", fn())
+            except Exception as exc:  # re-raised on every rank below
+                result[0] = ("error", exc)
+        if self.world_size > 1:
+            dist.broadcast_object_list(result, src=0, group=self.group)
+        status, value = result[0]
+        if status == "error":
+            raise value
+        return value
+
+    def _setup(self) -> None:
+        t0 = time.perf_counter()
+        model = find_streamed_model(self.root)
+        self.adapter = adapter_for(model)
+        self.model = model
+        self.layout: Layout = build_layout(self.root, self.adapter.units(model), self.world_size)
+        grad_bytes = 2 if self.compute_dtype == torch.bfloat16 else 4
+        host_reduce = self.config.grad_route == "host_reduce"
+        geometry = LedgerGeometry(
+            total=self.layout.total,
+            num_units=len(self.layout.units),
+            world_size=self.world_size,
+            staging_slots=self.config.staging_slots if host_reduce else 0,
+            staging_elems=self.layout.max_unit if host_reduce else 0,
+            staging_itemsize=grad_bytes,
+        )
+        self.adapter.materialize_buffers(model)
+
+        def create() -> str:
+            check_host_memory(geometry, self.layout.num_params)
+            path = os.path.join(SHM_DIR, f"slidedp-{uuid.uuid4().hex[:12]}-ledger")
+            ledger = HostLedger(path, geometry, create=True)
+            try:
+                self._load_initial_weights(ledger)
+            except BaseException:
+                ledger.close()
+                raise
+            self.ledger = ledger
+            return path
+
+        path = self._collective_check(create)
+        if self.ledger is None:
+            self.ledger = HostLedger(path, geometry, create=False)
+        self.ledger.pids[self.local_rank] = os.getpid()
+        self._barrier()
+        self.ledger.unlink()  # every rank has mapped it: the name is no longer needed
+        self.liveness = Liveness(
+            pids=lambda: [int(p) for i, p in enumerate(self.ledger.pids) if i != self.local_rank],
+            timeout_s=self.config.timeout_s,
+            own_error=lambda: self.lane.error if self.lane is not None else None,
+        )
+        self.residency = UnitResidency(
+            self.layout, self.ledger, self.device, self.compute_dtype, self.config.prefetch_window, self.liveness
+        )
+        self.residency.bind()
+        self.routes = GradRoute(
+            self.config.grad_route, self.layout, self.ledger, self.rank, self.world_size, self.group,
+            self.device, self.liveness,
+        )  # fmt: skip
+        threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
+        self.lane = UpdateLane(self.ledger, self.layout, self.rank, threads)
+        self._install_hooks()
+        jit_s = cpu_ops.warmup()
+        gib = 1 << 30
+        log.info(
+            "SlideDP rank %d/%d: %d units, %s params, ledger %.3f GiB in shared memory (%.2f B/param), "
+            "route %s/%s, window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
+            self.rank, self.world_size, len(self.layout.units), f"{self.layout.num_params:,}",
+            geometry.nbytes / gib, geometry.nbytes / self.layout.num_params, self.config.param_route,
+            self.config.grad_route, self.config.prefetch_window, self.device, self.compute_dtype, threads,
+            jit_s, time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def _load_initial_weights(self, ledger: HostLedger) -> None:
+        """Copy the model's weights (materializing meta units one at a time) into a new ledger."""
+        ledger.master.zero_()
+        ledger.exp_avg.zero_()
+        ledger.exp_avg_sq.zero_()
+        for unit, spec in zip(self.layout.units, self.adapter.units(self.model)):
+            for slot in unit.slots:
+                module, attr = slot.locations[0]
+                if getattr(module, attr).is_meta:
+                    self._materialize(module)
+                start = unit.offset + slot.offset
+                ledger.master[start : start + slot.numel].copy_(getattr(module, attr).detach().reshape(-1))
+        master, _, _, bf16 = ledger.np_arrays()
+        cpu_ops.fp32_to_bf16(master, bf16)
+
+    def _materialize(self, module: nn.Module) -> None:
+        module.to_empty(device="cpu", recurse=True)
+        with torch.no_grad():
+            self.adapter.init_weights(self.model, module)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Validate the user's optimizer and map every parameter to its param group."""
+        validate_optimizer(optimizer)
+        group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        table, missing = [], []
+        for unit in self.layout.units:
+            row = []
+            for slot in unit.slots:
+                module, attr = slot.locations[0]
+                gi = group_of.get(id(getattr(module, attr)))
+                if gi is None:
+                    missing.append(slot.name)
+                row.append(gi if gi is not None else 0)
+            table.append(row)
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameters are not in the optimizer (e.g. {missing[:3]}). SlideDP "
+                "updates every parameter it streams: pass all of self.parameters() to the optimizer, "
+                "created in configure_optimizers (after the model is built)."
+            )
+        self.lane.set_groups(table)
+        self._optimizer = optimizer
+
+    # -- hooks ---------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for module, units in self.layout.compute_modules:
+            self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(units)))
+            self._handles.append(module.register_forward_hook(self._make_post_forward(units)))
+        self._slot_of: dict[int, tuple[int, int]] = {}
+        for ui, unit in enumerate(self.layout.units):
+            for si, _ in enumerate(unit.slots):
+                p = self.residency.param(ui, si)
+                self._slot_of[id(p)] = (ui, si)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._reset_step_grads()
+
+    def _reset_step_grads(self) -> None:
+        self._grads: list[list[torch.Tensor | None]] = [[None] * len(u.slots) for u in self.layout.units]
+        self._pending = [len(u.slots) for u in self.layout.units]
+        self._any_grad = False
+        self._callback_queued = False
+        self._hyper = None
+
+    def _make_pre_forward(self, units: tuple[int, ...]):
+        def hook(module, args):
+            self.lane.raise_if_failed()
+            self.residency.acquire(units, self.step, backward=False)
+
+        return hook
+
+    def _make_post_forward(self, units: tuple[int, ...]):
+        def hook(module, args, output):
+            self.residency.release(units)
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: self._on_output_grad(units))
+
+        return hook
+
+    def _on_output_grad(self, units: tuple[int, ...]) -> None:
+        todo = tuple(u for u in units if self._pending[u] > 0)
+        if todo:
+            self.residency.acquire(todo, self.step, backward=True)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        ui, si = self._slot_of[id(param)]
+        grad, param.grad = param.grad, None
+        if self._grads[ui][si] is not None:
+            raise RuntimeError(
+                f"SlideDP received a second gradient for {self.layout.units[ui].slots[si].name} before the "
+                "optimizer step: gradient accumulation (accumulate_grad_batches > 1, several backward calls "
+                "per step) is not supported yet."
+            )
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._check_backward_complete)
+            self._callback_queued = True
+        self._any_grad = True
+        self._grads[ui][si] = grad
+        self._pending[ui] -= 1
+        if self._pending[ui] == 0:
+            self._unit_ready(ui)
+
+    def _unit_ready(self, u: int) -> None:
+        self.residency.release_backward(u)
+        grads, self._grads[u] = self._grads[u], [None] * len(self._grads[u])
+        if self._optimizer is None:
+            raise RuntimeError("SlideDP got gradients but no optimizer is attached; call attach_optimizer first.")
+        if self._hyper is None:
+            self._hyper = read_hyper(self._optimizer)
+        source = self.routes.dispatch(u, grads)
+        self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, self.routes.grad_scale))
+
+    def _check_backward_complete(self) -> None:
+        self._callback_queued = False
+        missing = [
+            s.name for ui, u in enumerate(self.layout.units) if self._pending[ui] for s, g in zip(u.slots, self._grads[ui])
+            if g is None
+        ]  # fmt: skip
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} parameters received no gradient in this backward pass (e.g. {missing[:3]}). "
+                "SlideDP updates each unit once per step and needs every parameter to take part in the loss."
+            )
+
+    # -- step boundary -------------------------------------------------------------------------------
+    def end_step(self) -> bool:
+        """Close the optimizer step: True when it produced updates (all of them are now dispatched)."""
+        self.lane.raise_if_failed()
+        if not self._any_grad:
+            return False
+        if any(self._pending):
+            self._check_backward_complete()
+        self.step += 1
+        self._reset_step_grads()
+        return True
+
+    def synchronize(self) -> None:
+        """Wait until every rank's updates of every dispatched step are in the ledger."""
+        self.lane.wait_idle(self.liveness)
+        version = self.ledger.version
+        wait_until(lambda: bool((version >= self.step).all()), self.liveness, "all ranks' updates")
+
+    # -- state ---------------------------------------------------------------------------------------
+    def _param_ids(self) -> dict[int, tuple[int, int]]:
+        return self._slot_of
+
+    def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
+        unit = self.layout.units[unit_index]
+        slot = unit.slots[slot_index]
+        start = unit.offset + slot.offset
+        return self.ledger.master[start : start + slot.numel].view(slot.shape)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The root module's state dict with FP32 master weights (copies), keyed as ``root.state_dict()``."""
+        self.synchronize()
+        out = {}
+        for name, t in self.root.state_dict(keep_vars=True).items():
+            where = self._slot_of.get(id(t))
+            out[name] = self.master_view(*where).clone() if where is not None else t.detach().clone()
+        return out
+
+    def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        unit = self.layout.units[unit_index]
+        slot = unit.slots[slot_index]
+        start = unit.offset + slot.offset
+        sl = slice(start, start + slot.numel)
+        return self.ledger.exp_avg[sl].view(slot.shape), self.ledger.exp_avg_sq[sl].view(slot.shape)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer.state_dict()`` as torch's Adam/AdamW would return it, with the moments from the ledger."""
+        self.synchronize()
+        groups = optimizer.state_dict()["param_groups"]
+        state, index = {}, 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if self.step > 0:
+                    exp_avg, exp_avg_sq = self.moments(*self._slot_of[id(p)])
+                    state[index] = {
+                        "step": torch.tensor(float(self.step)),
+                        "exp_avg": exp_avg.clone(),
+                        "exp_avg_sq": exp_avg_sq.clone(),
+                    }
+                index += 1
+        return {"state": state, "param_groups": groups}
+
+    def _write_slot(self, where: tuple[int, int], value: torch.Tensor, target: str) -> None:
+        unit = self.layout.units[where[0]]
+        slot = unit.slots[where[1]]
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(f"{slot.name}: checkpoint shape {tuple(value.shape)} != model shape {slot.shape}.")
+        start = unit.offset + slot.offset
+        getattr(self.ledger, target)[start : start + slot.numel].copy_(value.reshape(-1))
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Write weights (keyed as ``root.state_dict()``) into the FP32 master and its BF16 copy."""
+        self.synchronize()
+        own = self.root.state_dict(keep_vars=True)
+        if strict:
+            missing = sorted(set(own) - set(state_dict))
+            unexpected = sorted(set(state_dict) - set(own))
+            if missing or unexpected:
+                raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self.local_rank == 0:
+            for name, value in state_dict.items():
+                where = self._slot_of.get(id(own[name])) if name in own else None
+                if where is not None:
+                    self._write_slot(where, value, "master")
+                elif name in own:
+                    own[name].data.copy_(value)
+            master, _, _, bf16 = self.ledger.np_arrays()
+            cpu_ops.fp32_to_bf16(master, bf16)
+        self._barrier()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Restore moments, step count and group hyper-parameters saved by :meth:`optimizer_state_dict`."""
+        self.synchronize()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = state.get("state", {})
+        steps = {int(s["step"]) for s in saved.values()} or {0}
+        if len(steps) != 1:
+            raise ValueError(f"SlideDP keeps one step count for all parameters; the checkpoint has {sorted(steps)}.")
+        if self.local_rank == 0:
+            for index, s in saved.items():
+                where = self._slot_of[id(params[int(index)])]
+                self._write_slot(where, s["exp_avg"], "exp_avg")
+                self._write_slot(where, s["exp_avg_sq"], "exp_avg_sq")
+            self.ledger.version[:] = steps.pop() if steps else 0
+        for group, saved_group in zip(optimizer.param_groups, state.get("param_groups", [])):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        self._barrier()
+        self.step = int(self.ledger.version.min())
+
+    def abort(self) -> None:
+        """After an error: stop waiting on other ranks; teardown will not synchronize."""
+        self._aborted = True
+
+    # -- teardown ------------------------------------------------------------------------------------
+    def close(self, restore: bool = True) -> None:
+        """Stop the lanes, give the model ordinary parameters again (FP32 copies, or meta) and unmap the ledger."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.lane is not None and self.lane.error is None and not self._aborted:
+                self.synchronize()
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            if self.lane is not None:
+                self.lane.close()
+            if hasattr(self, "residency"):
+                self.residency.evict_all()
+                self.residency.unbind(restore)
+                self.residency.close()
+            if self.ledger is not None:
+                self.ledger.close()

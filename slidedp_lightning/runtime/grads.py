@@ -1,0 +1,152 @@
+"""Lanes 4-5: gradient reduction routes and the return of the reduced gradient to the host.
+
+``gpu_reduce``: the ranks reduce-scatter the unit's flat gradient on the device (FP32, pre-divided by R as
+DDP does); each rank brings its own shard to the host and updates it.
+``host_reduce``: every rank copies its whole unit gradient into its shared-memory staging slot; each owner
+sums the R slots of its shard inside the update pass (host traffic x R, no device collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slidedp_lightning.runtime.host_state import HostLedger
+from slidedp_lightning.runtime.layout import Layout, Unit
+from slidedp_lightning.runtime.sync import Liveness, wait_until
+
+GRAD_ROUTES = ("gpu_reduce", "host_reduce")
+
+
+def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor]) -> None:
+    """Write a unit's parameter gradients into its flat layout, zeroing alignment gaps and padding."""
+    for a, b in unit.gaps():
+        flat[a:b].zero_()
+    for slot, g in zip(unit.slots, grads):
+        flat[slot.offset : slot.end].copy_(g.reshape(-1), non_blocking=True)
+
+
+@dataclass
+class ReducedShard:
+    """gpu_reduce: this rank's reduced shard, once the collective (and on CUDA the D2H copy) is done."""
+
+    work: object | None
+    shard: torch.Tensor
+    event: torch.cuda.Event | None
+    keep: tuple = ()
+
+    def get(self) -> np.ndarray:
+        if self.work is not None:
+            self.work.wait()
+        if self.event is not None:
+            self.event.synchronize()
+        return self.shard.numpy()
+
+    def release(self) -> None:
+        self.keep = ()
+
+
+@dataclass
+class StagedSlots:
+    """host_reduce: the R staging rows of this rank's shard, once every rank has published them."""
+
+    ledger: HostLedger
+    liveness: Liveness
+    rank: int
+    slot: int
+    gen: int
+    lo: int
+    hi: int
+
+    def get(self) -> np.ndarray:
+        gens = self.ledger.grad_gen[:, self.slot]
+        wait_until(lambda: bool((gens == self.gen).all()), self.liveness, f"gradient slot {self.slot} of all ranks")
+        rows = self.ledger.staging[:, self.slot, self.lo : self.hi]
+        if rows.dtype == torch.bfloat16:
+            return rows.view(torch.int16).numpy().view(np.uint16)
+        return rows.numpy()
+
+    def release(self) -> None:
+        self.ledger.consumed[self.rank, :, self.slot] = self.gen
+
+
+class GradRoute:
+    """Turns one unit's local gradients into this rank's reduced-gradient source for the update lane."""
+
+    def __init__(
+        self,
+        route: str,
+        layout: Layout,
+        ledger: HostLedger,
+        rank: int,
+        world_size: int,
+        group,
+        device: torch.device,
+        liveness: Liveness,
+    ) -> None:
+        if route not in GRAD_ROUTES:
+            raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {route!r}")
+        self.route = route
+        self.layout = layout
+        self.ledger = ledger
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.device = device
+        self.liveness = liveness
+        self._cuda = device.type == "cuda"
+        self._d2h = torch.cuda.Stream(device) if self._cuda else None
+        self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
+
+    @property
+    def grad_scale(self) -> float:
+        """Factor the update applies to the gradient it reads (host_reduce averages inside the update)."""
+        return 1.0 / self.world_size if self.route == "host_reduce" else 1.0
+
+    def dispatch(self, u: int, grads: list[torch.Tensor]):
+        if self.route == "gpu_reduce":
+            return self._gpu_reduce(u, grads)
+        return self._host_reduce(u, grads)
+
+    def _gpu_reduce(self, u: int, grads: list[torch.Tensor]) -> ReducedShard:
+        unit = self.layout.units[u]
+        flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
+        _fill_flat(flat, unit, grads)
+        work = None
+        if self.world_size > 1:
+            flat.div_(self.world_size)
+            shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
+            work = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
+        else:
+            shard = flat
+        if not self._cuda:
+            return ReducedShard(work, shard, None, keep=(flat,))
+        if work is not None:
+            work.wait()  # orders the compute stream after the collective
+        host = torch.empty(unit.shard_numel, dtype=torch.float32, pin_memory=True)
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h):
+            host.copy_(shard, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._d2h)
+        shard.record_stream(self._d2h)
+        return ReducedShard(None, host, event, keep=(flat, shard))
+
+    def _host_reduce(self, u: int, grads: list[torch.Tensor]) -> StagedSlots:
+        unit = self.layout.units[u]
+        slots = self.ledger.geometry.staging_slots
+        self._gen += 1
+        gen = self._gen
+        k = (gen - 1) % slots
+        consumed = self.ledger.consumed[:, self.rank, k]
+        wait_until(lambda: bool((consumed >= gen - slots).all()), self.liveness, f"owners to free gradient slot {k}")
+        row = self.ledger.staging[self.rank, k, : unit.padded]
+        _fill_flat(row, unit, grads)
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self.ledger.grad_gen[self.rank, k] = gen
+        lo, hi = unit.shard(self.rank)
+        return StagedSlots(self.ledger, self.liveness, self.rank, k, gen, lo, hi)

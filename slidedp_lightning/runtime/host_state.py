@@ -1,0 +1,178 @@
+"""The host ledger: one FP32 master, two Adam moments and a BF16 transfer copy per host, in shared memory.
+
+One process (local rank 0) creates the file, every local rank maps it, and the creator unlinks the name
+as soon as all have mapped it: from then on the memory lives exactly as long as the processes using it,
+so a crashed or killed rank can never leak it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+GUARD = PAGE  # bytes left between the arrays so they never sit at power-of-two distances
+SHM_DIR = "/dev/shm"
+LEDGER_BYTES_PER_PARAM = 14  # FP32 master 4 + exp_avg 4 + exp_avg_sq 4 + BF16 copy 2
+
+
+class HostMemoryError(MemoryError):
+    """The host cannot hold the ledger."""
+
+
+def _page(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+@dataclass(frozen=True)
+class LedgerGeometry:
+    """Sizes and byte offsets of everything in one ledger file."""
+
+    total: int  # elements per array (padded parameter count)
+    num_units: int
+    world_size: int
+    staging_slots: int  # host_reduce gradient slots per rank (0 when the route is gpu_reduce)
+    staging_elems: int  # elements per staging slot
+    staging_itemsize: int  # 4 for FP32 gradients, 2 for BF16
+
+    def _stamp_elems(self) -> int:
+        r, u, k = self.world_size, self.num_units, self.staging_slots
+        return u * r + r + r * k + r * r * k + 8
+
+    @property
+    def offsets(self) -> dict[str, int]:
+        off, pos = {}, 0
+        for name, nbytes in (
+            ("stamps", self._stamp_elems() * 8),
+            ("master", self.total * 4),
+            ("exp_avg", self.total * 4),
+            ("exp_avg_sq", self.total * 4),
+            ("bf16", self.total * 2),
+            ("staging", self.world_size * self.staging_slots * self.staging_elems * self.staging_itemsize),
+        ):
+            off[name] = pos
+            pos = _page(pos + nbytes) + (GUARD if nbytes else 0)
+        off["end"] = pos
+        return off
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets["end"]
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.world_size * self.staging_slots * self.staging_elems * self.staging_itemsize
+
+
+def available_host_bytes() -> tuple[int, int]:
+    """(MemAvailable, free bytes in /dev/shm)."""
+    mem = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                mem = int(line.split()[1]) * 1024
+                break
+    st = os.statvfs(SHM_DIR)
+    return mem, st.f_bavail * st.f_frsize
+
+
+def check_host_memory(geometry: LedgerGeometry, num_params: int) -> None:
+    """Fail fast, before anything is allocated, when the ledger cannot fit in host shared memory."""
+    need = geometry.nbytes
+    mem, shm = available_host_bytes()
+    have = min(mem, shm)
+    if need > have:
+        gib = 1 << 30
+        raise HostMemoryError(
+            f"SlideDP needs {need / gib:.2f} GiB of host shared memory for the ledger "
+            f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
+            + (f" + {geometry.staging_bytes / gib:.2f} GiB host_reduce staging" if geometry.staging_bytes else "")
+            + f"), but only {have / gib:.2f} GiB is available (MemAvailable {mem / gib:.2f} GiB, "
+            f"{SHM_DIR} free {shm / gib:.2f} GiB). Free host memory, enlarge {SHM_DIR} "
+            f"(mount -o remount,size=...), or use grad_route='gpu_reduce' to drop the staging slots."
+        )
+
+
+class HostLedger:
+    """Shared-memory arrays of one host.
+
+    Tensors (torch views of the shared mapping): ``master``, ``exp_avg``, ``exp_avg_sq`` (FP32),
+    ``bf16`` (BF16 transfer copy) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
+    Stamps (int64 numpy views, written by one process, read by all): ``version[unit, owner]`` = updates
+    applied; ``pids[rank]``; ``grad_gen[rank, slot]`` = generation written into a staging slot;
+    ``consumed[owner, writer, slot]`` = generation an owner has finished reading.
+    """
+
+    def __init__(self, path: str, geometry: LedgerGeometry, *, create: bool) -> None:
+        self.path = path
+        self.geometry = geometry
+        self.owner = create
+        if create:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, geometry.nbytes)
+            finally:
+                os.close(fd)
+        self._raw = torch.from_file(path, shared=True, size=geometry.nbytes, dtype=torch.uint8)
+        self._linked = create
+        off = geometry.offsets
+        g = geometry
+        n = g.total
+
+        def view(name: str, count: int, dtype: torch.dtype) -> torch.Tensor:
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            return self._raw[off[name] : off[name] + count * itemsize].view(dtype)
+
+        self.master = view("master", n, torch.float32)
+        self.exp_avg = view("exp_avg", n, torch.float32)
+        self.exp_avg_sq = view("exp_avg_sq", n, torch.float32)
+        self.bf16 = view("bf16", n, torch.bfloat16)
+        stamps = view("stamps", g._stamp_elems(), torch.int64).numpy()
+        r, u, k = g.world_size, g.num_units, g.staging_slots
+        pos = 0
+
+        def take(shape: tuple[int, ...]) -> np.ndarray:
+            nonlocal pos
+            size = int(np.prod(shape))
+            out = stamps[pos : pos + size].reshape(shape)
+            pos += size
+            return out
+
+        self.version = take((u, r))
+        self.pids = take((r,))
+        self.grad_gen = take((r, k))
+        self.consumed = take((r, r, k))
+        self.staging: torch.Tensor | None = None
+        if k:
+            sdtype = torch.float32 if g.staging_itemsize == 4 else torch.bfloat16
+            self.staging = view("staging", r * k * g.staging_elems, sdtype).view(r, k, g.staging_elems)
+
+    # numpy views for the kernels (BF16 as raw uint16 bits)
+    def np_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            self.master.numpy(),
+            self.exp_avg.numpy(),
+            self.exp_avg_sq.numpy(),
+            self.bf16.view(torch.int16).numpy().view(np.uint16),
+        )
+
+    def unlink(self) -> None:
+        """Remove the file name (the mapping stays valid for every process that has it)."""
+        if self.owner and self._linked:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self._linked = False
+            log.debug("unlinked %s", self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        for name in ("master", "exp_avg", "exp_avg_sq", "bf16", "staging", "_raw"):
+            setattr(self, name, None)

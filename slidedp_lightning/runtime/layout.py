@@ -1,0 +1,144 @@
+"""Streaming units and their flat layout: where every parameter lives in the ledger, and who owns which shard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError
+
+PARAM_ALIGN = 16  # elements (64 B of FP32): every parameter starts on a vector boundary
+SHARD_ALIGN = 1024  # elements (one 4 KiB page of FP32): every rank shard starts on a page
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter inside a unit's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # elements from the unit start
+    numel: int
+    locations: tuple[tuple[nn.Module, str], ...]  # every (module, attribute) holding it; >1 when tied
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass
+class Unit:
+    """A set of parameters made resident and updated together (the embedding, one block, the head)."""
+
+    index: int
+    name: str
+    slots: list[ParamSlot]
+    padded: int  # flat length, a multiple of world_size * SHARD_ALIGN
+    offset: int  # element offset of this unit in the ledger arrays
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded // self.world_size
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        """Unit-relative [start, end) of ``rank``'s shard."""
+        n = self.shard_numel
+        return rank * n, (rank + 1) * n
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Unit-relative ranges that belong to no parameter (alignment and tail padding)."""
+        out, pos = [], 0
+        for slot in self.slots:
+            if slot.offset > pos:
+                out.append((pos, slot.offset))
+            pos = slot.end
+        if pos < self.padded:
+            out.append((pos, self.padded))
+        return out
+
+
+@dataclass
+class Layout:
+    """All units of a model in forward order, and the compute modules that need each unit."""
+
+    units: list[Unit]
+    total: int  # padded elements over all units
+    world_size: int
+    compute_modules: list[tuple[nn.Module, tuple[int, ...]]] = field(default_factory=list)
+
+    @property
+    def num_params(self) -> int:
+        return sum(s.numel for u in self.units for s in u.slots)
+
+    @property
+    def max_unit(self) -> int:
+        return max(u.padded for u in self.units)
+
+    def slots(self) -> list[tuple[Unit, ParamSlot]]:
+        return [(u, s) for u in self.units for s in u.slots]
+
+
+def _param_locations(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    where: dict[int, list[tuple[nn.Module, str]]] = {}
+    seen_modules: set[int] = set()
+    for _, module in root.named_modules(remove_duplicate=False):
+        if id(module) in seen_modules:
+            continue
+        seen_modules.add(id(module))
+        for attr, p in module._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((module, attr))
+    return where
+
+
+def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int) -> Layout:
+    """Assign every parameter of ``root`` to the first unit whose modules contain it, and lay units out flat.
+
+    Raises :class:`UnsupportedModelError` for parameters outside every unit and for frozen parameters.
+    """
+    names = {id(p): n for n, p in root.named_parameters()}
+    locations = _param_locations(root)
+    frozen = [n for n, p in root.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise UnsupportedModelError(
+            f"SlideDP trains every parameter, but {len(frozen)} are frozen (requires_grad=False), e.g. "
+            f"{frozen[:3]}. Unfreeze them, or fine-tune with another strategy until frozen parameters are supported."
+        )
+    owner: dict[int, int] = {}
+    units: list[Unit] = []
+    offset = 0
+    for spec in specs:
+        slots: list[ParamSlot] = []
+        pos = 0
+        for module in spec.modules:
+            for p in module.parameters():
+                if id(p) in owner or id(p) not in names:
+                    continue
+                owner[id(p)] = len(units)
+                pos = _round_up(pos, PARAM_ALIGN)
+                slots.append(ParamSlot(names[id(p)], tuple(p.shape), pos, p.numel(), tuple(locations[id(p)])))
+                pos += p.numel()
+        if not slots:
+            continue
+        padded = _round_up(max(pos, 1), world_size * SHARD_ALIGN)
+        units.append(Unit(len(units), spec.name, slots, padded, offset, world_size))
+        offset += padded
+    missing = [n for i, n in names.items() if i not in owner]
+    if missing:
+        raise UnsupportedModelError(
+            f"Parameters {missing[:5]} are outside the streamed model's units. SlideDP streams the model's "
+            "embedding, decoder blocks and head; keep other trainable parameters out of the LightningModule."
+        )
+    compute = []
+    for spec in specs:
+        for module in spec.modules:
+            needed = tuple(sorted({owner[id(p)] for p in module.parameters() if id(p) in owner}))
+            if needed:
+                compute.append((module, needed))
+    return Layout(units, offset, world_size, compute)

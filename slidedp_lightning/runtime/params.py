@@ -1,0 +1,171 @@
+"""Lane 1: unit residency on the compute device (route ``full``), with a prefetch window.
+
+Each unit has one flat device buffer; the model's parameters are views into it. A non-resident unit's
+buffer has storage of size 0, so the unit costs no device memory. Making it resident resizes the storage
+and copies the unit from the ledger (the FP32 master, or the BF16 transfer copy under bf16-mixed) once
+every owner rank has stamped the unit as updated for the current step.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from slidedp_lightning.runtime.host_state import HostLedger
+from slidedp_lightning.runtime.layout import Layout
+from slidedp_lightning.runtime.sync import wait_until
+
+log = logging.getLogger(__name__)
+
+
+class UnitResidency:
+    """Device buffers of all units, their reference counts and the prefetch lane."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        ledger: HostLedger,
+        device: torch.device,
+        dtype: torch.dtype,
+        window: int,
+        liveness,
+    ) -> None:
+        self.layout = layout
+        self.ledger = ledger
+        self.device = device
+        self.dtype = dtype
+        self.window = window
+        self._alive = liveness
+        self.buffers = [torch.empty(u.padded, dtype=dtype, device=device) for u in layout.units]
+        self.refs = [0] * len(layout.units)
+        self.held_for_backward = [False] * len(layout.units)
+        self.pending: dict[int, Future] = {}
+        self.resident = [False] * len(layout.units)
+        self._source = ledger.bf16 if dtype == torch.bfloat16 else ledger.master
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"unsupported compute dtype {dtype}")
+        self._cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-h2d")
+        self.resident_bytes = 0
+        self.peak_resident_bytes = 0
+
+    # -- binding the model to the flat buffers -------------------------------------------------------
+    def bind(self) -> None:
+        """Replace every parameter of the model by a view into its unit's device buffer."""
+        for unit, buf in zip(self.layout.units, self.buffers):
+            for slot in unit.slots:
+                view = buf[slot.offset : slot.end].view(slot.shape)
+                param = nn.Parameter(view, requires_grad=True)
+                for module, attr in slot.locations:
+                    setattr(module, attr, param)
+            buf.untyped_storage().resize_(0)  # views keep their geometry; the memory goes until acquire
+
+    def unbind(self, restore: bool) -> None:
+        """Give the model ordinary parameters again: FP32 copies of the master, or meta tensors."""
+        master = self.ledger.master
+        for unit in self.layout.units:
+            for slot in unit.slots:
+                if restore:
+                    start = unit.offset + slot.offset
+                    data = master[start : start + slot.numel].clone().view(slot.shape)
+                else:
+                    data = torch.empty(slot.shape, device="meta")
+                param = nn.Parameter(data, requires_grad=True)
+                for module, attr in slot.locations:
+                    setattr(module, attr, param)
+
+    def param(self, unit_index: int, slot_index: int) -> torch.Tensor:
+        slot = self.layout.units[unit_index].slots[slot_index]
+        module, attr = slot.locations[0]
+        return getattr(module, attr)
+
+    # -- residency -----------------------------------------------------------------------------------
+    def _fill(self, u: int, step: int):
+        """Runs on the H2D lane: wait for the owners' updates of ``u``, then copy it to the device."""
+        unit = self.layout.units[u]
+        wait_until(lambda: bool((self.ledger.version[u] >= step).all()), self._alive, f"update of unit {unit.name}")
+        buf = self.buffers[u]
+        storage = buf.untyped_storage()
+        storage.resize_(unit.padded * buf.element_size())
+        # an alias with its own version counter: refilling must not look like an in-place edit to autograd,
+        # which saved these parameters for backward
+        buf = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(storage, 0, (unit.padded,))
+        src = self._source[unit.offset : unit.offset + unit.padded]
+        if self._cuda:
+            # the block was allocated on the compute stream, which may still use its previous contents
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                buf.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return event
+        buf.copy_(src)
+        return None
+
+    def _start(self, u: int, step: int) -> None:
+        if not self.resident[u] and u not in self.pending:
+            self.pending[u] = self._lane.submit(self._fill, u, step)
+
+    def _finish(self, u: int) -> None:
+        fut = self.pending.pop(u, None)
+        if fut is None:
+            return
+        event = fut.result()
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self.resident[u] = True
+        self.resident_bytes += self.buffers[u].numel() * self.buffers[u].element_size()
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def acquire(self, units: tuple[int, ...], step: int, backward: bool) -> None:
+        """Make ``units`` resident (blocking), then start prefetching the next ones in this direction."""
+        for u in units:
+            self._start(u, step)
+        for u in units:
+            self._finish(u)
+            if backward:
+                self.held_for_backward[u] = True
+            else:
+                self.refs[u] += 1
+        last = min(units) if backward else max(units)
+        direction = -1 if backward else 1
+        for k in range(1, self.window):
+            nxt = last + direction * k
+            if 0 <= nxt < len(self.buffers):
+                self._start(nxt, step)
+
+    def release(self, units: tuple[int, ...]) -> None:
+        """Drop forward references; a unit with none left (and not held for backward) leaves the device."""
+        for u in units:
+            self.refs[u] -= 1
+            self._maybe_evict(u)
+
+    def release_backward(self, u: int) -> None:
+        self.held_for_backward[u] = False
+        self._maybe_evict(u)
+
+    def _maybe_evict(self, u: int) -> None:
+        if self.refs[u] > 0 or self.held_for_backward[u] or not self.resident[u]:
+            return
+        buf = self.buffers[u]
+        if self._cuda:
+            # the compute stream may still read the buffer: let the allocator know before freeing it
+            buf.record_stream(torch.cuda.current_stream(self.device))
+        buf.untyped_storage().resize_(0)
+        self.resident[u] = False
+        self.resident_bytes -= buf.numel() * buf.element_size()
+
+    def evict_all(self) -> None:
+        for u in list(self.pending):
+            self._finish(u)
+        for u in range(len(self.buffers)):
+            self.refs[u] = 0
+            self.held_for_backward[u] = False
+            self._maybe_evict(u)
+
+    def close(self) -> None:
+        self._lane.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,64 @@
+"""Waiting on stamps written by other processes, without ever hanging on a dead one."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class PeerFailure(RuntimeError):
+    """Another rank of this job died or failed; this rank cannot go on."""
+
+
+@dataclass
+class Liveness:
+    """Checks that the ranks of this host are alive, and bounds every wait by the job's timeout."""
+
+    pids: Callable[[], list[int]]
+    timeout_s: float
+    own_error: Callable[[], BaseException | None] = lambda: None
+    _last_check: float = field(default=0.0, init=False)
+
+    def check(self, what: str, started: float) -> None:
+        err = self.own_error()
+        if err is not None:
+            raise PeerFailure(f"the update lane of this rank failed while waiting for {what}") from err
+        now = time.monotonic()
+        if now - self._last_check > 0.2:
+            self._last_check = now
+            for rank, pid in enumerate(self.pids()):
+                if pid > 0 and not _pid_alive(pid):
+                    raise PeerFailure(
+                        f"rank {rank} (pid {pid}) of this host died while this rank waited for {what}; stopping."
+                    )
+        if now - started > self.timeout_s:
+            raise PeerFailure(f"timed out after {self.timeout_s:.0f} s waiting for {what}; a peer rank is stuck.")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (killed, not yet reaped by its parent) counts as dead
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate: Callable[[], bool], liveness: Liveness, what: str) -> None:
+    """Poll ``predicate`` with a growing sleep (20 us .. 1 ms) until true; raise if a peer dies or time runs out."""
+    if predicate():
+        return
+    started = time.monotonic()
+    delay = 2e-5
+    while not predicate():
+        liveness.check(what, started)
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)

@@ -1,0 +1,179 @@
+"""Lane 6: the CPU update of this rank's shard of each unit, on a worker thread, as gradients land."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from cpu_ops import adamw_update, adamw_update_sum, set_kernel_threads
+from slidedp_lightning.runtime.host_state import HostLedger
+from slidedp_lightning.runtime.layout import Layout
+
+log = logging.getLogger(__name__)
+
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class UnsupportedOptimizerError(ValueError):
+    """The user's optimizer cannot be run by the SlideDP CPU update."""
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Hyper-parameters of one param group, read live from the user's optimizer at dispatch time."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+
+def validate_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise a clear error unless ``optimizer`` is a torch Adam/AdamW the CPU kernels implement exactly."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.AdamW, torch.optim.Adam):
+        raise UnsupportedOptimizerError(
+            f"SlideDP runs the optimizer on the CPU and supports torch.optim.AdamW and torch.optim.Adam; "
+            f"configure_optimizers returned {kind.__module__}.{kind.__qualname__}. Return an AdamW/Adam instead."
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        bad = [f for f in _UNSUPPORTED_FLAGS if group.get(f)]
+        if bad:
+            raise UnsupportedOptimizerError(
+                f"param group {i} of {kind.__name__} sets {bad}; SlideDP's CPU update does not implement "
+                f"{', '.join(bad)}. Remove {'it' if len(bad) == 1 else 'them'} from the optimizer."
+            )
+
+
+def read_hyper(optimizer: torch.optim.Optimizer) -> list[AdamHyper]:
+    decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+    out = []
+    for g in optimizer.param_groups:
+        beta1, beta2 = (float(b) for b in g["betas"])
+        decoupled = decoupled_default or bool(g.get("decoupled_weight_decay", False))
+        out.append(AdamHyper(float(g["lr"]), beta1, beta2, float(g["eps"]), float(g["weight_decay"]), decoupled))
+    return out
+
+
+class GradSource(Protocol):
+    """Where one unit's reduced gradient for this rank's shard comes from."""
+
+    def get(self) -> np.ndarray:
+        """Block until the gradient is on the host; 1-D (reduced shard) or 2-D (R rows to sum)."""
+
+    def release(self) -> None:
+        """Called once the update has read the gradient."""
+
+
+@dataclass
+class UpdateTask:
+    unit: int
+    step: int  # the Adam step t, 1-based
+    hyper: list[AdamHyper]
+    grad: GradSource
+    grad_scale: float = 1.0
+
+
+class UpdateLane:
+    """One worker thread per rank running the fused Numba AdamW on the ledger, FIFO by unit."""
+
+    def __init__(self, ledger: HostLedger, layout: Layout, rank: int, threads: int) -> None:
+        self.ledger = ledger
+        self.layout = layout
+        self.rank = rank
+        self.threads = threads
+        self.segments: list[list[tuple[int, int, int]]] = []
+        self._arrays = ledger.np_arrays()
+        self._queue: queue.Queue[UpdateTask | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._outstanding = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"slidedp-update-r{rank}", daemon=True)
+        self._thread.start()
+
+    def set_groups(self, group_of_slot: list[list[int]]) -> None:
+        """Precompute, per unit, this rank's shard split into ranges of one param group each."""
+        self.segments = []
+        for unit, groups in zip(self.layout.units, group_of_slot):
+            s0, s1 = unit.shard(self.rank)
+            # every element up to the next parameter (alignment gaps, tail padding) joins the previous group
+            bounds = [(0 if i == 0 else slot.offset, g) for i, (slot, g) in enumerate(zip(unit.slots, groups))]
+            ranges = []
+            for i, (start, g) in enumerate(bounds):
+                end = bounds[i + 1][0] if i + 1 < len(bounds) else unit.padded
+                a, b = max(start, s0), min(end, s1)
+                if a < b:
+                    if ranges and ranges[-1][2] == g and ranges[-1][1] == a:
+                        ranges[-1] = (ranges[-1][0], b, g)
+                    else:
+                        ranges.append((a, b, g))
+            self.segments.append(ranges)
+
+    def submit(self, task: UpdateTask) -> None:
+        self.raise_if_failed()
+        with self._idle:
+            self._outstanding += 1
+        self._queue.put(task)
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("the SlideDP CPU update failed") from self.error
+
+    def wait_idle(self, liveness=None) -> None:
+        """Block until every submitted update has finished."""
+        with self._idle:
+            while self._outstanding and self.error is None:
+                self._idle.wait(0.05)
+                if liveness is not None:
+                    liveness.check("the CPU updates of this rank", float("inf"))
+        self.raise_if_failed()
+
+    def _run(self) -> None:
+        set_kernel_threads(self.threads)
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            try:
+                if self.error is None:
+                    self._apply(task)
+            except BaseException as exc:  # reported to the training thread
+                log.error("SlideDP update of unit %s failed: %s", task.unit, exc)
+                self.error = exc
+            finally:
+                with self._idle:
+                    self._outstanding -= 1
+                    self._idle.notify_all()
+
+    def _apply(self, task: UpdateTask) -> None:
+        unit = self.layout.units[task.unit]
+        grad = task.grad.get()
+        master, exp_avg, exp_avg_sq, bf16 = self._arrays
+        s0 = unit.shard(self.rank)[0]
+        for a, b, g in self.segments[task.unit]:
+            h = task.hyper[g]
+            lo, hi = unit.offset + a, unit.offset + b
+            kw = dict(
+                step=task.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                weight_decay=h.weight_decay, decoupled=h.decoupled, grad_scale=task.grad_scale,
+                bf16_out=bf16[lo:hi],
+            )  # fmt: skip
+            if grad.ndim == 1:
+                adamw_update(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[a - s0 : b - s0], **kw)
+            else:
+                adamw_update_sum(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[:, a - s0 : b - s0], **kw)
+        task.grad.release()
+        self.ledger.version[task.unit, self.rank] = task.step
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)

@@ -1,0 +1,319 @@
+"""``SlideDPStrategy``: the thin Lightning adapter around :class:`~slidedp_lightning.runtime.engine.SlideDPEngine`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+
+from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
+from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class SlideDPStrategy(ParallelStrategy):
+    """Full-parameter training of models larger than device memory on the R devices of one host.
+
+    One FP32 master copy of the weights and the Adam moments lives in host shared memory; units (embedding,
+    decoder blocks, head) stream to each device just in time and each rank's CPU worker updates its 1/R
+    shard of a unit as soon as that unit's gradient is reduced, overlapped with the rest of backward.
+
+    Args:
+        grad_route: ``"gpu_reduce"`` (reduce-scatter on the devices, 1x host traffic) or ``"host_reduce"``
+            (every rank copies its gradient to shared memory; owners sum inside the update).
+        param_route: ``"full"``: every rank copies each whole unit host->device.
+        prefetch_window: units resident at once in the streaming direction (>= 1).
+        update_threads: CPU threads per rank for the update; default physical cores / local ranks.
+        meta_init: run ``configure_model`` under the meta device: local rank 0 materializes and initializes
+            one unit at a time straight into the ledger, so the model is never whole in memory.
+        restore_module: after fit/validate, give the LightningModule ordinary FP32 CPU parameters again
+            (copies of the master); ``False`` leaves them on the meta device.
+        start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
+        timeout: process-group timeout; also bounds every wait on another rank.
+    """
+
+    strategy_name = "slidedp"
+
+    def __init__(
+        self,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin: Optional[Precision] = None,
+        *,
+        grad_route: str = "gpu_reduce",
+        param_route: str = "full",
+        prefetch_window: int = 2,
+        update_threads: Optional[int] = None,
+        meta_init: bool = False,
+        restore_module: bool = True,
+        start_method: str = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
+        timeout = timeout or default_pg_timeout
+        self.engine_config = EngineConfig(
+            grad_route=grad_route,
+            param_route=param_route,
+            prefetch_window=prefetch_window,
+            update_threads=update_threads,
+            timeout_s=timeout.total_seconds(),
+        )
+        self.meta_init = meta_init
+        self.restore_module = restore_module
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self.engine: Optional[SlideDPEngine] = None
+
+    # -- registration --------------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("slidedp", cls, description="SlideDP host-resident layer streaming")
+        strategy_registry.register(
+            "slidedp_spawn", cls, description="SlideDP, processes started with spawn", start_method="spawn"
+        )
+
+    # -- topology ------------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(
+                f"SlideDP keeps one ledger per host and supports num_nodes=1 for now (got {num_nodes}); "
+                "run one job per host."
+            )
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def precision_plugin(self) -> SlideDPPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else SlideDPPrecision("32-true")
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is None or isinstance(plugin, SlideDPPrecision):
+            self._precision_plugin = plugin
+            return
+        name = getattr(plugin, "precision", None)
+        if name not in SUPPORTED_PRECISION:
+            raise ValueError(
+                f"SlideDP supports precision {SUPPORTED_PRECISION}; got {name or type(plugin).__name__!r}. "
+                "Use Trainer(precision='bf16-mixed') or Trainer(precision='32-true')."
+            )
+        self._precision_plugin = SlideDPPrecision(name, getattr(plugin, "device", "cpu"))
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _check_trainer(self, trainer: "pl.Trainer") -> None:
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                "SlideDP does not support gradient_clip_val yet: each unit is updated as soon as its gradient is "
+                "reduced, before the global norm is known. Remove gradient_clip_val from the Trainer."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "SlideDP does not support accumulate_grad_batches > 1 yet: each unit is updated once per backward. "
+                "Use a larger per-device batch instead."
+            )
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_trainer(trainer)
+        self.accelerator.setup(trainer)
+        self.engine = SlideDPEngine(
+            self.model,
+            self.engine_config,
+            device=self.root_device,
+            compute_dtype=self.precision_plugin.compute_dtype,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            local_rank=self.local_rank,
+            local_world_size=self.num_processes,
+            group=_group.WORLD if self.world_size > 1 else None,
+        )
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"SlideDP drives exactly one optimizer; configure_optimizers returned {len(self.optimizers)}."
+                )
+            self.engine.attach_optimizer(self.optimizers[0])
+        self.setup_precision_plugin()
+
+    def model_to_device(self) -> None:
+        """Move buffers only: parameters are views into the engine's streamed device buffers."""
+        assert self.model is not None
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != self.root_device:
+                    module._buffers[name] = buf.to(self.root_device)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        # never the accelerator: the weights go to the host ledger, and only units visit the device
+        with torch.device("meta" if empty_init else "cpu"):
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        if self.meta_init:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    # -- the step ------------------------------------------------------------------------------------
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        model = model or self.lightning_module
+        result = self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        assert self.engine is not None
+        self.engine.end_step()
+        return result
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op="mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # -- state ---------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """FP32 master weights from the ledger (every rank gets the full dict; rank 0 writes it)."""
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        return self.engine.state_dict()
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer state in ``torch.optim.AdamW.state_dict()`` form, read from the ledger."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self.engine is None:
+            return optimizer.state_dict()
+        return self.engine.optimizer_state_dict(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.engine is not None
+        self.engine.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.engine is not None
+        states = checkpoint.get("optimizer_states", [])
+        if states:
+            self.engine.load_optimizer_state_dict(self.optimizers[0], states[0])
+
+    # -- teardown ------------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        if self.engine is not None:
+            self.engine.abort()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.close(restore=self.restore_module)
+            self.engine = None
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
