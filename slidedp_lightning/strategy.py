@@ -257,7 +257,9 @@ class SlideDPStrategy(ParallelStrategy):
         model = model or self.lightning_module
         result = self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         assert self.engine is not None
-        self.engine.end_step()
+        if self.engine.end_step():
+            # the step ran on the CPU update lane, not in optimizer.step(); tell torch's LR schedulers it happened
+            optimizer._opt_called = True
         return result
 
     # -- collectives ---------------------------------------------------------------------------------

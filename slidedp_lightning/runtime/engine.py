@@ -440,7 +440,7 @@ class SlideDPEngine:
                 h.remove()
             self._handles.clear()
             if self.lane is not None:
-                self.lane.close()
+                self.lane.close(wait_s=1.0 if self._aborted else 30.0)
             if hasattr(self, "residency"):
                 self.residency.evict_all()
                 self.residency.unbind(restore)

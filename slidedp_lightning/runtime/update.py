@@ -173,7 +173,8 @@ class UpdateLane:
         task.grad.release()
         self.ledger.version[task.unit, self.rank] = task.step
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 30.0) -> None:
+        """Stop the worker after the queued updates (a daemon thread: a worker stuck on a dead peer is abandoned)."""
         if self._thread.is_alive():
             self._queue.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=wait_s)

@@ -1,0 +1,61 @@
+"""Runs Lightning jobs (tests/integration/job.py) in subprocesses with a timeout, so a hang is a failure."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+JOB = Path(__file__).with_name("job.py")
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    output: str
+    out: Path
+
+    def losses(self, rank: int) -> list[float]:
+        return json.loads((self.out / f"losses_rank{rank}.json").read_text())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / "final_state.pt")
+
+    def ledger(self, rank: int) -> dict:
+        return json.loads((self.out / f"ledger_rank{rank}.json").read_text())
+
+
+def shm_files() -> set[str]:
+    return set(glob.glob("/dev/shm/slidedp-*"))
+
+
+def run_job(tmp: Path, timeout: float = 240, **cfg) -> JobResult:
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg.setdefault("out", str(tmp))
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(JOB), str(tmp / "config.json")],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+    return JobResult(proc.returncode, proc.stdout + proc.stderr, tmp)
+
+
+@pytest.fixture(scope="session")
+def job_runner(tmp_path_factory):
+    """``job_runner(name, **cfg)``: run one job once per session (results are cached by name)."""
+    cache: dict[str, JobResult] = {}
+
+    def run(name: str, **cfg) -> JobResult:
+        if name not in cache:
+            cache[name] = run_job(tmp_path_factory.mktemp(name), **cfg)
+        return cache[name]
+
+    return run

@@ -1,0 +1,140 @@
+"""One Lightning training job for the multi-process tests: ``python job.py CONFIG.json``.
+
+Writes ``losses_rank{r}.json`` per rank and ``final_state.pt`` (rank 0) into the config's ``out`` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import slidedp_lightning  # noqa: F401  (registers the strategy)
+from slidedp_lightning import SlideDPStrategy
+
+VOCAB, SEQ = 96, 24
+
+
+def tiny_config(tied: bool, layers: int = 2) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ, tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )  # fmt: skip
+
+
+class Tokens(Dataset):
+    """Sequences with a learnable rule (each token = previous + 1 mod VOCAB after a random start)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        noise = (torch.rand(n, SEQ, generator=g) < 0.1) * torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.data = (start + torch.arange(SEQ) + noise) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        torch.manual_seed(self.cfg.get("init_seed", 1234))
+        self.model = Qwen3ForCausalLM(tiny_config(self.cfg["tied"], self.cfg.get("layers", 2)))
+        if self.cfg.get("init_from"):
+            self.load_state_dict(torch.load(self.cfg["init_from"]))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.cfg.get("raise_at_step", -1):
+            raise RuntimeError("deliberate failure in training_step")
+        if batch_idx == self.cfg.get("kill_at_step", -1) and self.global_rank == self.cfg.get("kill_rank", 1):
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.cfg.get("lr", 3e-3), betas=(0.9, 0.95),
+        )  # fmt: skip
+        warm = 5
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (1 - s / 200))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Tokens(self.cfg["steps"] * self.cfg["batch"] * self.cfg["devices"], seed=7),
+                          batch_size=self.cfg["batch"], shuffle=False)  # fmt: skip
+
+    def on_train_start(self) -> None:
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if engine is None:
+            return
+        if self.cfg.get("dump_initial") and self.global_rank == 0:
+            torch.save(engine.state_dict(), os.path.join(self.cfg["out"], "initial_state.pt"))
+        mapped = set()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and "slidedp-" in parts[5]:
+                    mapped.add((parts[4], parts[5].strip()))
+        info = {"mapped": sorted(mapped), "nbytes": engine.ledger.geometry.nbytes,
+                "num_params": engine.layout.num_params}  # fmt: skip
+        with open(os.path.join(self.cfg["out"], f"ledger_rank{self.global_rank}.json"), "w") as f:
+            json.dump(info, f)
+
+    def on_train_end(self) -> None:
+        out = self.cfg["out"]
+        with open(os.path.join(out, f"losses_rank{self.global_rank}.json"), "w") as f:
+            json.dump(self.losses, f)
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    if cfg["strategy"] == "slidedp":
+        strategy = SlideDPStrategy(
+            grad_route=cfg.get("grad_route", "gpu_reduce"),
+            prefetch_window=cfg.get("window", 2),
+            meta_init=cfg.get("meta_init", False),
+            timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
+        )  # fmt: skip
+    else:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(timeout=timedelta(seconds=cfg.get("pg_timeout", 60))) if cfg["devices"] > 1 else "auto"
+    module = TinyLM(cfg)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=cfg.get("precision", "32-true"),
+        max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module)
+    if trainer.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()},
+                   os.path.join(cfg["out"], "final_state.pt"))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

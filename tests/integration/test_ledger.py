@@ -1,0 +1,52 @@
+"""One ledger per host, 14 B/param, and no shared memory left behind, whatever happens to the job."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.integration.conftest import run_job, shm_files
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("devices", [1, 2])
+def test_one_ledger_per_host_at_14_bytes_per_param(job_runner, devices):
+    res = job_runner(f"ledger_{devices}", strategy="slidedp", devices=devices, tied=True, steps=3, batch=2)
+    assert res.returncode == 0, res.output[-4000:]
+    infos = [res.ledger(r) for r in range(devices)]
+    mapped = {tuple(m) for info in infos for m in info["mapped"]}
+    assert len(mapped) == 1, f"expected one shared ledger mapped by every rank, found {mapped}"
+    assert all(len(info["mapped"]) == 1 for info in infos)
+    info = infos[0]
+    per_param = info["nbytes"] / info["num_params"]
+    # 14 B/param, plus unit padding to R x 4 KiB shards and a few guard pages: < 10 % on this tiny model
+    assert 14.0 <= per_param <= 15.4, per_param
+    assert not shm_files()
+
+
+@pytest.mark.integration
+def test_exception_in_training_step_leaves_no_shared_memory(tmp_path):
+    before = shm_files()
+    res = run_job(tmp_path, timeout=180, strategy="slidedp", devices=2, tied=True, steps=10, batch=2, raise_at_step=3)
+    assert res.returncode != 0
+    assert "deliberate failure in training_step" in res.output
+    assert shm_files() == before
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("grad_route", ["gpu_reduce", "host_reduce"])
+def test_killed_rank_stops_the_job_without_leak_or_hang(tmp_path, grad_route):
+    before = shm_files()
+    started = time.monotonic()
+    res = run_job(
+        tmp_path, timeout=150, strategy="slidedp", devices=2, tied=True, steps=10, batch=2,
+        grad_route=grad_route, kill_rank=1, kill_at_step=3, pg_timeout=30,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert res.returncode != 0
+    # the survivor names the failure: Lightning's child observer, our liveness check, or gloo's broken pair
+    clear = ("terminated with code -9", "died while this rank waited", "Connection reset by peer", "Connection closed")
+    assert any(s in res.output for s in clear), res.output[-3000:]
+    assert elapsed < 30 + 45, f"the surviving rank took {elapsed:.0f} s to stop (process-group timeout 30 s)"
+    assert shm_files() == before
