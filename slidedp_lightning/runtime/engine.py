@@ -176,7 +176,7 @@ class SlideDPEngine:
         threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
         self.lane = UpdateLane(self.ledger, self.layout, self.rank, threads)
         self._install_hooks()
-        jit_s = cpu_ops.warmup()
+        jit_s = cpu_ops.warmup(sum_rows=(self.world_size,))
         gib = 1 << 30
         log.info(
             "SlideDP rank %d/%d: %d units, %s params, ledger %.3f GiB in shared memory (%.2f B/param), "

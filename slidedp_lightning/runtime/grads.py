@@ -19,6 +19,8 @@ from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import Liveness, wait_until
 
 GRAD_ROUTES = ("gpu_reduce", "host_reduce")
+# torch 2.13 renamed reduce_scatter_tensor (same semantics); older releases only have the old name
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor]) -> None:
@@ -119,7 +121,7 @@ class GradRoute:
         if self.world_size > 1:
             flat.div_(self.world_size)
             shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
-            work = dist.reduce_scatter_tensor(shard, flat, group=self.group, async_op=True)
+            work = _reduce_scatter(shard, flat, group=self.group, async_op=True)
         else:
             shard = flat
         if not self._cuda:

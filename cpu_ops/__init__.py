@@ -1,0 +1,18 @@
+"""Host-side optimizer kernels: fused Numba Adam/AdamW, bf16 conversion, thread budgets."""
+
+from cpu_ops.adamw import adamw_update, adamw_update_sum
+from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
+from cpu_ops.threads import physical_cores, set_kernel_threads, thread_budget
+from cpu_ops.warmup import is_vectorized, warmup
+
+__all__ = [
+    "adamw_update",
+    "adamw_update_sum",
+    "bf16_to_fp32",
+    "fp32_to_bf16",
+    "is_vectorized",
+    "physical_cores",
+    "set_kernel_threads",
+    "thread_budget",
+    "warmup",
+]

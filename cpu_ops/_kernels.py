@@ -1,0 +1,148 @@
+"""Numba kernels behind :mod:`cpu_ops` (private; call the validated wrappers instead).
+
+All kernels and the helpers they inline live in this one file on purpose: Numba's
+``cache=True`` invalidates a cached kernel only when *its own* source file changes,
+so a helper edited in another module would leave stale machine code behind.
+
+Rules that keep every loop vectorized and the numerics identical to torch
+(see ``/work/shared/notes/cpu-adam.md``):
+
+* ``for i in prange(n)`` over the flat index, ``error_model='numpy'``, no fastmath;
+* every scalar argument is an ``np.float32`` (a Python float would turn the math
+  into float64);
+* bf16 <-> fp32 by bit operations on 32-bit integers (round-to-nearest-even).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+KERNEL_OPTIONS = {"parallel": True, "nogil": True, "cache": True, "error_model": "numpy"}
+_INLINE = {"inline": "always", "nogil": True, "error_model": "numpy"}
+
+_U16 = np.uint32(16)
+_RNE_BIAS = np.uint32(0x7FFF)
+_ONE = np.uint32(1)
+_QUIET_BIT = np.uint32(0x0040)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` with a single rounding (``llvm.fma``), float32 only.
+
+    torch's AVX2/AVX-512 CPU kernels compute ``lerp``, ``add(alpha=)`` and ``addcmul``
+    with fused multiply-adds; using the same instruction keeps the moments bit-identical.
+    """
+    if not all(t == types.float32 for t in (a, b, c)):
+        return None
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fma(*args)
+
+    return sig, codegen
+
+
+@njit(**_INLINE)
+def bf16_bits_to_f32(bits):
+    """bf16 bits (uint16) -> float32, exact."""
+    return np.uint32(np.uint32(bits) << _U16).view(np.float32)
+
+
+@njit(**_INLINE)
+def f32_to_bf16_bits(x):
+    """float32 -> bf16 bits (uint16), round-to-nearest-even; NaN -> quiet NaN (sign kept)."""
+    bits = np.float32(x).view(np.uint32)
+    high = np.uint32(bits >> _U16)
+    rounded = np.uint32(np.uint32(bits + _RNE_BIAS + (high & _ONE)) >> _U16)
+    quiet_nan = np.uint32(high | _QUIET_BIT)
+    return np.uint16(quiet_nan) if x != x else np.uint16(rounded)
+
+
+def as_f32(x):
+    """float32 value of a gradient element: a float32, or raw bf16 bits (uint16)."""
+    raise NotImplementedError("only callable from Numba-compiled code")
+
+
+@overload(as_f32, inline="always")
+def _as_f32_overload(x):
+    if x == types.float32:
+        return lambda x: x
+    if x == types.uint16:
+        return lambda x: bf16_bits_to_f32(x)
+    return None
+
+
+@njit(**_INLINE)
+def _summed_grad(grads, i, grad_scale):
+    """sum_r(grads[r][i] * grad_scale) in float32, rows in order 0..R-1."""
+    g = as_f32(grads[0][i]) * grad_scale
+    for r in range(1, len(grads)):
+        g = g + as_f32(grads[r][i]) * grad_scale
+    return g
+
+
+@njit(**_INLINE)
+def _adam_element(p, m, v, g, apply_decay, decay, apply_l2, weight_decay, lerp_small, lerp_coeff,
+                  beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size):
+    """One element of torch's ``_single_tensor_adam`` (float32, same operation order)."""
+    if apply_decay:  # param.mul_(1 - lr * weight_decay)
+        p = p * decay
+    if apply_l2:  # grad = grad.add(param, alpha=weight_decay): fmadd(param, alpha, grad)
+        g = _fma(p, weight_decay, g)
+    # exp_avg.lerp_(grad, w): fmadd(coeff, grad - exp_avg, base); w < 0.5: (w, exp_avg), else (w - 1, grad)
+    m = _fma(lerp_coeff, g - m, m if lerp_small else g)
+    # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2): v*b2 + (value*g)*g, contracted to an FMA
+    v = _fma(one_minus_beta2 * g, g, v * beta2)
+    # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    denom = np.sqrt(v) / bc2_sqrt + eps
+    # param.addcdiv_(exp_avg, denom, value=-step_size): p + (value * m) / denom
+    p = p + (neg_step_size * m) / denom
+    return p, m, v
+
+
+@njit(**KERNEL_OPTIONS)
+def adamw_kernel(param, exp_avg, exp_avg_sq, grads, grad_scale, apply_decay, decay, apply_l2,
+                 weight_decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps,
+                 neg_step_size):
+    """Fused Adam/AdamW step; ``grads`` is a tuple of R float32 or uint16 (bf16) rows."""
+    for i in prange(param.shape[0]):
+        g = _summed_grad(grads, i, grad_scale)
+        p, m, v = _adam_element(param[i], exp_avg[i], exp_avg_sq[i], g, apply_decay, decay,
+                                apply_l2, weight_decay, lerp_small, lerp_coeff, beta2,
+                                one_minus_beta2, bc2_sqrt, eps, neg_step_size)
+        param[i] = p
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+
+
+@njit(**KERNEL_OPTIONS)
+def adamw_bf16_out_kernel(param, exp_avg, exp_avg_sq, grads, bf16_out, grad_scale, apply_decay,
+                          decay, apply_l2, weight_decay, lerp_small, lerp_coeff, beta2,
+                          one_minus_beta2, bc2_sqrt, eps, neg_step_size):
+    """:func:`adamw_kernel` that also writes the bf16 bits of the new param to ``bf16_out``."""
+    for i in prange(param.shape[0]):
+        g = _summed_grad(grads, i, grad_scale)
+        p, m, v = _adam_element(param[i], exp_avg[i], exp_avg_sq[i], g, apply_decay, decay,
+                                apply_l2, weight_decay, lerp_small, lerp_coeff, beta2,
+                                one_minus_beta2, bc2_sqrt, eps, neg_step_size)
+        param[i] = p
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+        bf16_out[i] = f32_to_bf16_bits(p)
+
+
+@njit(**KERNEL_OPTIONS)
+def fp32_to_bf16_kernel(src, dst):
+    """dst[i] = bf16 bits of src[i] (round-to-nearest-even)."""
+    for i in prange(src.shape[0]):
+        dst[i] = f32_to_bf16_bits(src[i])
+
+
+@njit(**KERNEL_OPTIONS)
+def bf16_to_fp32_kernel(src, dst):
+    """dst[i] = float32 value of the bf16 bits src[i]."""
+    for i in prange(src.shape[0]):
+        dst[i] = bf16_bits_to_f32(src[i])

@@ -1,0 +1,89 @@
+"""Ahead-of-use JIT compilation of the kernels, and a vectorization check for debugging."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Iterable
+
+import numba
+import numpy as np
+
+from cpu_ops import _kernels
+from cpu_ops.adamw import _hyperparameters, adamw_update, adamw_update_sum
+from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
+
+__all__ = ["warmup", "is_vectorized"]
+
+log = logging.getLogger(__name__)
+
+_N = 64  # tiny arrays: compile (or load from cache) only
+_GRAD_DTYPES = (np.float32, np.uint16)
+_HYPER = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+_KERNELS = {
+    "adamw": _kernels.adamw_kernel,
+    "adamw_bf16_out": _kernels.adamw_bf16_out_kernel,
+    "fp32_to_bf16": _kernels.fp32_to_bf16_kernel,
+    "bf16_to_fp32": _kernels.bf16_to_fp32_kernel,
+}
+_VECTOR_OPS = re.compile(r"<(?:16|8) x (?:float|i32)>")
+
+
+def _state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.ones(_N, np.float32), np.zeros(_N, np.float32), np.zeros(_N, np.float32)
+
+
+def warmup(sum_rows: Iterable[int] = (2,)) -> float:
+    """Compile (or load from Numba's cache) every kernel signature the runtime uses.
+
+    Covers fp32 and bf16 grads, with and without ``bf16_out``, the single-grad route,
+    the summed route for each R in ``sum_rows`` (pass the local world size), and both
+    conversions.  Runs on tiny arrays; returns the seconds spent.
+    """
+    start = time.perf_counter()
+    rows = sorted({int(r) for r in sum_rows})
+    if any(r < 1 for r in rows):
+        raise ValueError(f"sum_rows must be >= 1, got {rows}")
+    for dtype in _GRAD_DTYPES:
+        for bf16_out in (None, np.zeros(_N, np.uint16)):
+            adamw_update(*_state(), np.zeros(_N, dtype), bf16_out=bf16_out, **_HYPER)
+            for r in rows:
+                adamw_update_sum(*_state(), np.zeros((r, _N), dtype), bf16_out=bf16_out, **_HYPER)
+    fp32_to_bf16(np.zeros(_N, np.float32), np.zeros(_N, np.uint16))
+    bf16_to_fp32(np.zeros(_N, np.uint16), np.zeros(_N, np.float32))
+    elapsed = time.perf_counter() - start
+    log.info("cpu_ops kernels ready in %.2f s (sum rows %s)", elapsed, rows)
+    return elapsed
+
+
+def _example_args(kernel_name: str) -> list[tuple]:
+    """Representative arguments: single fp32 grad, and bf16 grads summed over 2 rows."""
+    if kernel_name == "fp32_to_bf16":
+        return [(np.zeros(_N, np.float32), np.zeros(_N, np.uint16))]
+    if kernel_name == "bf16_to_fp32":
+        return [(np.zeros(_N, np.uint16), np.zeros(_N, np.float32))]
+    hyper = _hyperparameters(decoupled=True, grad_scale=1.0, **_HYPER)
+    out = (np.zeros(_N, np.uint16),) if kernel_name == "adamw_bf16_out" else ()
+    grads = [(np.zeros(_N, np.float32),), tuple(np.zeros((2, _N), np.uint16))]
+    return [(*_state(), g, *out, *hyper) for g in grads]
+
+
+def is_vectorized(kernel_name: str) -> bool:
+    """True if the kernel's LLVM IR has ``<16 x float>`` or ``<8 x float>`` vector ops.
+
+    The bf16 -> fp32 conversion is pure bit shuffling, so ``<16 x i32>``/``<8 x i32>``
+    also count.  ``kernel_name``: one of ``adamw``, ``adamw_bf16_out``, ``fp32_to_bf16``,
+    ``bf16_to_fp32``.  Numba keeps no IR for cache-loaded code, so this compiles a
+    fresh, uncached copy for representative signatures (about a second each).
+    """
+    try:
+        kernel = _KERNELS[kernel_name]
+    except KeyError:
+        raise ValueError(f"unknown kernel {kernel_name!r}; choose from {sorted(_KERNELS)}") from None
+    options = {k: v for k, v in kernel.targetoptions.items() if k != "nopython"}
+    fresh = numba.njit(**options)(kernel.py_func)
+    for args in _example_args(kernel_name):
+        fresh.compile(tuple(numba.typeof(a) for a in args))
+    irs = fresh.inspect_llvm()
+    return bool(irs) and all(_VECTOR_OPS.search(ir) for ir in irs.values())

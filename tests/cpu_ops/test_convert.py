@@ -1,0 +1,93 @@
+"""cpu_ops.convert against torch's bf16 conversions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_ops import bf16_to_fp32, fp32_to_bf16, is_vectorized
+
+SPECIAL_BITS = [
+    0x00000000, 0x80000000,  # +-0
+    0x3F800000, 0x3F800001, 0x3F807FFF,  # 1 and values just above it
+    0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000,  # ties: to even (down, up), both signs
+    0x3F808001, 0x3F817FFF,  # just above / below a tie
+    0x7F7FFFFF, 0xFF7FFFFF,  # max finite rounds to +-inf
+    0x7F800000, 0xFF800000,  # +-inf
+    0x00000001, 0x00008000, 0x00018000, 0x00007FFF, 0x007FFFFF, 0x807FFFFF,  # subnormals
+    0x00800000, 0x80800000,  # smallest normals
+]
+NAN_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA00000, 0xFFBFFFFF, 0x7FFFFFFF]
+
+
+def torch_bf16_bits(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.shape[0], np.uint16)
+    fp32_to_bf16(x, out)
+    return out
+
+
+def test_fp32_to_bf16_special_values_match_torch() -> None:
+    bits = np.array(SPECIAL_BITS * 3, np.uint32)  # long enough for the vector loop and a tail
+    x = bits.view(np.float32)
+    np.testing.assert_array_equal(to_bf16(x), torch_bf16_bits(x))
+
+
+def test_fp32_to_bf16_random_values_match_torch() -> None:
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, size=200_003, dtype=np.uint32)
+    x = bits.view(np.float32)
+    finite = ~np.isnan(x)
+    ours = to_bf16(x)
+    np.testing.assert_array_equal(ours[finite], torch_bf16_bits(x)[finite])
+
+
+def test_fp32_to_bf16_nan_stays_quiet_nan() -> None:
+    x = np.array(NAN_BITS * 4, np.uint32).view(np.float32)
+    out = to_bf16(x)
+    assert np.all((out & 0x7F80) == 0x7F80), "exponent must stay all ones"
+    assert np.all(out & 0x0040), "NaN must come out quiet"
+    np.testing.assert_array_equal(out >> 15, np.array(NAN_BITS * 4, np.uint32) >> 31)  # sign kept
+    back = np.empty(x.shape[0], np.float32)
+    bf16_to_fp32(out, back)
+    assert np.isnan(back).all()
+
+
+def test_bf16_to_fp32_all_patterns_exact() -> None:
+    bits = np.arange(2**16, dtype=np.uint16)
+    ours = np.empty(bits.shape[0], np.float32)
+    bf16_to_fp32(bits, ours)
+    ref = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(ours.view(np.uint32), ref.view(np.uint32))
+    # round trip is the identity on every non-NaN pattern
+    finite = ~np.isnan(ours)
+    np.testing.assert_array_equal(to_bf16(ours)[finite], bits[finite])
+
+
+@pytest.mark.parametrize("kernel", ["fp32_to_bf16", "bf16_to_fp32"])
+def test_conversions_vectorized(kernel: str) -> None:
+    assert is_vectorized(kernel)
+
+
+@pytest.mark.parametrize(
+    ("func", "src", "dst", "exc", "match"),
+    [
+        (fp32_to_bf16, np.zeros(4, np.float64), np.zeros(4, np.uint16), TypeError,
+         "src must have dtype float32"),
+        (fp32_to_bf16, np.zeros(4, np.float32), np.zeros(4, np.int16), TypeError,
+         r"dst must have dtype uint16.*view\(np.uint16\)"),
+        (fp32_to_bf16, np.zeros(4, np.float32), np.zeros(5, np.uint16), ValueError,
+         "dst has length 5, expected 4"),
+        (bf16_to_fp32, np.zeros(8, np.uint16)[::2], np.zeros(4, np.float32), ValueError,
+         "src must be contiguous"),
+        (bf16_to_fp32, np.zeros(4, np.uint16), np.zeros(4, np.float16), TypeError,
+         "dst must have dtype float32"),
+    ],
+)
+def test_bad_input(func, src, dst, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        func(src, dst)
