@@ -54,7 +54,8 @@ class SlideDPStrategy(ParallelStrategy):
         meta_init: run ``configure_model`` under the meta device: local rank 0 materializes and initializes
             one unit at a time straight into the ledger, so the model is never whole in memory.
         restore_module: after fit/validate, give the LightningModule ordinary FP32 CPU parameters again
-            (copies of the master); ``False`` leaves them on the meta device.
+            (copies of the master, on every rank); ``False`` leaves them on the meta device; ``"auto"`` restores
+            when the copies fit in half of the available host memory.
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
         timeout: process-group timeout; also bounds every wait on another rank.
     """
@@ -74,7 +75,7 @@ class SlideDPStrategy(ParallelStrategy):
         prefetch_window: int = 2,
         update_threads: Optional[int] = None,
         meta_init: bool = False,
-        restore_module: bool = True,
+        restore_module: Union[bool, str] = "auto",
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -86,6 +87,8 @@ class SlideDPStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        if restore_module not in (True, False, "auto"):
+            raise ValueError(f"restore_module must be True, False or 'auto', got {restore_module!r}.")
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
         timeout = timeout or default_pg_timeout
@@ -281,10 +284,10 @@ class SlideDPStrategy(ParallelStrategy):
 
     # -- state ---------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """FP32 master weights from the ledger (every rank gets the full dict; rank 0 writes it)."""
+        """FP32 master weights from the ledger, on global rank 0 (the rank that writes checkpoints)."""
         if self.engine is None:
             return super().lightning_module_state_dict()
-        return self.engine.state_dict()
+        return self.engine.state_dict() if self.is_global_zero else {}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """The optimizer state in ``torch.optim.AdamW.state_dict()`` form, read from the ledger."""
@@ -292,7 +295,7 @@ class SlideDPStrategy(ParallelStrategy):
             optimizer = optimizer._optimizer
         if self.engine is None:
             return optimizer.state_dict()
-        return self.engine.optimizer_state_dict(optimizer)
+        return self.engine.optimizer_state_dict(optimizer) if self.is_global_zero else {}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.engine is not None

@@ -20,7 +20,13 @@ import cpu_ops
 from slidedp_lightning.models import adapter_for
 from slidedp_lightning.models.adapter import UnsupportedModelError
 from slidedp_lightning.runtime.grads import GRAD_ROUTES, GradRoute
-from slidedp_lightning.runtime.host_state import SHM_DIR, HostLedger, LedgerGeometry, check_host_memory
+from slidedp_lightning.runtime.host_state import (
+    SHM_DIR,
+    HostLedger,
+    LedgerGeometry,
+    available_host_bytes,
+    check_host_memory,
+)
 from slidedp_lightning.runtime.layout import Layout, build_layout
 from slidedp_lightning.runtime.params import UnitResidency
 from slidedp_lightning.runtime.sync import Liveness, wait_until
@@ -236,6 +242,7 @@ class SlideDPEngine:
 
     # -- hooks ---------------------------------------------------------------------------------------
     def _install_hooks(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(lambda m, a: self.residency.begin_forward()))
         for module, units in self.layout.compute_modules:
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(units)))
             self._handles.append(module.register_forward_hook(self._make_post_forward(units)))
@@ -427,11 +434,31 @@ class SlideDPEngine:
         self._aborted = True
 
     # -- teardown ------------------------------------------------------------------------------------
-    def close(self, restore: bool = True) -> None:
-        """Stop the lanes, give the model ordinary parameters again (FP32 copies, or meta) and unmap the ledger."""
+    def _restore_fits(self) -> bool:
+        """Whether FP32 copies of the model on every local rank fit comfortably in the host's free memory."""
+        need = self.layout.num_params * 4 * self.local_world_size
+        available = available_host_bytes()[0]
+        fits = need < available // 2
+        if not fits:
+            log.warning(
+                "SlideDP: not restoring the module's parameters after training (%d ranks x %.1f GiB of FP32 "
+                "copies would exceed half of the %.1f GiB available); they are left on the meta device. Save a "
+                "checkpoint to keep the weights, or pass restore_module=True to force the copies.",
+                self.local_world_size, self.layout.num_params * 4 / (1 << 30), available / (1 << 30),
+            )  # fmt: skip
+        return fits
+
+    def close(self, restore: bool | str = "auto") -> None:
+        """Stop the lanes, give the model ordinary parameters again and unmap the ledger.
+
+        ``restore``: True = FP32 CPU copies of the master; False = meta tensors; "auto" = copies when they fit
+        in half of the available host memory, else meta (with a warning).
+        """
         if self._closed:
             return
         self._closed = True
+        if restore == "auto":
+            restore = self._restore_fits()
         try:
             if self.lane is not None and self.lane.error is None and not self._aborted:
                 self.synchronize()

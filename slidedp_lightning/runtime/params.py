@@ -52,6 +52,11 @@ class UnitResidency:
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-h2d")
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
+        self._forward_mark = -1  # highest unit acquired by the current forward pass
+        self.fills = [0] * len(layout.units)  # host->device copies per unit since creation
+        # the last unit released by forward stays until another unit is acquired: consecutive modules of one
+        # unit (norm, then lm_head) and the first backward module reuse it instead of copying it again
+        self._parked: int | None = None
 
     # -- binding the model to the flat buffers -------------------------------------------------------
     def bind(self) -> None:
@@ -88,6 +93,7 @@ class UnitResidency:
         """Runs on the H2D lane: wait for the owners' updates of ``u``, then copy it to the device."""
         unit = self.layout.units[u]
         wait_until(lambda: bool((self.ledger.version[u] >= step).all()), self._alive, f"update of unit {unit.name}")
+        self.fills[u] += 1
         buf = self.buffers[u]
         storage = buf.untyped_storage()
         storage.resize_(unit.padded * buf.element_size())
@@ -123,6 +129,9 @@ class UnitResidency:
 
     def acquire(self, units: tuple[int, ...], step: int, backward: bool) -> None:
         """Make ``units`` resident (blocking), then start prefetching the next ones in this direction."""
+        if self._parked is not None and self._parked not in units:
+            parked, self._parked = self._parked, None
+            self._maybe_evict(parked)
         for u in units:
             self._start(u, step)
         for u in units:
@@ -131,21 +140,36 @@ class UnitResidency:
                 self.held_for_backward[u] = True
             else:
                 self.refs[u] += 1
-        last = min(units) if backward else max(units)
-        direction = -1 if backward else 1
+        if backward:
+            last, direction = min(units), -1
+        else:
+            # a unit re-used late in the pass (a tied lm_head borrowing the embedding) starts no prefetch
+            if max(units) <= self._forward_mark:
+                return
+            last, direction = max(units), 1
+            self._forward_mark = last
         for k in range(1, self.window):
             nxt = last + direction * k
             if 0 <= nxt < len(self.buffers):
                 self._start(nxt, step)
 
+    def begin_forward(self) -> None:
+        """A new forward pass of the model starts: prefetch restarts from the first unit."""
+        self._forward_mark = -1
+
     def release(self, units: tuple[int, ...]) -> None:
         """Drop forward references; a unit with none left (and not held for backward) leaves the device."""
         for u in units:
             self.refs[u] -= 1
-            self._maybe_evict(u)
+            if self.refs[u] == 0 and not self.held_for_backward[u]:
+                if self._parked is not None and self._parked != u:
+                    self._maybe_evict(self._parked)
+                self._parked = u
 
     def release_backward(self, u: int) -> None:
         self.held_for_backward[u] = False
+        if self._parked == u:
+            self._parked = None
         self._maybe_evict(u)
 
     def _maybe_evict(self, u: int) -> None:
@@ -160,6 +184,7 @@ class UnitResidency:
         self.resident_bytes -= buf.numel() * buf.element_size()
 
     def evict_all(self) -> None:
+        self._parked = None
         for u in list(self.pending):
             self._finish(u)
         for u in range(len(self.buffers)):
