@@ -3,10 +3,19 @@
 ``import slidedp_lightning`` registers ``Trainer(strategy="slidedp")`` (and ``"slidedp_spawn"``).
 """
 
+import logging
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from slidedp_lightning.precision import SlideDPPrecision
 from slidedp_lightning.strategy import SlideDPStrategy
+
+# like Lightning's own logger: show what the strategy decided unless the application configured logging
+_logger = logging.getLogger(__name__)
+if not logging.getLogger().hasHandlers() and not _logger.handlers:
+    _logger.setLevel(logging.INFO)
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 if "slidedp" not in StrategyRegistry:
     SlideDPStrategy.register_strategies(StrategyRegistry)

@@ -106,6 +106,7 @@ class SlideDPStrategy(ParallelStrategy):
         self._timeout = timeout
         self._num_nodes = 1
         self.engine: Optional[SlideDPEngine] = None
+        self._released_steps = 0  # optimizer steps of the last engine, whose state went with its ledger
 
     # -- registration --------------------------------------------------------------------------------
     @classmethod
@@ -294,6 +295,12 @@ class SlideDPStrategy(ParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         if self.engine is None:
+            if self._released_steps:
+                raise RuntimeError(
+                    "The Adam moments of this SlideDP run lived in the host ledger, released when the run ended. "
+                    "Save full checkpoints during fit (ModelCheckpoint, or trainer.save_checkpoint from a callback), "
+                    "or pass weights_only=True to save the final weights."
+                )
             return optimizer.state_dict()
         return self.engine.optimizer_state_dict(optimizer) if self.is_global_zero else {}
 
@@ -314,6 +321,7 @@ class SlideDPStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         if self.engine is not None:
+            self._released_steps = self.engine.step
             self.engine.close(restore=self.restore_module)
             self.engine = None
         if self.cluster_environment is not None:

@@ -184,7 +184,8 @@ class SlideDPEngine:
         self._install_hooks()
         jit_s = cpu_ops.warmup(sum_rows=(self.world_size,))
         gib = 1 << 30
-        log.info(
+        log.log(
+            logging.INFO if self.rank == 0 else logging.DEBUG,
             "SlideDP rank %d/%d: %d units, %s params, ledger %.3f GiB in shared memory (%.2f B/param), "
             "route %s/%s, window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
             self.rank, self.world_size, len(self.layout.units), f"{self.layout.num_params:,}",
@@ -277,14 +278,21 @@ class SlideDPEngine:
         return hook
 
     def _on_output_grad(self, units: tuple[int, ...]) -> None:
-        todo = tuple(u for u in units if self._pending[u] > 0)
-        if todo:
-            self.residency.acquire(todo, self.step, backward=True)
+        done = [self.layout.units[u].name for u in units if self._pending[u] == 0]
+        if done:
+            # the unit's gradient already went to the update lane and its device buffer is gone: stop before
+            # autograd reads it
+            raise RuntimeError(
+                f"SlideDP: backward reached unit(s) {done} a second time in one optimizer step, after their "
+                "gradient was reduced and handed to the CPU update; a second gradient before the optimizer step "
+                "(accumulate_grad_batches > 1, several backward calls per step) is not supported yet."
+            )
+        self.residency.acquire(units, self.step, backward=True)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         ui, si = self._slot_of[id(param)]
         grad, param.grad = param.grad, None
-        if self._grads[ui][si] is not None:
+        if self._grads[ui][si] is not None or self._pending[ui] == 0:
             raise RuntimeError(
                 f"SlideDP received a second gradient for {self.layout.units[ui].slots[si].name} before the "
                 "optimizer step: gradient accumulation (accumulate_grad_batches > 1, several backward calls "

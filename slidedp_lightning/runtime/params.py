@@ -44,6 +44,7 @@ class UnitResidency:
         self.held_for_backward = [False] * len(layout.units)
         self.pending: dict[int, Future] = {}
         self.resident = [False] * len(layout.units)
+        self.filled_step = [-1] * len(layout.units)  # the step whose weights a resident buffer holds
         self._source = ledger.bf16 if dtype == torch.bfloat16 else ledger.master
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"unsupported compute dtype {dtype}")
@@ -113,8 +114,13 @@ class UnitResidency:
         return None
 
     def _start(self, u: int, step: int) -> None:
+        if self.resident[u] and self.filled_step[u] < step and self.refs[u] == 0 and not self.held_for_backward[u]:
+            if self._parked == u:  # parked before an optimizer step: it holds the previous step's weights
+                self._parked = None
+            self._maybe_evict(u)
         if not self.resident[u] and u not in self.pending:
             self.pending[u] = self._lane.submit(self._fill, u, step)
+            self.filled_step[u] = step
 
     def _finish(self, u: int) -> None:
         fut = self.pending.pop(u, None)

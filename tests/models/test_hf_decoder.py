@@ -1,0 +1,253 @@
+"""models.hf_decoder / models.adapter: which models SlideDP streams, and that each supported family trains exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from slidedp_lightning.models import HFDecoderAdapter, UnitSpec, UnsupportedModelError, adapter_for, register_adapter
+from slidedp_lightning.models import adapter as adapter_module
+from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+
+VOCAB = 64
+FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+
+def tiny(family: str, tied: bool, layers: int = 2, seed: int = 0) -> nn.Module:
+    config_cls, model_cls = FAMILIES[family]
+    cfg = config_cls(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return model_cls(cfg)
+
+
+def adamw(model: nn.Module) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95)
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def assert_rel_close(actual: dict, expected: dict, what: str) -> None:
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        err = rel_err(actual[k], expected[k])
+        assert err <= 1e-5, f"{what} {k}: relative error {err:.3g}"
+
+
+def train_and_compare(model: nn.Module, loss_fn, inputs: list, steps: int = 2) -> None:
+    """Train ``model`` through SlideDPEngine and a deep copy with torch AdamW; losses, weights and moments agree.
+
+    After each compared step the reference restarts from the engine's weights and moments: the CPU kernel may
+    round the last bit differently from torch, and over several steps Adam amplifies such one-ulp differences on
+    elements whose gradients are near eps (Qwen2's k_proj biases). Each step's update is still checked at 1e-5
+    from one common state; the free-running trajectory of Qwen3 is checked in tests/runtime/test_engine.py.
+    """
+    ref = copy.deepcopy(model)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = SlideDPEngine(model, EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
+    try:
+        opt = adamw(model)
+        engine.attach_optimizer(opt)
+        ref_opt = adamw(ref)
+        for step, x in enumerate(inputs[:steps], 1):
+            loss = loss_fn(model, x)
+            loss.backward()
+            assert engine.end_step()
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(ref, x)
+            ref_loss.backward()
+            ref_opt.step()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+            assert_rel_close(engine.state_dict(), ref.state_dict(), f"step {step} weight")
+            ours, theirs = engine.optimizer_state_dict(opt)["state"], ref_opt.state_dict()["state"]
+            assert ours.keys() == theirs.keys() and len(theirs) == len(list(model.parameters()))
+            for i in theirs:
+                assert float(ours[i]["step"]) == float(theirs[i]["step"]) == step
+                for k in ("exp_avg", "exp_avg_sq"):
+                    assert_rel_close({i: ours[i][k]}, {i: theirs[i][k]}, f"step {step} {k}")
+            ref.load_state_dict(engine.state_dict())
+            ref_opt.load_state_dict(engine.optimizer_state_dict(opt))
+        final = engine.state_dict()
+        still = [k for k, v in initial.items() if torch.equal(final[k], v)]
+        assert not still, f"parameters never updated: {still}"
+    finally:
+        engine.close()
+
+
+def token_batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (2, 12), generator=g) for _ in range(n)]
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_adapter_matches_supported_families(family: str) -> None:
+    for tied in (True, False):
+        model = tiny(family, tied)
+        assert model.config.model_type == family
+        adapter = adapter_for(model)
+        assert isinstance(adapter, HFDecoderAdapter)
+        units = adapter.units(model)
+        assert [u.name for u in units] == ["embed", "layers.0", "layers.1", "head"]
+        assert units[0].modules == (model.model.embed_tokens,)
+        assert units[1].modules == (model.model.layers[0],)
+        assert units[-1].modules == (model.model.norm, model.lm_head)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_like_adamw(family: str, tied: bool) -> None:
+    model = tiny(family, tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    train_and_compare(model, lm_loss, token_batches(2))
+
+
+def test_supported_families_listed() -> None:
+    for family in FAMILIES:
+        assert family in HFDecoderAdapter.name
+
+
+def _tiny_gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8)), _tiny_gpt2], ids=["sequential", "gpt2"]
+)
+def test_unsupported_model_names_known_architectures(make) -> None:
+    model = make()
+    with pytest.raises(UnsupportedModelError) as info:
+        adapter_for(model)
+    msg = str(info.value)
+    assert type(model).__name__ in msg
+    assert HFDecoderAdapter.name in msg
+    for family in FAMILIES:
+        assert family in msg
+    assert "register_adapter" in msg
+
+
+def test_unsupported_model_rejected_by_engine() -> None:
+    with pytest.raises(UnsupportedModelError, match="qwen3"):
+        SlideDPEngine(_tiny_gpt2(), EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
+
+
+def test_supported_model_type_with_other_shape_not_matched() -> None:
+    """``model_type`` alone is not enough: the adapter needs the decoder layout."""
+    model = tiny("llama", tied=False)
+    assert not HFDecoderAdapter.matches(model.model)  # the bare LlamaModel has no lm_head
+    model.lm_head = nn.Identity()
+    assert not HFDecoderAdapter.matches(model)
+
+
+def test_model_without_layers_rejected() -> None:
+    model = tiny("qwen3", tied=False)
+    model.model.layers = nn.ModuleList()
+    with pytest.raises(UnsupportedModelError, match="no decoder layers"):
+        HFDecoderAdapter().units(model)
+
+
+def test_unknown_meta_buffer_rejected() -> None:
+    with torch.device("meta"):
+        model = tiny("qwen3", tied=True)
+    model.model.norm.register_buffer("scale_cache", torch.empty(3, device="meta"), persistent=False)
+    with pytest.raises(UnsupportedModelError, match="scale_cache"):
+        HFDecoderAdapter().materialize_buffers(model)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_materialize_rotary_buffers(family: str) -> None:
+    with torch.device("meta"):
+        model = tiny(family, tied=True)
+    HFDecoderAdapter().materialize_buffers(model)
+    ref = tiny(family, tied=True)
+    buffers, ref_buffers = dict(model.named_buffers()), dict(ref.named_buffers())
+    assert buffers.keys() == ref_buffers.keys() and buffers
+    for name, buf in ref_buffers.items():
+        assert torch.equal(buffers[name], buf), name
+
+
+# -- a registered third-party adapter -----------------------------------------------------------------------
+
+
+class ToyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3))
+        self.out = nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+class ToyAdapter:
+    name = "toy LM"
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        return isinstance(model, ToyLM)
+
+    def units(self, model: ToyLM) -> list[UnitSpec]:
+        return [UnitSpec("embed", (model.embed,))] + [
+            UnitSpec(f"blocks.{i}", (b,)) for i, b in enumerate(model.blocks)
+        ] + [UnitSpec("out", (model.out,))]  # fmt: skip
+
+    def init_weights(self, model: nn.Module, module: nn.Module) -> None:
+        for sub in module.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+
+    def materialize_buffers(self, model: nn.Module) -> None:
+        pass
+
+
+@pytest.fixture
+def toy_adapter():
+    register_adapter(ToyAdapter)
+    try:
+        yield ToyAdapter
+    finally:
+        adapter_module._ADAPTERS.remove(ToyAdapter)
+
+
+def test_registered_adapter_is_found_and_trains(toy_adapter) -> None:
+    torch.manual_seed(0)
+    model = ToyLM()
+    assert isinstance(adapter_for(model), ToyAdapter)
+
+    def loss_fn(m, x):
+        return nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())
+
+    train_and_compare(model, loss_fn, token_batches(3), steps=3)
+
+
+def test_unregistered_adapter_is_not_found() -> None:
+    with pytest.raises(UnsupportedModelError, match="ToyLM"):
+        adapter_for(ToyLM())

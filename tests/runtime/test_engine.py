@@ -1,0 +1,731 @@
+"""SlideDPEngine on a tiny Qwen3, one process, CPU: exactness against torch's optimizers, errors, meta init,
+teardown and unit residency."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from slidedp_lightning.models import UnsupportedModelError
+from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.update import UnsupportedOptimizerError
+
+VOCAB, SEQ, BATCH = 64, 16, 2
+CPU = torch.device("cpu")
+
+
+def tiny_config(tied: bool) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )  # fmt: skip
+
+
+def tiny_model(tied: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(tiny_config(tied))
+
+
+def make_engine(model: nn.Module, **cfg) -> SlideDPEngine:
+    return SlideDPEngine(model, EngineConfig(**cfg), device=CPU, compute_dtype=torch.float32)
+
+
+def adamw_groups(model: nn.Module, lr: float = 3e-3, **kw) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95), **kw,
+    )  # fmt: skip
+
+
+def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def assert_rel_close(actual: dict, expected: dict, tol: float = 1e-5) -> None:
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        assert actual[k].shape == expected[k].shape, k
+        err = rel_err(actual[k], expected[k])
+        assert err <= tol, f"{k}: relative error {err:.3g} > {tol}"
+
+
+def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss
+
+
+def train_pair(
+    model: nn.Module, engine: SlideDPEngine, ref: nn.Module, opt, ref_opt, steps: int, lr_drop_at: int | None = None
+) -> tuple[list[float], list[float]]:
+    losses, ref_losses = [], []
+    for i, x in enumerate(batches(steps)):
+        if i == lr_drop_at:  # a scheduler changing lr between steps: read live at dispatch
+            for o in (opt, ref_opt):
+                for group in o.param_groups:
+                    group["lr"] *= 0.5
+        loss = loss_of(model, x)
+        loss.backward()
+        assert engine.end_step()
+        losses.append(loss.item())
+        ref_opt.zero_grad()
+        ref_loss = loss_of(ref, x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_losses.append(ref_loss.item())
+    return losses, ref_losses
+
+
+@pytest.fixture
+def engines():
+    """Closes every engine a test made, even when it fails."""
+    made: list[SlideDPEngine] = []
+
+    def make(model: nn.Module, **cfg) -> SlideDPEngine:
+        engine = make_engine(model, **cfg)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+# -- (a), (b): FP32 AdamW exactness and the BF16 transfer copy ------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("window", [1, 3])
+@pytest.mark.parametrize("route", ["gpu_reduce", "host_reduce"])
+def test_fp32_adamw_matches_torch(engines, route: str, window: int, tied: bool) -> None:
+    model = tiny_model(tied)
+    ref = copy.deepcopy(model)
+    engine = engines(model, grad_route=route, prefetch_window=window)
+    opt = adamw_groups(model)
+    engine.attach_optimizer(opt)
+    ref_opt = adamw_groups(ref)
+
+    losses, ref_losses = train_pair(model, engine, ref, opt, ref_opt, steps=10, lr_drop_at=5)
+
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert engine.step == 10
+    assert_rel_close(engine.state_dict(), ref.state_dict())
+    # the weights moved (a broken update that does nothing would otherwise match a lr=0 reference)
+    initial = tiny_model(tied).model.layers[0].mlp.up_proj.weight
+    assert rel_err(engine.state_dict()["model.layers.0.mlp.up_proj.weight"], initial) > 1e-3
+
+    # Adam moments and the step count, in torch's optimizer.state_dict() form
+    ours, theirs = engine.optimizer_state_dict(opt), ref_opt.state_dict()
+    assert ours["state"].keys() == theirs["state"].keys()
+    for i, s in theirs["state"].items():
+        assert float(ours["state"][i]["step"]) == float(s["step"]) == 10.0
+        assert_rel_close(
+            {k: ours["state"][i][k] for k in ("exp_avg", "exp_avg_sq")}, {k: s[k] for k in ("exp_avg", "exp_avg_sq")}
+        )
+    assert [g["lr"] for g in ours["param_groups"]] == [g["lr"] for g in theirs["param_groups"]]
+
+    # (b) the BF16 transfer copy is the master rounded to BF16, bit for bit (gaps and padding included)
+    engine.synchronize()
+    led = engine.ledger
+    assert torch.equal(led.bf16.view(torch.int16), led.master.to(torch.bfloat16).view(torch.int16))
+    # alignment gaps and padding stay zero in the master and in the moments
+    for unit in engine.layout.units:
+        for a, b in unit.gaps():
+            lo, hi = unit.offset + a, unit.offset + b
+            assert not led.master[lo:hi].any() and not led.exp_avg[lo:hi].any() and not led.exp_avg_sq[lo:hi].any()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("route", ["gpu_reduce", "host_reduce"])
+def test_bf16_compute_matches_torch_step_by_step(route: str, tied: bool) -> None:
+    """BF16 units (the ledger's transfer copy), BF16 gradients, FP32 master: each step equals torch AdamW on an
+    FP32 master whose BF16 copy computed the gradients. The reference restarts from the engine's state after each
+    step, because a one-ulp FP32 difference that crosses a BF16 rounding boundary is amplified 2^16-fold."""
+    model = tiny_model(tied)
+    master = copy.deepcopy(model)
+    work = copy.deepcopy(model)  # BF16 parameters, FP32 buffers (rotary frequencies), as the engine computes
+    for p in work.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    engine = SlideDPEngine(model, EngineConfig(grad_route=route), device=CPU, compute_dtype=torch.bfloat16)
+    try:
+        opt, ref_opt = adamw_groups(model), adamw_groups(master)
+        engine.attach_optimizer(opt)
+        for x in batches(4):
+            loss = loss_of(model, x)
+            assert model.lm_head.weight.dtype == torch.bfloat16
+            loss.backward()
+            assert engine.end_step()
+            with torch.no_grad():
+                for p, q in zip(master.parameters(), work.parameters()):
+                    q.copy_(p)
+            work.zero_grad()
+            ref_loss = loss_of(work, x)
+            ref_loss.backward()
+            for p, q in zip(master.parameters(), work.parameters()):
+                p.grad = q.grad.float()
+            ref_opt.step()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+            assert_rel_close(engine.state_dict(), master.state_dict())
+            led = engine.ledger
+            assert torch.equal(led.bf16.view(torch.int16), led.master.to(torch.bfloat16).view(torch.int16))
+            master.load_state_dict(engine.state_dict())
+            ref_opt.load_state_dict(engine.optimizer_state_dict(opt))
+    finally:
+        engine.close()
+
+
+# -- (c): Adam with L2 weight decay -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["l2", "decoupled"])
+@pytest.mark.parametrize("route", ["gpu_reduce", "host_reduce"])
+def test_adam_matches_torch(engines, route: str, decoupled: bool) -> None:
+    """torch.optim.Adam with weight_decay > 0 (L2, coupled), and with decoupled_weight_decay=True (AdamW)."""
+    model = tiny_model(tied=True)
+    ref = copy.deepcopy(model)
+    engine = engines(model, grad_route=route)
+    extra = {"decoupled_weight_decay": True} if decoupled else {}
+
+    def make(m):
+        return torch.optim.Adam(m.parameters(), lr=2e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05, **extra)
+
+    opt, ref_opt = make(model), make(ref)
+    engine.attach_optimizer(opt)
+    losses, ref_losses = train_pair(model, engine, ref, opt, ref_opt, steps=6)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert_rel_close(engine.state_dict(), ref.state_dict())
+
+
+def test_adam_l2_differs_from_adamw(engines) -> None:
+    """Guards the test above: coupled (L2) and decoupled decay really give different weights here."""
+    model = tiny_model(tied=True)
+    ref = copy.deepcopy(model)
+    engine = engines(model)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, betas=(0.9, 0.99), eps=1e-7, weight_decay=0.05)
+    engine.attach_optimizer(opt)
+    train_pair(model, engine, ref, opt, ref_opt, steps=6)
+    sd, ref_sd = engine.state_dict(), ref.state_dict()
+    assert max(rel_err(sd[k], ref_sd[k]) for k in sd) > 1e-4
+
+
+# -- (d): optimizer validation ---------------------------------------------------------------------------
+
+
+def test_sgd_is_rejected(engines) -> None:
+    model = tiny_model()
+    engine = engines(model)
+    with pytest.raises(UnsupportedOptimizerError, match="SGD"):
+        engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(
+    "make, flag",
+    [
+        (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "amsgrad"),
+        (lambda ps: torch.optim.Adam(ps, maximize=True), "maximize"),
+    ],
+    ids=["amsgrad", "maximize"],
+)
+def test_unsupported_flags_are_rejected(engines, make, flag: str) -> None:
+    model = tiny_model()
+    engine = engines(model)
+    with pytest.raises(UnsupportedOptimizerError, match=flag):
+        engine.attach_optimizer(make(model.parameters()))
+
+
+def test_unsupported_optimizer_error_is_a_value_error() -> None:
+    assert issubclass(UnsupportedOptimizerError, ValueError)
+
+
+def test_optimizer_missing_parameters_raises(engines) -> None:
+    model = tiny_model()
+    engine = engines(model)
+    some = [p for n, p in model.named_parameters() if "layers.1." not in n]
+    with pytest.raises(ValueError, match="not in the optimizer") as info:
+        engine.attach_optimizer(torch.optim.AdamW(some))
+    assert "model.layers.1." in str(info.value)
+
+
+def test_optimizer_built_before_the_engine_raises(engines) -> None:
+    """The engine replaces the parameters; an optimizer holding the old ones would train nothing."""
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters())
+    engine = engines(model)
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        engine.attach_optimizer(opt)
+
+
+def test_gradients_without_optimizer_raise(engines) -> None:
+    model = tiny_model()
+    engines(model)
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match="no optimizer is attached"):
+        loss_of(model, x).backward()
+
+
+# -- (e): gradients that cannot be applied ------------------------------------------------------------------
+
+
+def test_parameters_without_gradient_raise(engines) -> None:
+    model = tiny_model(tied=False)
+    engine = engines(model)
+    engine.attach_optimizer(adamw_groups(model))
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match="received no gradient") as info:
+        model.model.embed_tokens(x).sum().backward()
+    assert "model.layers.0." in str(info.value)
+
+
+def _backward_twice_two_forwards(model, x):
+    a, b = loss_of(model, x), loss_of(model, x)
+    a.backward()
+    b.backward()
+
+
+def _backward_forward_backward(model, x):
+    loss_of(model, x).backward()
+    loss_of(model, x).backward()
+
+
+SECOND_BACKWARD = {
+    "two-forwards": _backward_twice_two_forwards,
+    "forward-backward-twice": _backward_forward_backward,
+}
+
+# run in a child process: on the tied model the second backward can crash the interpreter (SIGSEGV)
+_SECOND_BACKWARD_CHILD = """
+import sys
+from tests.runtime.test_engine import SECOND_BACKWARD, adamw_groups, batches, make_engine, tiny_model
+model = tiny_model(sys.argv[2] == "tied")
+engine = make_engine(model)
+engine.attach_optimizer(adamw_groups(model))
+try:
+    SECOND_BACKWARD[sys.argv[1]](model, batches(1)[0])
+except RuntimeError as exc:
+    print("RuntimeError:", exc)
+    sys.exit(3)
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("scenario, tied", [("forward-backward-twice", "tied"), ("two-forwards", "untied")])
+def test_second_backward_before_end_step_raises(scenario: str, tied: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SECOND_BACKWARD_CHILD, scenario, tied],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 3, f"exit status {proc.returncode} (negative: killed by a signal):\n{out}"
+    assert "second gradient" in proc.stdout, out
+
+
+def test_end_step_without_backward_is_no_step(engines) -> None:
+    model = tiny_model()
+    engine = engines(model)
+    engine.attach_optimizer(adamw_groups(model))
+    before = engine.state_dict()
+    with torch.no_grad():
+        loss_of(model, batches(1)[0])
+    assert engine.end_step() is False
+    assert engine.step == 0
+    assert_rel_close(engine.state_dict(), before, tol=0.0)
+
+
+# -- (f): meta-device init ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_meta_init(engines, tied: bool) -> None:
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(tiny_config(tied))
+    assert model.model.embed_tokens.weight.is_meta and model.model.rotary_emb.inv_freq.is_meta
+    engine = engines(model)
+    sd = engine.state_dict()
+    assert all(torch.isfinite(v).all() for v in sd.values())
+    assert sd.keys() == tiny_model(tied).state_dict().keys()
+
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q_norm, k_norm; plus the final norm
+    for name in norms:
+        assert torch.equal(sd[f"{name}.weight"], torch.ones_like(sd[f"{name}.weight"])), name
+    std = tiny_config(tied).initializer_range
+    for name, value in sd.items():
+        if value.ndim == 2:  # initialized as the model would (normal(0, initializer_range)), not left empty
+            assert 0.75 * std < value.std().item() < 1.25 * std, name
+
+    cpu_model = tiny_model(tied)
+    rot, cpu_rot = model.model.rotary_emb, cpu_model.model.rotary_emb
+    assert not rot.inv_freq.is_meta
+    assert torch.equal(rot.inv_freq, cpu_rot.inv_freq)
+    assert torch.equal(rot.original_inv_freq, cpu_rot.original_inv_freq)
+    assert rot.attention_scaling == cpu_rot.attention_scaling
+    assert not any(b.is_meta for b in model.buffers())
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+    # it trains like a CPU-built copy of the same weights
+    ref = tiny_model(tied)
+    ref.load_state_dict(sd)
+    opt, ref_opt = adamw_groups(model), adamw_groups(ref)
+    engine.attach_optimizer(opt)
+    losses, ref_losses = train_pair(model, engine, ref, opt, ref_opt, steps=2)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert_rel_close(engine.state_dict(), ref.state_dict())
+
+
+# -- (g): teardown ------------------------------------------------------------------------------------------
+
+
+def _slidedp_shm() -> set[str]:
+    return set(glob.glob("/dev/shm/slidedp-*"))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_close_restores_cpu_parameters(tied: bool) -> None:
+    shm_before = _slidedp_shm()
+    model = tiny_model(tied)
+    engine = make_engine(model)
+    path = engine.ledger.path
+    assert not os.path.exists(path), "the ledger name is unlinked right after setup"
+    engine.attach_optimizer(adamw_groups(model))
+    for x in batches(3):
+        loss_of(model, x).backward()
+        engine.end_step()
+    final = engine.state_dict()
+    engine.close(restore=True)
+    engine.close(restore=True)  # idempotent
+
+    assert engine.ledger.master is None
+    assert not os.path.exists(path)
+    assert _slidedp_shm() <= shm_before
+    params = dict(model.named_parameters())
+    assert params.keys() <= final.keys()
+    for name, p in params.items():
+        assert type(p) is nn.Parameter and p.requires_grad
+        assert p.device.type == "cpu" and p.dtype == torch.float32
+        assert p.untyped_storage().nbytes() == p.numel() * 4, f"{name} is an independent copy, not a ledger view"
+        assert torch.equal(p.detach(), final[name]), name
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks, "engine hooks are removed"
+    # the module works as an ordinary model again: plain autograd and a torch optimizer
+    opt = torch.optim.AdamW(model.parameters())
+    loss_of(model, batches(1)[0]).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    opt.step()
+
+
+def test_close_without_restore_leaves_meta() -> None:
+    model = tiny_model()
+    engine = make_engine(model)
+    engine.close(restore=False)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_close_auto_restores_only_when_copies_fit(monkeypatch) -> None:
+    import slidedp_lightning.runtime.engine as engine_module
+
+    model = tiny_model()
+    engine = make_engine(model)
+    final = engine.state_dict()
+    engine.close()  # default "auto": a tiny model fits
+    assert all(not p.is_meta for p in model.parameters())
+    assert torch.equal(model.model.norm.weight.detach(), final["model.norm.weight"])
+
+    model = tiny_model()
+    engine = make_engine(model)
+    monkeypatch.setattr(engine_module, "available_host_bytes", lambda: (1000, 1000))
+    engine.close()  # "auto" with (pretend) no free host memory: meta tensors instead of copies
+    assert all(p.is_meta for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+# -- (h): residency -----------------------------------------------------------------------------------------
+
+
+def device_bytes(res) -> int:
+    """What the unit buffers really hold right now (a non-resident unit's storage has size 0)."""
+    return sum(b.untyped_storage().nbytes() for b in res.buffers)
+
+
+def sample_after_acquire(res) -> list[int]:
+    """Record the device footprint after every acquire, once its prefetches have landed.
+
+    Memory only grows in the H2D fills that ``acquire`` starts, so these samples include every local maximum;
+    waiting for the in-flight fills (without finishing them) makes the samples independent of thread timing.
+    """
+    peak = [0]
+    acquire = res.acquire
+
+    def sampled(units, step, backward):
+        acquire(units, step, backward)
+        for fut in list(res.pending.values()):
+            fut.result()
+        peak[0] = max(peak[0], device_bytes(res))
+
+    res.acquire = sampled
+    return peak
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_residency_after_step_and_peak(engines, window: int, tied: bool) -> None:
+    model = tiny_model(tied)
+    engine = engines(model, prefetch_window=window)
+    engine.attach_optimizer(adamw_groups(model))
+    res = engine.residency
+    unit_bytes = [u.padded * 4 for u in engine.layout.units]
+    assert not any(res.resident) and res.peak_resident_bytes == 0
+    assert device_bytes(res) == 0, "bound units cost no device memory"
+
+    for x in batches(2):
+        loss_of(model, x).backward()
+        assert engine.end_step()
+        assert res.resident == [False] * len(unit_bytes)
+        assert not res.pending and res.resident_bytes == 0
+        assert not any(res.refs) and not any(res.held_for_backward)
+        assert device_bytes(res) == 0
+
+    layer = max(unit_bytes[1:-1])
+    if tied:
+        # the tied lm_head's backward holds the embedding unit until the embedding's own backward: the embedding
+        # stays resident through the whole backward, next to one block at a time
+        assert res.peak_resident_bytes == unit_bytes[0] + layer
+    else:
+        # untied: one unit at a time (a unit is released as soon as its last gradient lands)
+        assert res.peak_resident_bytes == max(unit_bytes)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_prefetch_stays_within_window(engines, tied: bool, window: int) -> None:
+    """The device holds the acquired units (peak_resident_bytes) plus at most window-1 prefetched units.
+
+    (Regression: a tied lm_head, whose only unit is the embedding, used to prefetch layers.0 at the end of forward.)
+    """
+    model = tiny_model(tied)
+    engine = engines(model, prefetch_window=window)
+    engine.attach_optimizer(adamw_groups(model))
+    res = engine.residency
+    physical_peak = sample_after_acquire(res)
+    for x in batches(2):
+        loss_of(model, x).backward()
+        assert engine.end_step()
+    max_unit = max(u.padded * 4 for u in engine.layout.units)
+    if window == 1:
+        assert physical_peak[0] == res.peak_resident_bytes
+    else:
+        assert physical_peak[0] > res.peak_resident_bytes, "the prefetch window really fills ahead"
+    assert physical_peak[0] <= res.peak_resident_bytes + (window - 1) * max_unit
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("window", [1, 2, 3])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_forward_leaves_nothing_in_flight(engines, tied: bool, window: int, grad: bool) -> None:
+    """After a whole forward nothing is being filled and at most the unit the forward used last stays on the
+    device (backward starts there); in particular no prefetch of layers.0 wraps around from a tied lm_head."""
+    model = tiny_model(tied)
+    engine = engines(model, prefetch_window=window)
+    engine.attach_optimizer(adamw_groups(model))
+    res = engine.residency
+    with torch.set_grad_enabled(grad):
+        loss = loss_of(model, batches(1)[0])
+    for fut in list(res.pending.values()):
+        fut.result()
+    in_flight = sorted(res.pending)
+    filled = [engine.layout.units[u].name for u, b in enumerate(res.buffers) if b.untyped_storage().nbytes()]
+    resident = [engine.layout.units[u].name for u, r in enumerate(res.resident) if r]
+    if grad:
+        loss.backward()
+        assert engine.end_step()
+        assert not any(res.resident) and device_bytes(res) == 0
+    last = "embed" if tied else "head"  # the unit of lm_head
+    assert in_flight == []
+    assert set(filled) <= {last}, f"left on the device after forward: {filled}"
+    assert filled == resident
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_forward_before_end_step_does_not_leave_stale_weights(engines, tied: bool) -> None:
+    model = tiny_model(tied)
+    ref = copy.deepcopy(model)
+    engine = engines(model)
+    engine.attach_optimizer(adamw_groups(model))
+    ref_opt = adamw_groups(ref)
+    x, y = batches(2)
+    gate = threading.Event()  # hold the CPU updates until the no-grad forward has read the ledger
+    apply = engine.lane._apply
+
+    def gated(task):
+        gate.wait(timeout=60)
+        apply(task)
+
+    engine.lane._apply = gated
+    loss_of(model, x).backward()
+    with torch.no_grad():
+        before_step = model(input_ids=y).logits  # the optimizer step has not happened yet: old weights
+    gate.set()
+    assert engine.end_step()
+    engine.synchronize()
+    with torch.no_grad():
+        after_step = model(input_ids=y).logits
+
+    ref_opt.zero_grad()
+    loss_of(ref, x).backward()
+    with torch.no_grad():
+        ref_before = ref(input_ids=y).logits
+    ref_opt.step()
+    with torch.no_grad():
+        ref_after = ref(input_ids=y).logits
+    assert rel_err(before_step, ref_before) <= 1e-5
+    assert rel_err(after_step, ref_after) <= 1e-5, "the forward after end_step used stale weights"
+
+
+# -- setup errors -------------------------------------------------------------------------------------------
+
+
+def test_frozen_parameter_rejected_before_any_ledger() -> None:
+    shm_before = _slidedp_shm()
+    model = tiny_model()
+    model.model.norm.weight.requires_grad_(False)
+    with pytest.raises(UnsupportedModelError, match="requires_grad"):
+        make_engine(model)
+    assert _slidedp_shm() <= shm_before
+
+
+def test_extra_parameter_next_to_the_model_rejected() -> None:
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_model()
+            self.probe = nn.Linear(64, 2)
+
+    with pytest.raises(UnsupportedModelError, match="probe.weight"):
+        make_engine(LM())
+
+
+def test_engine_finds_model_inside_wrapper(engines) -> None:
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = tiny_model()
+
+    root = LM()
+    ref = copy.deepcopy(root.net)
+    engine = engines(root)
+    assert engine.model is root.net
+    opt, ref_opt = adamw_groups(root), adamw_groups(ref)
+    engine.attach_optimizer(opt)
+    x = batches(1)[0]
+    loss_of(root.net, x).backward()
+    engine.end_step()
+    ref_opt.zero_grad()
+    loss_of(ref, x).backward()
+    ref_opt.step()
+    sd = engine.state_dict()
+    assert_rel_close({k.removeprefix("net."): v for k, v in sd.items()}, ref.state_dict())
+
+
+def test_multi_host_world_rejected() -> None:
+    with pytest.raises(ValueError, match="single host"):
+        SlideDPEngine(
+            tiny_model(), EngineConfig(), device=CPU, compute_dtype=torch.float32, world_size=4, local_world_size=2
+        )
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(grad_route="nope"), "grad_route"),
+        (dict(param_route="sharded"), "param_route"),
+        (dict(prefetch_window=0), "prefetch_window"),
+        (dict(update_threads=0), "update_threads"),
+        (dict(staging_slots=0), "staging_slots"),
+    ],
+)
+def test_engine_config_validation(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+# -- checkpoint round trip ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["gpu_reduce", "host_reduce"])
+def test_resume_from_state_dicts_matches_uninterrupted(engines, route: str) -> None:
+    model = tiny_model(tied=True)
+    ref = copy.deepcopy(model)
+    fresh = tiny_model(tied=True, seed=7)  # different initial weights: everything must come from the checkpoint
+    ref_opt = adamw_groups(ref)
+    engine = engines(model, grad_route=route)
+    opt = adamw_groups(model)
+    engine.attach_optimizer(opt)
+    data = batches(6)
+    for x in data[:3]:
+        loss_of(model, x).backward()
+        engine.end_step()
+    weights, opt_state = engine.state_dict(), engine.optimizer_state_dict(opt)
+    engine.close()
+
+    engine2 = engines(fresh, grad_route=route)
+    opt2 = adamw_groups(fresh)
+    engine2.attach_optimizer(opt2)
+    engine2.load_state_dict(weights)
+    engine2.load_optimizer_state_dict(opt2, opt_state)
+    assert engine2.step == 3
+    assert_rel_close(engine2.state_dict(), weights, tol=0.0)
+    led = engine2.ledger
+    assert torch.equal(led.bf16.view(torch.int16), led.master.to(torch.bfloat16).view(torch.int16))
+    losses = []
+    for x in data[3:]:
+        loss = loss_of(fresh, x)
+        loss.backward()
+        engine2.end_step()
+        losses.append(loss.item())
+
+    ref_losses = []
+    for x in data:
+        ref_opt.zero_grad()
+        loss = loss_of(ref, x)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    for a, b in zip(losses, ref_losses[3:]):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert_rel_close(engine2.state_dict(), ref.state_dict())
+
+
+def test_load_state_dict_strict_reports_mismatch(engines) -> None:
+    model = tiny_model()
+    engine = engines(model)
+    sd = engine.state_dict()
+    sd.pop("model.norm.weight")
+    sd["bogus"] = torch.zeros(1)
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        engine.load_state_dict(sd)
+    bad = engine.state_dict()
+    bad["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_state_dict(bad)

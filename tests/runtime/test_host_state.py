@@ -1,0 +1,179 @@
+"""runtime.host_state: ledger geometry, the shared-memory ledger file and the host memory check."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from slidedp_lightning.runtime.host_state import (
+    GUARD,
+    LEDGER_BYTES_PER_PARAM,
+    PAGE,
+    SHM_DIR,
+    HostLedger,
+    HostMemoryError,
+    LedgerGeometry,
+    check_host_memory,
+)
+
+ARRAYS = ("stamps", "master", "exp_avg", "exp_avg_sq", "bf16", "staging")
+
+
+def page(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def array_bytes(g: LedgerGeometry) -> dict[str, int]:
+    r, u, k = g.world_size, g.num_units, g.staging_slots
+    return {
+        "stamps": 8 * (u * r + r + r * k + r * r * k + 8),
+        "master": 4 * g.total,
+        "exp_avg": 4 * g.total,
+        "exp_avg_sq": 4 * g.total,
+        "bf16": 2 * g.total,
+        "staging": r * k * g.staging_elems * g.staging_itemsize,
+    }
+
+
+GEOMETRIES = [
+    LedgerGeometry(total=4 * 2048, num_units=4, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4),
+    LedgerGeometry(total=6 * 2048, num_units=3, world_size=2, staging_slots=2, staging_elems=4096, staging_itemsize=4),
+    LedgerGeometry(total=3 * 3072, num_units=5, world_size=3, staging_slots=3, staging_elems=3072, staging_itemsize=2),
+    LedgerGeometry(total=1024, num_units=1, world_size=1, staging_slots=1, staging_elems=1024, staging_itemsize=2),
+]
+
+
+@pytest.mark.parametrize("g", GEOMETRIES, ids=lambda g: f"T{g.total}-R{g.world_size}-K{g.staging_slots}")
+def test_geometry_bytes_and_offsets(g: LedgerGeometry) -> None:
+    sizes = array_bytes(g)
+    off = g.offsets
+    assert list(off) == [*ARRAYS, "end"]
+    assert sum(sizes[a] for a in ("master", "exp_avg", "exp_avg_sq", "bf16")) == LEDGER_BYTES_PER_PARAM * g.total
+    assert g.staging_bytes == sizes["staging"]
+    pos = 0
+    for name in ARRAYS:
+        assert off[name] % PAGE == 0, name
+        assert off[name] == pos, f"{name} starts right after the previous array's pages and guard"
+        if sizes[name]:
+            pos = page(pos + sizes[name]) + GUARD
+    assert off["end"] == pos == g.nbytes
+    # no overlap, and a guard of at least a page between consecutive non-empty arrays
+    spans = [(off[a], off[a] + sizes[a]) for a in ARRAYS if sizes[a]]
+    for (_, end0), (start1, _) in zip(spans, spans[1:]):
+        assert start1 - end0 >= GUARD
+    assert spans[-1][1] <= g.nbytes
+    # 14 B/param of the padded total plus the stamps, staging, page rounding and one guard per array
+    n_arrays = len(spans)
+    overhead = g.nbytes - LEDGER_BYTES_PER_PARAM * g.total - sizes["stamps"] - sizes["staging"]
+    assert 0 <= overhead < n_arrays * (GUARD + PAGE)
+
+
+@pytest.fixture
+def ledger_path():
+    path = os.path.join(SHM_DIR, f"pytest-slidedp-ledger-{uuid.uuid4().hex[:12]}")
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def test_create_attach_share_and_unlink(ledger_path: str) -> None:
+    g = LedgerGeometry(total=2048, num_units=2, world_size=2, staging_slots=2, staging_elems=1024, staging_itemsize=4)
+    a = HostLedger(ledger_path, g, create=True)
+    assert os.path.exists(ledger_path)
+    assert os.path.getsize(ledger_path) == g.nbytes
+    b = HostLedger(ledger_path, g, create=False)
+    for led in (a, b):
+        assert led.master.dtype == torch.float32 and led.master.numel() == g.total
+        assert led.exp_avg.numel() == led.exp_avg_sq.numel() == g.total
+        assert led.bf16.dtype == torch.bfloat16 and led.bf16.numel() == g.total
+        assert led.staging is not None and tuple(led.staging.shape) == (2, 2, 1024)
+        assert led.version.shape == (2, 2) and led.pids.shape == (2,)
+        assert led.grad_gen.shape == (2, 2) and led.consumed.shape == (2, 2, 2)
+    assert a.owner and not b.owner
+
+    # a fresh file is zero
+    assert not a.master.any() and not a.exp_avg_sq.any() and not a.version.any()
+
+    a.master[5] = 3.0
+    b.exp_avg[-1] = -2.0
+    a.bf16[7] = 1.5
+    a.version[1, 0] = 7
+    b.consumed[1, 0, 1] = 9
+    b.staging[1, 0, 3] = 4.0
+    assert b.master[5].item() == 3.0
+    assert a.exp_avg[-1].item() == -2.0
+    assert b.bf16[7].item() == 1.5
+    assert b.version[1, 0] == 7
+    assert a.consumed[1, 0, 1] == 9
+    assert a.staging[1, 0, 3].item() == 4.0
+    # the arrays are distinct regions of the file
+    assert a.exp_avg[5].item() == 0.0 and a.exp_avg_sq[5].item() == 0.0 and a.master[-1].item() == 0.0
+
+    # the numpy views the kernels use are the same memory
+    master, _, _, bf16 = b.np_arrays()
+    master[6] = 11.0
+    assert a.master[6].item() == 11.0
+    assert bf16.dtype.name == "uint16" and bf16[7] == a.bf16[7:8].view(torch.int16).item()
+
+    b.unlink()  # not the owner: keeps the name
+    assert os.path.exists(ledger_path)
+    a.unlink()
+    assert not os.path.exists(ledger_path)
+    a.unlink()  # idempotent
+    # both mappings still work after the name is gone
+    a.exp_avg_sq[10] = 5.0
+    b.master[11] = 6.0
+    assert b.exp_avg_sq[10].item() == 5.0
+    assert a.master[11].item() == 6.0
+    a.close()
+    b.close()
+    assert a.master is None and b.master is None
+
+
+def test_create_refuses_existing_file(ledger_path: str) -> None:
+    g = LedgerGeometry(total=1024, num_units=1, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
+    a = HostLedger(ledger_path, g, create=True)
+    try:
+        with pytest.raises(FileExistsError):
+            HostLedger(ledger_path, g, create=True)
+    finally:
+        a.close()
+    assert not os.path.exists(ledger_path)
+
+
+def test_no_staging_for_gpu_reduce(ledger_path: str) -> None:
+    g = LedgerGeometry(total=1024, num_units=1, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
+    led = HostLedger(ledger_path, g, create=True)
+    try:
+        assert led.staging is None
+        assert g.staging_bytes == 0
+    finally:
+        led.close()
+
+
+def test_check_host_memory_absurd_size_raises() -> None:
+    g = LedgerGeometry(total=10**13, num_units=4, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
+    with pytest.raises(HostMemoryError) as info:
+        check_host_memory(g, num_params=10**13)
+    msg = str(info.value)
+    assert f"{g.nbytes / (1 << 30):.2f} GiB" in msg
+    assert "10,000,000,000,000 params" in msg
+    assert SHM_DIR in msg
+    assert isinstance(info.value, MemoryError)
+
+
+def test_check_host_memory_mentions_staging() -> None:
+    g = LedgerGeometry(
+        total=10**12, num_units=4, world_size=2, staging_slots=2, staging_elems=10**11, staging_itemsize=4
+    )
+    with pytest.raises(HostMemoryError, match="host_reduce staging") as info:
+        check_host_memory(g, num_params=10**12)
+    assert f"{g.staging_bytes / (1 << 30):.2f} GiB host_reduce staging" in str(info.value)
+
+
+def test_check_host_memory_small_passes() -> None:
+    g = LedgerGeometry(total=4096, num_units=2, world_size=1, staging_slots=2, staging_elems=2048, staging_itemsize=4)
+    check_host_memory(g, num_params=4000)

@@ -1,0 +1,393 @@
+"""SlideDPStrategy unit tests: registration, configuration errors and in-process (world size 1) fits."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import slidedp_lightning
+from slidedp_lightning import SlideDPPrecision, SlideDPStrategy
+from slidedp_lightning.runtime.update import UnsupportedOptimizerError
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def _quiet_and_clean():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tiny_model(tied: bool = True) -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )  # fmt: skip
+    return Qwen3ForCausalLM(cfg)
+
+
+def adamw(params, lr: float = 3e-3):
+    params = list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.model = tiny_model()
+        self.losses: list[float] = []
+        self.batches: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.batches.append(batch.detach().clone())
+        self.param_dtypes = {p.dtype for p in self.parameters()}
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        return adamw(self.parameters())
+
+
+def data(n: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(torch.randint(0, VOCAB, (n, 12), generator=g), batch_size=2)
+
+
+def trainer(**kw) -> L.Trainer:
+    kw.setdefault("strategy", "slidedp")
+    kw.setdefault("max_steps", 1)
+    return L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **kw,
+    )  # fmt: skip
+
+
+def slidedp_shm() -> set[str]:
+    return set(glob.glob("/dev/shm/slidedp-*"))
+
+
+# -- registration and construction ----------------------------------------------------------------------
+
+
+def test_import_registers_strategies() -> None:
+    assert slidedp_lightning.SlideDPStrategy is SlideDPStrategy
+    for name in ("slidedp", "slidedp_spawn"):
+        assert name in StrategyRegistry
+        assert StrategyRegistry[name]["strategy"] is SlideDPStrategy
+    assert StrategyRegistry["slidedp_spawn"]["init_params"] == {"start_method": "spawn"}
+
+
+def test_trainer_builds_with_registered_names() -> None:
+    t = L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(t.strategy, SlideDPStrategy)
+    assert t.strategy._start_method == "popen"
+    assert isinstance(t.strategy.precision_plugin, SlideDPPrecision)
+    assert t.strategy.precision_plugin.precision == "32-true"
+    assert t.strategy.precision_plugin.compute_dtype == torch.float32
+    assert t.strategy.engine is None
+    t = L.Trainer(strategy="slidedp_spawn", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(t.strategy, SlideDPStrategy) and t.strategy._start_method == "spawn"
+
+
+def test_trainer_bf16_mixed() -> None:
+    t = L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
+    assert isinstance(t.strategy.precision_plugin, SlideDPPrecision)
+    assert t.strategy.precision_plugin.compute_dtype == torch.bfloat16
+
+
+def test_strategy_instance_keeps_options() -> None:
+    s = SlideDPStrategy(grad_route="host_reduce", prefetch_window=3, update_threads=2, meta_init=True)
+    assert s.engine_config.grad_route == "host_reduce"
+    assert s.engine_config.prefetch_window == 3
+    assert s.engine_config.update_threads == 2
+    assert s.meta_init
+    t = L.Trainer(strategy=s, accelerator="cpu", devices=1, logger=False)
+    assert t.strategy is s
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(grad_route="nope"), "grad_route"),
+        (dict(param_route="sharded"), "param_route"),
+        (dict(prefetch_window=0), "prefetch_window"),
+        (dict(update_threads=0), "update_threads"),
+        (dict(start_method="bogus"), "start_method"),
+        (dict(restore_module="sometimes"), "restore_module"),
+    ],
+)
+def test_bad_strategy_config_raises(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as info:
+        SlideDPStrategy(**kw)
+    assert repr(next(iter(kw.values()))) in str(info.value), "the message shows the rejected value"
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])
+def test_unsupported_precision_raises(precision: str) -> None:
+    with pytest.raises(ValueError, match="32-true") as info:
+        L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, precision=precision, logger=False)
+    assert "bf16-mixed" in str(info.value)
+    assert precision in str(info.value)
+    assert not dist.is_initialized()
+
+
+def test_precision_plugin_rejects_other_names() -> None:
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        SlideDPPrecision("16-mixed")
+
+
+def test_num_nodes_2_raises() -> None:
+    with pytest.raises(ValueError, match="num_nodes"):
+        L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, num_nodes=2, logger=False)
+    assert not dist.is_initialized()
+
+
+# -- fit-time checks --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, flag",
+    [(dict(gradient_clip_val=1.0), "gradient_clip_val"), (dict(accumulate_grad_batches=2), "accumulate_grad_batches")],
+)
+def test_unsupported_trainer_flags_raise_before_setup(kw: dict, flag: str) -> None:
+    shm_before = slidedp_shm()
+    module = TinyLM()
+    params_before = {n: p for n, p in module.named_parameters()}
+    values_before = {n: p.detach().clone() for n, p in params_before.items()}
+    t = trainer(**kw)
+    with pytest.raises(ValueError, match=flag):
+        t.fit(module, data())
+    assert t.strategy.engine is None
+    assert module.losses == []
+    # no state touched: the very same parameter objects, unchanged, no ledger file
+    for n, p in module.named_parameters():
+        assert p is params_before[n]
+        assert torch.equal(p.detach(), values_before[n])
+    assert slidedp_shm() <= shm_before
+
+
+def test_sgd_raises_unsupported_optimizer_and_restores_module() -> None:
+    shm_before = slidedp_shm()
+    module = TinyLM("sgd")
+    values_before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    t = trainer()
+    with pytest.raises(UnsupportedOptimizerError, match="SGD"):
+        t.fit(module, data())
+    assert module.losses == []
+    assert t.strategy.engine is None
+    # the engine was torn down: ordinary CPU FP32 parameters with the original values, tie kept
+    for n, p in module.named_parameters():
+        assert p.device.type == "cpu" and p.dtype == torch.float32 and not p.is_meta
+        assert torch.equal(p.detach(), values_before[n]), n
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    assert slidedp_shm() <= shm_before
+
+
+def test_fit_bf16_mixed_streams_bf16_and_keeps_fp32_master() -> None:
+    module = TinyLM()
+    ref = copy.deepcopy(module.model)
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    t = trainer(max_steps=3, precision="bf16-mixed")
+    t.fit(module, data())
+    assert module.param_dtypes == {torch.bfloat16}, "units stream as the ledger's BF16 copy"
+    assert {p.dtype for p in module.model.parameters()} == {torch.float32}, "restored from the FP32 master"
+    ref_opt = adamw(ref.parameters())
+    for batch, loss in zip(module.batches, module.losses):
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = ref(input_ids=batch, labels=batch).loss
+        ref_loss.backward()
+        ref_opt.step()
+        assert abs(loss - ref_loss.item()) <= 2e-3 * abs(ref_loss.item())
+    still = [n for n, p in module.model.named_parameters() if torch.equal(p.detach(), initial[n])]
+    assert not still, f"parameters never updated: {still}"
+
+
+def test_fit_matches_plain_adamw() -> None:
+    """A whole in-process fit (world size 1): losses and the restored weights equal plain torch AdamW."""
+    shm_before = slidedp_shm()
+    module = TinyLM()
+    ref = copy.deepcopy(module.model)
+    t = trainer(max_steps=3)
+    t.fit(module, data())
+    assert t.global_step == 3
+    assert t.strategy.engine is None  # torn down
+
+    # Lightning's distributed sampler shuffles training data: replay the batches the strategy was given
+    assert len(module.batches) == 3
+    rows = {tuple(r.tolist()) for r in data().dataset}
+    assert all(tuple(r.tolist()) in rows for b in module.batches for r in b)
+    ref_opt = adamw(ref.parameters())
+    ref_losses = []
+    for batch in module.batches:
+        ref_opt.zero_grad()
+        loss = ref(input_ids=batch, labels=batch).loss
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+    assert len(module.losses) == 3
+    for a, b in zip(module.losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    ref_sd = ref.state_dict()
+    for n, p in module.model.named_parameters():
+        assert p.device.type == "cpu" and p.dtype == torch.float32
+        err = ((p.detach() - ref_sd[n]).abs().max() / ref_sd[n].abs().max()).item()
+        assert err <= 1e-5, f"{n}: relative error {err:.3g}"
+    assert module.param_dtypes == {torch.float32}
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    assert slidedp_shm() <= shm_before
+
+
+# -- checkpoints and validation ---------------------------------------------------------------------------
+
+
+def train_reference(ref: torch.nn.Module, ref_opt, batch_list) -> list[float]:
+    losses = []
+    for batch in batch_list:
+        ref_opt.zero_grad()
+        loss = ref(input_ids=batch, labels=batch).loss
+        loss.backward()
+        ref_opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def test_checkpoint_during_fit_and_resume(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = TinyLM()
+    ref = copy.deepcopy(module.model)
+    ref_opt = adamw(ref.parameters())
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="ck")
+    t = L.Trainer(
+        strategy="slidedp", accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[cb],
+    )  # fmt: skip
+    t.fit(module, data())
+    train_reference(ref, ref_opt, module.batches)
+    ckpt = torch.load(tmp_path / "ck.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2
+    # the model: FP32 master weights, keyed as the LightningModule's state dict
+    ref_sd = ref.state_dict()
+    assert ckpt["state_dict"].keys() == {f"model.{k}" for k in ref_sd}
+    for k, v in ref_sd.items():
+        assert ckpt["state_dict"][f"model.{k}"].dtype == torch.float32
+        assert rel_err(ckpt["state_dict"][f"model.{k}"], v) <= 1e-5, k
+    # the optimizer: torch AdamW's own format, moments from the ledger
+    saved, expected = ckpt["optimizer_states"][0], ref_opt.state_dict()
+    assert saved["state"].keys() == expected["state"].keys()
+    for i, s in expected["state"].items():
+        assert float(saved["state"][i]["step"]) == float(s["step"]) == 2.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert rel_err(saved["state"][i][key], s[key]) <= 1e-5, (i, key)
+    assert [len(g["params"]) for g in saved["param_groups"]] == [len(g["params"]) for g in expected["param_groups"]]
+
+    # resume into a module with different initial weights: everything comes from the checkpoint
+    dist.destroy_process_group()
+    resumed = TinyLM()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)
+    t2 = trainer(max_steps=4)
+    t2.fit(resumed, data(), ckpt_path=str(tmp_path / "ck.ckpt"))
+    assert t2.global_step == 4 and len(resumed.batches) == 2
+    ref_losses = train_reference(ref, ref_opt, resumed.batches)
+    for a, b in zip(resumed.losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    ref_sd = ref.state_dict()
+    for n, p in resumed.model.named_parameters():
+        assert rel_err(p.detach(), ref_sd[n]) <= 1e-5, n
+
+
+def test_save_checkpoint_after_fit_keeps_optimizer_state_or_refuses(tmp_path) -> None:
+    module = TinyLM()
+    n_params = sum(1 for _ in module.parameters())
+    t = trainer(max_steps=2)
+    t.fit(module, data())
+    path = tmp_path / "after_fit.ckpt"
+    try:
+        t.save_checkpoint(path)
+    except Exception:
+        return  # refusing is acceptable: the moments are gone
+    state = torch.load(path, weights_only=False)["optimizer_states"][0]["state"]
+    assert len(state) == n_params, "Adam moments missing from the checkpoint"
+    assert all(float(s["step"]) == 2.0 for s in state.values())
+
+
+class ValidatedLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_losses: list[float] = []
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.val_losses.append(loss.item())
+        return loss
+
+
+def test_validation_between_steps_sees_current_weights() -> None:
+    """No-grad forwards (sanity check, validation) between training steps stream the current weights."""
+    module = ValidatedLM()
+    ref = copy.deepcopy(module.model)
+    val = DataLoader(data().dataset[:2], batch_size=2)
+    t = L.Trainer(
+        strategy="slidedp", accelerator="cpu", devices=1, max_steps=4, val_check_interval=2, num_sanity_val_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    t.fit(module, data(), val)
+    assert len(module.batches) == 4
+    val_batch = next(iter(val))
+
+    def ref_val() -> float:
+        with torch.no_grad():
+            return ref(input_ids=val_batch, labels=val_batch).loss.item()
+
+    ref_opt = adamw(ref.parameters())
+    expected = [ref_val()]  # sanity check
+    for i, batch in enumerate(module.batches, 1):
+        (loss,) = train_reference(ref, ref_opt, [batch])
+        assert abs(module.losses[i - 1] - loss) <= 1e-5 * abs(loss)
+        if i % 2 == 0:
+            expected.append(ref_val())
+    assert len(module.val_losses) == len(expected) == 3
+    for a, b in zip(module.val_losses, expected):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_validate_without_fit() -> None:
+    module = ValidatedLM()
+    expected = module.model(input_ids=data().dataset[:2], labels=data().dataset[:2]).loss.item()
+    values = {n: p.detach().clone() for n, p in module.named_parameters()}
+    t = trainer()
+    t.validate(module, DataLoader(data().dataset[:2], batch_size=2), verbose=False)
+    assert module.val_losses == [pytest.approx(expected, rel=1e-6)]
+    for n, p in module.named_parameters():
+        assert torch.equal(p.detach(), values[n]), n
+    assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
