@@ -129,6 +129,7 @@ def main(path: str) -> None:
         strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=cfg.get("precision", "32-true"),
         max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=cfg.get("distributed_sampler", True),
     )  # fmt: skip
     trainer.fit(module)
     if trainer.global_rank == 0:

@@ -35,8 +35,10 @@ def _compare(ref, got, ranks: int) -> None:
 
 def reference(job_runner, tied: bool, devices: int = 2):
     strategy = "ddp" if devices > 1 else "single"
+    # one process: no DistributedSampler on either side, so both see the loader's own order
+    extra = {} if devices > 1 else {"distributed_sampler": False}
     ref = job_runner(f"ref_{strategy}_tied{int(tied)}", strategy=strategy, devices=devices, tied=tied,
-                     steps=STEPS, batch=BATCH)  # fmt: skip
+                     steps=STEPS, batch=BATCH, **extra)  # fmt: skip
     _assert_ok(ref)
     return ref
 
@@ -68,7 +70,7 @@ def test_two_ranks_equal_ddp_adamw(job_runner, case):
 def test_one_rank_equals_single_process(job_runner, grad_route):
     ref = reference(job_runner, tied=True, devices=1)
     got = job_runner(f"slidedp_1rank_{grad_route}", strategy="slidedp", devices=1, tied=True, steps=STEPS,
-                     batch=BATCH, grad_route=grad_route)  # fmt: skip
+                     batch=BATCH, grad_route=grad_route, distributed_sampler=False)  # fmt: skip
     _assert_ok(got)
     _compare(ref, got, ranks=1)
 
