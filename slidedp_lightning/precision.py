@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -30,29 +30,10 @@ class SlideDPPrecision(Precision):
         return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float32
 
     def forward_context(self) -> Any:
+        """Lightning's step contexts (train/val/test/predict) all enter this."""
         if self.precision == "bf16-mixed":
             return torch.autocast(self.device, dtype=torch.bfloat16)
         return nullcontext()
-
-    @contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
-        with self.forward_context():
-            yield
-
-    @contextmanager
-    def val_step_context(self) -> Generator[None, None, None]:
-        with self.forward_context():
-            yield
-
-    @contextmanager
-    def test_step_context(self) -> Generator[None, None, None]:
-        with self.forward_context():
-            yield
-
-    @contextmanager
-    def predict_step_context(self) -> Generator[None, None, None]:
-        with self.forward_context():
-            yield
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Run forward + backward only: the update happens on the CPU as gradients land, not in ``optimizer.step``."""
