@@ -1,11 +1,13 @@
 """Host-side optimizer kernels: fused Numba Adam/AdamW, bf16 conversion, thread budgets."""
 
 from cpu_ops.adamw import adamw_update, adamw_update_sum
+from cpu_ops.bandwidth import adam_shaped_copy, update_bytes_per_param
 from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
 from cpu_ops.threads import physical_cores, set_kernel_threads, thread_budget
 from cpu_ops.warmup import is_vectorized, warmup
 
 __all__ = [
+    "adam_shaped_copy",
     "adamw_update",
     "adamw_update_sum",
     "bf16_to_fp32",
@@ -14,5 +16,6 @@ __all__ = [
     "physical_cores",
     "set_kernel_threads",
     "thread_budget",
+    "update_bytes_per_param",
     "warmup",
 ]

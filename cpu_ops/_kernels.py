@@ -63,7 +63,7 @@ def f32_to_bf16_bits(x):
 
 def as_f32(x):
     """float32 value of a gradient element: a float32, or raw bf16 bits (uint16)."""
-    raise NotImplementedError("only callable from Numba-compiled code")
+    raise TypeError("as_f32 is only callable from Numba-compiled code")
 
 
 @overload(as_f32, inline="always")
@@ -132,6 +132,30 @@ def adamw_bf16_out_kernel(param, exp_avg, exp_avg_sq, grads, bf16_out, grad_scal
         exp_avg[i] = m
         exp_avg_sq[i] = v
         bf16_out[i] = f32_to_bf16_bits(p)
+
+
+@njit(**KERNEL_OPTIONS)
+def adam_shaped_copy_kernel(param, exp_avg, exp_avg_sq, grads):
+    """Moves exactly the bytes of :func:`adamw_kernel` with trivial math: that update's bandwidth ceiling."""
+    one = np.float32(1.0)
+    for i in prange(param.shape[0]):
+        g = _summed_grad(grads, i, one)
+        param[i] = param[i] - g
+        exp_avg[i] = exp_avg[i] + g
+        exp_avg_sq[i] = exp_avg_sq[i] + g
+
+
+@njit(**KERNEL_OPTIONS)
+def adam_shaped_copy_bf16_out_kernel(param, exp_avg, exp_avg_sq, grads, bf16_out):
+    """Moves exactly the bytes of :func:`adamw_bf16_out_kernel` with trivial math (a truncating bf16 copy)."""
+    one = np.float32(1.0)
+    for i in prange(param.shape[0]):
+        g = _summed_grad(grads, i, one)
+        p = param[i] - g
+        param[i] = p
+        exp_avg[i] = exp_avg[i] + g
+        exp_avg_sq[i] = exp_avg_sq[i] + g
+        bf16_out[i] = np.uint16(np.float32(p).view(np.uint32) >> _U16)
 
 
 @njit(**KERNEL_OPTIONS)

@@ -123,6 +123,11 @@ def adamw_update_sum(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndar
     """
     hyper = _hyperparameters(step, lr, beta1, beta2, eps, weight_decay, decoupled, grad_scale)
     n = _check_state(param, exp_avg, exp_avg_sq)
+    _run(param, exp_avg, exp_avg_sq, grad_rows(grads, n), bf16_out, hyper)
+
+
+def grad_rows(grads: np.ndarray, n: int) -> tuple:
+    """Validate an (R, n) gradient-slot array (contiguous rows, any row stride) as a tuple of rows."""
     check_array("grads", grads, _GRAD_DTYPES, ndim=2)
     if grads.shape[0] < 1 or grads.shape[1] != n:
         raise ValueError(f"grads must have shape (R >= 1, {n}), got {grads.shape}")
@@ -131,4 +136,4 @@ def adamw_update_sum(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndar
             f"each row of grads must be contiguous (strides {grads.strides}, element stride "
             f"must be {grads.itemsize}); only the row stride may be larger than the row"
         )
-    _run(param, exp_avg, exp_avg_sq, tuple(grads), bf16_out, hyper)
+    return tuple(grads)

@@ -1,0 +1,136 @@
+"""Benchmark results: one directory with markdown tables, JSON and TensorBoard scalars, and the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One implementation at one configuration: the median of interleaved rounds."""
+
+    suite: str
+    case: str
+    size_m: int
+    threads: int
+    median_s: float
+    bytes_per_param: int
+    rounds: int
+
+    @property
+    def gparam_s(self) -> float:
+        return self.size_m * 1e6 / self.median_s / 1e9
+
+    @property
+    def gb_s(self) -> float:
+        return self.gparam_s * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A same-process ratio checked against a target (an acceptance criterion)."""
+
+    suite: str
+    label: str
+    size_m: int
+    threads: int
+    value: float
+    target: float
+
+    @property
+    def applies(self) -> bool:
+        return self.target > 0
+
+    @property
+    def ok(self) -> bool:
+        return self.value >= self.target
+
+
+def machine() -> dict[str, object]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+@dataclass
+class BenchReport:
+    out: Path
+    measurements: list[Measurement] = field(default_factory=list)
+    ratios: list[Ratio] = field(default_factory=list)
+    notes: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, m: Measurement) -> None:
+        self.measurements.append(m)
+
+    def ratio(self, r: Ratio) -> None:
+        self.ratios.append(r)
+
+    def note(self, suite: str, text: str) -> None:
+        if text not in self.notes[suite]:
+            self.notes[suite].append(text)
+
+    def markdown_sections(self) -> list[str]:
+        out = []
+        for suite in dict.fromkeys(m.suite for m in self.measurements):
+            ms = [m for m in self.measurements if m.suite == suite]
+            configs = sorted({(m.size_m, m.threads) for m in ms})
+            lines = [f"### {suite}", "", "Gparam/s (GB/s at the case's bytes/param), median of interleaved rounds", ""]
+            lines.append("| case | B/param | " + " | ".join(f"{s}M x{t}T" for s, t in configs) + " |")
+            lines.append("|---|---|" + "---|" * len(configs))
+            by = {(m.case, m.size_m, m.threads): m for m in ms}
+            for case in dict.fromkeys(m.case for m in ms):
+                bpp = next(m.bytes_per_param for m in ms if m.case == case)
+                cells = []
+                for s, t in configs:
+                    m = by.get((case, s, t))
+                    cells.append(f"{m.gparam_s:.2f} ({m.gb_s:.0f})" if m else "-")
+                lines.append(f"| {case} | {bpp} | " + " | ".join(cells) + " |")
+            rs = [r for r in self.ratios if r.suite == suite]
+            if rs:
+                lines += ["", "| ratio | config | value | target | met |", "|---|---|---|---|---|"]
+                for r in rs:
+                    target, met = (f">= {r.target:g}", "yes" if r.ok else "NO") if r.applies else ("-", "-")
+                    lines.append(f"| {r.label} | {r.size_m}M x{r.threads}T | {r.value:.3f} | {target} | {met} |")
+            lines += [""] + [f"- {n}" for n in self.notes.get(suite, [])]
+            out.append("\n".join(lines))
+        return out
+
+    def write(self) -> list[Path]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        info = machine()
+        md = self.out / "report.md"
+        head = f"# Benchmark results\n\nmachine: {json.dumps(info)}\n\n"
+        md.write_text(head + "\n\n".join(self.markdown_sections()) + "\n")
+        js = self.out / "results.json"
+        js.write_text(json.dumps({
+            "machine": info,
+            "measurements": [asdict(m) | {"gparam_s": m.gparam_s, "gb_s": m.gb_s} for m in self.measurements],
+            "ratios": [asdict(r) | {"ok": r.ok} for r in self.ratios],
+            "notes": dict(self.notes),
+        }, indent=1))  # fmt: skip
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = self.out / "tensorboard"
+        with SummaryWriter(str(tb)) as writer:
+            for m in self.measurements:
+                writer.add_scalar(f"{m.suite}/{m.case}/gparam_s/{m.threads}T", m.gparam_s, global_step=m.size_m)
+            for r in self.ratios:
+                writer.add_scalar(f"{r.suite}/ratio/{r.label}/{r.threads}T", r.value, global_step=r.size_m)
+        return [md, js, tb]
