@@ -134,17 +134,18 @@ def build_cases(b: Buffers) -> dict[str, tuple[Callable[[], None], int]]:
     return cases
 
 
+ALL = max(THREADS)
 RATIOS = [
-    # (label, numerator case, denominator case, target, sizes where the target applies (None: all))
+    # (label, numerator case, denominator case, target, sizes where it applies (None: all), threads (None: all))
     ("bf16 grad + bf16 copy / its ceiling", "cpu_ops bf16 grad + bf16 copy", "ceiling bf16 grad + bf16 copy", 0.95,
-     (64, 256)),
+     (64, 256), None),
     ("bf16 grad + bf16 copy / torch doing the same job", "cpu_ops bf16 grad + bf16 copy",
-     "torch bf16 job (cast up, fused, cast down)", 1.5, None),
-    ("fp32 / its ceiling", "cpu_ops fp32 grad", "ceiling fp32 grad", 0.95, None),
-    ("fp32 / torch AdamW fused", "cpu_ops fp32 grad", "torch AdamW fused=True", 1.0, (16, 64, 256)),
-    ("fp32 / DeepSpeedCPUAdam", "cpu_ops fp32 grad", "DeepSpeedCPUAdam fp32", 1.0, (16, 64, 256)),
-    ("sum R=2 / its ceiling", "cpu_ops sum R=2 bf16 + bf16 copy", "ceiling sum R=2 bf16 + bf16 copy", 0.9, None),
-    ("sum R=4 / its ceiling", "cpu_ops sum R=4 bf16 + bf16 copy", "ceiling sum R=4 bf16 + bf16 copy", 0.9, None),
+     "torch bf16 job (cast up, fused, cast down)", 1.5, None, None),
+    ("fp32 / its ceiling", "cpu_ops fp32 grad", "ceiling fp32 grad", 0.95, None, None),
+    ("fp32 / torch AdamW fused", "cpu_ops fp32 grad", "torch AdamW fused=True", 1.0, (16, 64, 256), (ALL,)),
+    ("fp32 / DeepSpeedCPUAdam", "cpu_ops fp32 grad", "DeepSpeedCPUAdam fp32", 1.0, (16, 64, 256), (ALL,)),
+    ("sum R=2 / its ceiling", "cpu_ops sum R=2 bf16 + bf16 copy", "ceiling sum R=2 bf16 + bf16 copy", 0.9, None, None),
+    ("sum R=4 / its ceiling", "cpu_ops sum R=4 bf16 + bf16 copy", "ceiling sum R=4 bf16 + bf16 copy", 0.9, None, None),
 ]  # fmt: skip
 
 
@@ -181,9 +182,9 @@ def test_cpu_adam(benchmark, bench_report, bench_rounds, size_m, threads):
         measured = times[name][1:]  # the first call was the warm-up round
         medians[name] = float(np.median(measured))
         bench_report.add(Measurement(SUITE, name, size_m, threads, medians[name], nbytes, len(measured)))
-    for label, num, den, target, sizes in RATIOS:
+    for label, num, den, target, sizes, thread_counts in RATIOS:
         if num in medians and den in medians:
-            applies = sizes is None or size_m in sizes
+            applies = (sizes is None or size_m in sizes) and (thread_counts is None or threads in thread_counts)
             # throughput ratio = time ratio inverted
             bench_report.ratio(Ratio(SUITE, label, size_m, threads, medians[den] / medians[num],
                                      target if applies else 0.0))  # fmt: skip
