@@ -48,7 +48,8 @@ class SlideDPStrategy(ParallelStrategy):
     Args:
         grad_route: ``"gpu_reduce"`` (reduce-scatter on the devices, 1x host traffic) or ``"host_reduce"``
             (every rank copies its gradient to shared memory; owners sum inside the update).
-        param_route: ``"full"``: every rank copies each whole unit host->device.
+        param_route: ``"full"``: every rank copies each whole unit host->device (R x host traffic);
+            ``"sharded"``: every rank copies its 1/R shard, then the ranks all-gather the unit on the devices.
         prefetch_window: units resident at once in the streaming direction (>= 1).
         update_threads: CPU threads per rank for the update; default physical cores / local ranks.
         meta_init: run ``configure_model`` under the meta device: local rank 0 materializes and initializes
@@ -56,6 +57,8 @@ class SlideDPStrategy(ParallelStrategy):
         restore_module: after fit/validate, give the LightningModule ordinary FP32 CPU parameters again
             (copies of the master, on every rank); ``False`` leaves them on the meta device; ``"auto"`` restores
             when the copies fit in half of the available host memory.
+        trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
+            host time, overlap fraction), a Gantt figure of step 2 and ``trace_rank{r}.json`` (Chrome/Perfetto).
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
         timeout: process-group timeout; also bounds every wait on another rank.
     """
@@ -76,6 +79,7 @@ class SlideDPStrategy(ParallelStrategy):
         update_threads: Optional[int] = None,
         meta_init: bool = False,
         restore_module: Union[bool, str] = "auto",
+        trace_dir: Optional[str] = None,
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -98,6 +102,7 @@ class SlideDPStrategy(ParallelStrategy):
             prefetch_window=prefetch_window,
             update_threads=update_threads,
             timeout_s=timeout.total_seconds(),
+            trace_dir=trace_dir,
         )
         self.meta_init = meta_init
         self.restore_module = restore_module

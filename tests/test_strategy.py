@@ -131,7 +131,7 @@ def test_strategy_instance_keeps_options() -> None:
     "kw, match",
     [
         (dict(grad_route="nope"), "grad_route"),
-        (dict(param_route="sharded"), "param_route"),
+        (dict(param_route="diagonal"), "param_route"),
         (dict(prefetch_window=0), "prefetch_window"),
         (dict(update_threads=0), "update_threads"),
         (dict(start_method="bogus"), "start_method"),

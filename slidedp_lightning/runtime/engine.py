@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,12 +29,13 @@ from slidedp_lightning.runtime.host_state import (
 )
 from slidedp_lightning.runtime.layout import Layout, build_layout
 from slidedp_lightning.runtime.params import UnitResidency
-from slidedp_lightning.runtime.sync import Liveness, wait_until
+from slidedp_lightning.runtime.sync import Liveness, lane_delay, set_lane_delay, wait_until
+from slidedp_lightning.runtime.trace import Tracer
 from slidedp_lightning.runtime.update import UpdateLane, UpdateTask, read_hyper, validate_optimizer
 
 log = logging.getLogger(__name__)
 
-PARAM_ROUTES = ("full",)
+PARAM_ROUTES = ("full", "sharded")
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,15 @@ class EngineConfig:
     update_threads: int | None = None
     staging_slots: int = 2
     timeout_s: float = 1800.0
+    trace_dir: str | None = None
+    # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
+    lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
     def __post_init__(self) -> None:
         if self.grad_route not in GRAD_ROUTES:
             raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {self.grad_route!r}.")
         if self.param_route not in PARAM_ROUTES:
-            raise ValueError(
-                f"param_route must be one of {PARAM_ROUTES}, got {self.param_route!r}; "
-                "the sharded route (H2D of a 1/R shard + all-gather) is not available yet."
-            )
+            raise ValueError(f"param_route must be one of {PARAM_ROUTES}, got {self.param_route!r}.")
         if not isinstance(self.prefetch_window, int) or self.prefetch_window < 1:
             raise ValueError(f"prefetch_window must be an integer >= 1, got {self.prefetch_window!r}.")
         if self.update_threads is not None and (not isinstance(self.update_threads, int) or self.update_threads < 1):
@@ -171,16 +172,25 @@ class SlideDPEngine:
             timeout_s=self.config.timeout_s,
             own_error=lambda: self.lane.error if self.lane is not None else None,
         )
+        self.tracer = Tracer(self.config.trace_dir, self.rank)
+        set_lane_delay(self.config.lane_delay_ms)
+        if self.config.lane_delay_ms:
+            log.warning("SlideDP fault injection: random delays up to %.1f ms in every lane", self.config.lane_delay_ms)
+        # the H2D lane issues all-gathers while backward issues reduce-scatters: separate groups keep each
+        # group's collectives in one deterministic order
+        route = self.config.param_route if self.world_size > 1 else "full"
+        param_group = dist.new_group(list(range(self.world_size))) if route == "sharded" else None
         self.residency = UnitResidency(
-            self.layout, self.ledger, self.device, self.compute_dtype, self.config.prefetch_window, self.liveness
-        )
+            self.layout, self.ledger, self.device, self.compute_dtype, self.config.prefetch_window, self.liveness,
+            self.tracer, route, self.rank, param_group,
+        )  # fmt: skip
         self.residency.bind()
         self.routes = GradRoute(
             self.config.grad_route, self.layout, self.ledger, self.rank, self.world_size, self.group,
-            self.device, self.liveness,
+            self.device, self.liveness, self.tracer,
         )  # fmt: skip
         threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
-        self.lane = UpdateLane(self.ledger, self.layout, self.rank, threads)
+        self.lane = UpdateLane(self.ledger, self.layout, self.rank, threads, self.tracer)
         self._install_hooks()
         jit_s = cpu_ops.warmup(sum_rows=(self.world_size,))
         gib = 1 << 30
@@ -261,16 +271,25 @@ class SlideDPEngine:
         self._any_grad = False
         self._callback_queued = False
         self._hyper = None
+        self._step_t0: float | None = None  # tracing: the step's first training forward
+        self._mark = 0.0  # tracing: when the compute thread last resumed compute
 
     def _make_pre_forward(self, units: tuple[int, ...]):
         def hook(module, args):
             self.lane.raise_if_failed()
+            lane_delay()
+            if self.tracer.enabled and self._step_t0 is None and torch.is_grad_enabled():
+                self._step_t0 = time.perf_counter()
             self.residency.acquire(units, self.step, backward=False)
+            self._mark = time.perf_counter()
 
         return hook
 
     def _make_post_forward(self, units: tuple[int, ...]):
         def hook(module, args, output):
+            if self.tracer.enabled and torch.is_grad_enabled():
+                self.tracer.record("compute", "forward", self.step, self._mark, time.perf_counter(), units[-1])
+                self._mark = 0.0  # loss, logging and the loop run outside the units: backward starts at its hook
             self.residency.release(units)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._on_output_grad(units))
@@ -287,7 +306,14 @@ class SlideDPEngine:
                 "gradient was reduced and handed to the CPU update; a second gradient before the optimizer step "
                 "(accumulate_grad_batches > 1, several backward calls per step) is not supported yet."
             )
-        self.residency.acquire(units, self.step, backward=True)
+        self._compute_until_now(units[-1])
+        self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
+        self._mark = time.perf_counter()
+
+    def _compute_until_now(self, unit: int) -> None:
+        """Tracing: the compute thread ran backward from the last mark until this hook."""
+        if self.tracer.enabled and self._mark:
+            self.tracer.record("compute", "backward", self.step, self._mark, time.perf_counter(), unit)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         ui, si = self._slot_of[id(param)]
@@ -308,16 +334,21 @@ class SlideDPEngine:
             self._unit_ready(ui)
 
     def _unit_ready(self, u: int) -> None:
+        self._compute_until_now(u)
         self.residency.release_backward(u)
         grads, self._grads[u] = self._grads[u], [None] * len(self._grads[u])
         if self._optimizer is None:
             raise RuntimeError("SlideDP got gradients but no optimizer is attached; call attach_optimizer first.")
         if self._hyper is None:
             self._hyper = read_hyper(self._optimizer)
-        source = self.routes.dispatch(u, grads)
+        with self.tracer.span("reduce", "issue", self.step, u):
+            source = self.routes.dispatch(u, grads, self.step)
         self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, self.routes.grad_scale))
+        self._mark = time.perf_counter()
 
     def _check_backward_complete(self) -> None:
+        self._compute_until_now(0)
+        self._mark = 0.0
         self._callback_queued = False
         missing = [
             s.name for ui, u in enumerate(self.layout.units) if self._pending[ui] for s, g in zip(u.slots, self._grads[ui])
@@ -337,6 +368,8 @@ class SlideDPEngine:
             return False
         if any(self._pending):
             self._check_backward_complete()
+        if self.tracer.enabled:
+            self.tracer.mark_step(self.step, self._step_t0 or time.perf_counter(), time.perf_counter())
         self.step += 1
         self._reset_step_grads()
         return True
@@ -476,9 +509,11 @@ class SlideDPEngine:
             self._handles.clear()
             if self.lane is not None:
                 self.lane.close(wait_s=1.0 if self._aborted else 30.0)
+            if hasattr(self, "tracer"):
+                self.tracer.close()
             if hasattr(self, "residency"):
                 self.residency.evict_all()
                 self.residency.unbind(restore)
-                self.residency.close()
+                self.residency.close(wait=not self._aborted)
             if self.ledger is not None:
                 self.ledger.close()

@@ -8,7 +8,8 @@ sums the R slots of its shard inside the update pass (host traffic x R, no devic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,7 +17,8 @@ import torch.distributed as dist
 
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.layout import Layout, Unit
-from slidedp_lightning.runtime.sync import Liveness, wait_until
+from slidedp_lightning.runtime.sync import Liveness, lane_delay, wait_until
+from slidedp_lightning.runtime.trace import Tracer
 
 GRAD_ROUTES = ("gpu_reduce", "host_reduce")
 # torch 2.13 renamed reduce_scatter_tensor (same semantics); older releases only have the old name
@@ -39,10 +41,17 @@ class ReducedShard:
     shard: torch.Tensor
     event: torch.cuda.Event | None
     keep: tuple = ()
+    tracer: Tracer | None = None
+    step: int = -1
+    unit: int = -1
+    issued: float = field(default_factory=time.perf_counter)
 
     def get(self) -> np.ndarray:
+        lane_delay()
         if self.work is not None:
             self.work.wait()
+            if self.tracer is not None:  # from issue to completion, as seen by the update lane
+                self.tracer.record("reduce", "reduce_scatter", self.step, self.issued, time.perf_counter(), self.unit)
         if self.event is not None:
             self.event.synchronize()
         return self.shard.numpy()
@@ -62,10 +71,15 @@ class StagedSlots:
     gen: int
     lo: int
     hi: int
+    tracer: Tracer
+    step: int
+    unit: int
 
     def get(self) -> np.ndarray:
+        lane_delay()
         gens = self.ledger.grad_gen[:, self.slot]
-        wait_until(lambda: bool((gens == self.gen).all()), self.liveness, f"gradient slot {self.slot} of all ranks")
+        with self.tracer.span("reduce", "wait all ranks' slots", self.step, self.unit):
+            wait_until(lambda: bool((gens == self.gen).all()), self.liveness, f"gradient slot {self.slot} of all ranks")
         rows = self.ledger.staging[:, self.slot, self.lo : self.hi]
         if rows.dtype == torch.bfloat16:
             return rows.view(torch.int16).numpy().view(np.uint16)
@@ -88,6 +102,7 @@ class GradRoute:
         group,
         device: torch.device,
         liveness: Liveness,
+        tracer: Tracer | None = None,
     ) -> None:
         if route not in GRAD_ROUTES:
             raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {route!r}")
@@ -99,6 +114,7 @@ class GradRoute:
         self.group = group
         self.device = device
         self.liveness = liveness
+        self.tracer = tracer or Tracer(None, rank)
         self._cuda = device.type == "cuda"
         self._d2h = torch.cuda.Stream(device) if self._cuda else None
         self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
@@ -108,12 +124,14 @@ class GradRoute:
         """Factor the update applies to the gradient it reads (host_reduce averages inside the update)."""
         return 1.0 / self.world_size if self.route == "host_reduce" else 1.0
 
-    def dispatch(self, u: int, grads: list[torch.Tensor]):
+    def dispatch(self, u: int, grads: list[torch.Tensor], step: int):
+        """Start the reduction of unit ``u``'s gradient for engine step ``step``; returns its source."""
+        lane_delay()
         if self.route == "gpu_reduce":
-            return self._gpu_reduce(u, grads)
-        return self._host_reduce(u, grads)
+            return self._gpu_reduce(u, grads, step)
+        return self._host_reduce(u, grads, step)
 
-    def _gpu_reduce(self, u: int, grads: list[torch.Tensor]) -> ReducedShard:
+    def _gpu_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> ReducedShard:
         unit = self.layout.units[u]
         flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
         _fill_flat(flat, unit, grads)
@@ -124,8 +142,9 @@ class GradRoute:
             work = _reduce_scatter(shard, flat, group=self.group, async_op=True)
         else:
             shard = flat
+        traced = self.tracer if self.tracer.enabled else None
         if not self._cuda:
-            return ReducedShard(work, shard, None, keep=(flat,))
+            return ReducedShard(work, shard, None, keep=(flat,), tracer=traced, step=step, unit=u)
         if work is not None:
             work.wait()  # orders the compute stream after the collective
         host = torch.empty(unit.shard_numel, dtype=torch.float32, pin_memory=True)
@@ -135,20 +154,24 @@ class GradRoute:
             event = torch.cuda.Event()
             event.record(self._d2h)
         shard.record_stream(self._d2h)
-        return ReducedShard(None, host, event, keep=(flat, shard))
+        return ReducedShard(None, host, event, keep=(flat, shard), tracer=traced, step=step, unit=u)
 
-    def _host_reduce(self, u: int, grads: list[torch.Tensor]) -> StagedSlots:
+    def _host_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> StagedSlots:
         unit = self.layout.units[u]
         slots = self.ledger.geometry.staging_slots
         self._gen += 1
         gen = self._gen
         k = (gen - 1) % slots
         consumed = self.ledger.consumed[:, self.rank, k]
-        wait_until(lambda: bool((consumed >= gen - slots).all()), self.liveness, f"owners to free gradient slot {k}")
+        if not bool((consumed >= gen - slots).all()):
+            with self.tracer.span("stall", "wait free slot", step, u):
+                wait_until(lambda: bool((consumed >= gen - slots).all()), self.liveness, f"owners to free slot {k}")
         row = self.ledger.staging[self.rank, k, : unit.padded]
-        _fill_flat(row, unit, grads)
-        if self._cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+        with self.tracer.span("d2h", "copy to slot", step, u):
+            _fill_flat(row, unit, grads)
+            if self._cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+        lane_delay()
         self.ledger.grad_gen[self.rank, k] = gen
         lo, hi = unit.shard(self.rank)
-        return StagedSlots(self.ledger, self.liveness, self.rank, k, gen, lo, hi)
+        return StagedSlots(self.ledger, self.liveness, self.rank, k, gen, lo, hi, self.tracer, step, u)

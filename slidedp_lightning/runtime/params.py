@@ -1,9 +1,14 @@
-"""Lane 1: unit residency on the compute device (route ``full``), with a prefetch window.
+"""Lane 1: unit residency on the compute device, with a prefetch window.
 
 Each unit has one flat device buffer; the model's parameters are views into it. A non-resident unit's
 buffer has storage of size 0, so the unit costs no device memory. Making it resident resizes the storage
-and copies the unit from the ledger (the FP32 master, or the BF16 transfer copy under bf16-mixed) once
-every owner rank has stamped the unit as updated for the current step.
+and fills it from the ledger (the FP32 master, or the BF16 transfer copy under bf16-mixed):
+
+- route ``full``: once every owner rank has stamped the unit as updated for the current step, copy the
+  whole unit host->device;
+- route ``sharded``: once this rank's own shard is updated, copy that 1/R shard host->device and
+  all-gather the unit across the ranks (on a process group of its own, issued from the H2D lane thread in
+  the same order on every rank).
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.layout import Layout
-from slidedp_lightning.runtime.sync import wait_until
+from slidedp_lightning.runtime.sync import lane_delay, wait_until
+from slidedp_lightning.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +39,10 @@ class UnitResidency:
         dtype: torch.dtype,
         window: int,
         liveness,
+        tracer: Tracer | None = None,
+        route: str = "full",
+        rank: int = 0,
+        group=None,
     ) -> None:
         self.layout = layout
         self.ledger = ledger
@@ -39,6 +50,11 @@ class UnitResidency:
         self.dtype = dtype
         self.window = window
         self._alive = liveness
+        self.route = route
+        self.rank = rank
+        self.group = group
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self.tracer = tracer or Tracer(None, 0)
         self.buffers = [torch.empty(u.padded, dtype=dtype, device=device) for u in layout.units]
         self.refs = [0] * len(layout.units)
         self.held_for_backward = [False] * len(layout.units)
@@ -91,9 +107,15 @@ class UnitResidency:
 
     # -- residency -----------------------------------------------------------------------------------
     def _fill(self, u: int, step: int):
-        """Runs on the H2D lane: wait for the owners' updates of ``u``, then copy it to the device."""
+        """Runs on the H2D lane: wait for the updates this route reads, then fill ``u``'s device buffer."""
         unit = self.layout.units[u]
-        wait_until(lambda: bool((self.ledger.version[u] >= step).all()), self._alive, f"update of unit {unit.name}")
+        version = self.ledger.version[u]
+        if self.route == "sharded":
+            ready = lambda: bool(version[self.rank] >= step)  # noqa: E731  (the other shards come by all-gather)
+        else:
+            ready = lambda: bool((version >= step).all())  # noqa: E731
+        wait_until(ready, self._alive, f"update of unit {unit.name}")
+        lane_delay()
         self.fills[u] += 1
         buf = self.buffers[u]
         storage = buf.untyped_storage()
@@ -102,6 +124,26 @@ class UnitResidency:
         # which saved these parameters for backward
         buf = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(storage, 0, (unit.padded,))
         src = self._source[unit.offset : unit.offset + unit.padded]
+        if self.route == "full":
+            with self.tracer.span("h2d", "copy", step, u):
+                return self._copy(buf, src)
+        s0, s1 = unit.shard(self.rank)
+        shard = torch.empty(s1 - s0, dtype=buf.dtype, device=buf.device)
+        with self.tracer.span("h2d", "copy shard", step, u):
+            event = self._copy(shard, src[s0:s1])
+        lane_delay()
+        with self.tracer.span("h2d", "all_gather", step, u):
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+            self._gather(buf, shard, group=self.group)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return None
+
+    def _copy(self, buf: torch.Tensor, src: torch.Tensor):
+        """Copy one unit into its device buffer: on CUDA on the H2D stream (returns its event), else inline."""
         if self._cuda:
             # the block was allocated on the compute stream, which may still use its previous contents
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -122,11 +164,15 @@ class UnitResidency:
             self.pending[u] = self._lane.submit(self._fill, u, step)
             self.filled_step[u] = step
 
-    def _finish(self, u: int) -> None:
+    def _finish(self, u: int, step: int) -> None:
         fut = self.pending.pop(u, None)
         if fut is None:
             return
-        event = fut.result()
+        if self.tracer.enabled and not fut.done():
+            with self.tracer.span("stall", "wait h2d", step, u):
+                event = fut.result()
+        else:
+            event = fut.result()
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         self.resident[u] = True
@@ -141,7 +187,7 @@ class UnitResidency:
         for u in units:
             self._start(u, step)
         for u in units:
-            self._finish(u)
+            self._finish(u, step)
             if backward:
                 self.held_for_backward[u] = True
             else:
@@ -192,11 +238,12 @@ class UnitResidency:
     def evict_all(self) -> None:
         self._parked = None
         for u in list(self.pending):
-            self._finish(u)
+            self._finish(u, -1)
         for u in range(len(self.buffers)):
             self.refs[u] = 0
             self.held_for_backward[u] = False
             self._maybe_evict(u)
 
-    def close(self) -> None:
-        self._lane.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the H2D lane (after an error, without waiting on a fill that may wait for a dead peer)."""
+        self._lane.shutdown(wait=wait, cancel_futures=True)

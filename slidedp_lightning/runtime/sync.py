@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,3 +63,20 @@ def wait_until(predicate: Callable[[], bool], liveness: Liveness, what: str) -> 
         liveness.check(what, started)
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
+
+
+# Test-only fault injection: a random sleep at every lane hand-off exposes a missing wait as a changed
+# result. Off (0) unless SLIDEDP_TEST_LANE_DELAY_MS is set when an engine starts.
+_lane_delay_s = 0.0
+_rng = random.Random(0)
+
+
+def set_lane_delay(max_ms: float) -> None:
+    global _lane_delay_s
+    _lane_delay_s = max(0.0, max_ms) / 1e3
+
+
+def lane_delay() -> None:
+    """Sleep a random 0..max delay when fault injection is on; otherwise return at once."""
+    if _lane_delay_s:
+        time.sleep(_rng.uniform(0.0, _lane_delay_s))

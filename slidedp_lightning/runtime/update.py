@@ -13,7 +13,9 @@ import torch
 
 from cpu_ops import adamw_update, adamw_update_sum, set_kernel_threads
 from slidedp_lightning.runtime.host_state import HostLedger
-from slidedp_lightning.runtime.layout import Layout
+from slidedp_lightning.runtime.layout import Layout, Unit
+from slidedp_lightning.runtime.sync import lane_delay
+from slidedp_lightning.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +87,12 @@ class UpdateTask:
 class UpdateLane:
     """One worker thread per rank running the fused Numba AdamW on the ledger, FIFO by unit."""
 
-    def __init__(self, ledger: HostLedger, layout: Layout, rank: int, threads: int) -> None:
+    def __init__(self, ledger: HostLedger, layout: Layout, rank: int, threads: int, tracer: Tracer | None = None) -> None:
         self.ledger = ledger
         self.layout = layout
         self.rank = rank
         self.threads = threads
+        self.tracer = tracer or Tracer(None, rank)
         self.segments: list[list[tuple[int, int, int]]] = []
         self._arrays = ledger.np_arrays()
         self._queue: queue.Queue[UpdateTask | None] = queue.Queue()
@@ -156,8 +159,16 @@ class UpdateLane:
     def _apply(self, task: UpdateTask) -> None:
         unit = self.layout.units[task.unit]
         grad = task.grad.get()
-        master, exp_avg, exp_avg_sq, bf16 = self._arrays
         s0 = unit.shard(self.rank)[0]
+        lane_delay()
+        with self.tracer.span("update", "adamw", task.step - 1, task.unit):
+            self._kernels(task, unit, grad, s0)
+        lane_delay()
+        task.grad.release()
+        self.ledger.version[task.unit, self.rank] = task.step
+
+    def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, s0: int) -> None:
+        master, exp_avg, exp_avg_sq, bf16 = self._arrays
         for a, b, g in self.segments[task.unit]:
             h = task.hyper[g]
             lo, hi = unit.offset + a, unit.offset + b
@@ -170,8 +181,6 @@ class UpdateLane:
                 adamw_update(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[a - s0 : b - s0], **kw)
             else:
                 adamw_update_sum(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[:, a - s0 : b - s0], **kw)
-        task.grad.release()
-        self.ledger.version[task.unit, self.rank] = task.step
 
     def close(self, wait_s: float = 30.0) -> None:
         """Stop the worker after the queued updates (a daemon thread: a worker stuck on a dead peer is abandoned)."""

@@ -36,11 +36,11 @@ def shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/slidedp-*"))
 
 
-def run_job(tmp: Path, timeout: float = 240, **cfg) -> JobResult:
+def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, **cfg) -> JobResult:
     tmp.mkdir(parents=True, exist_ok=True)
     cfg.setdefault("out", str(tmp))
     (tmp / "config.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(JOB), str(tmp / "config.json")],
         capture_output=True, text=True, timeout=timeout, env=env,
@@ -53,9 +53,9 @@ def job_runner(tmp_path_factory):
     """``job_runner(name, **cfg)``: run one job once per session (results are cached by name)."""
     cache: dict[str, JobResult] = {}
 
-    def run(name: str, **cfg) -> JobResult:
+    def run(name: str, env: dict[str, str] | None = None, **cfg) -> JobResult:
         if name not in cache:
-            cache[name] = run_job(tmp_path_factory.mktemp(name), **cfg)
+            cache[name] = run_job(tmp_path_factory.mktemp(name), env=env, **cfg)
         return cache[name]
 
     return run

@@ -116,8 +116,10 @@ def main(path: str) -> None:
     if cfg["strategy"] == "slidedp":
         strategy = SlideDPStrategy(
             grad_route=cfg.get("grad_route", "gpu_reduce"),
+            param_route=cfg.get("param_route", "full"),
             prefetch_window=cfg.get("window", 2),
             meta_init=cfg.get("meta_init", False),
+            trace_dir=cfg.get("trace_dir"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
     else:

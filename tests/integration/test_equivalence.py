@@ -51,13 +51,20 @@ CASES = {
     "untied-host_reduce": (False, {"grad_route": "host_reduce"}),
     "tied-window1": (True, {"window": 1}),
     "untied-window3-host_reduce": (False, {"window": 3, "grad_route": "host_reduce"}),
+    "tied-sharded-gpu_reduce": (True, {"param_route": "sharded"}),
+    "tied-sharded-host_reduce-window3": (True, {"param_route": "sharded", "grad_route": "host_reduce", "window": 3}),
+    "untied-sharded-host_reduce-window1": (False, {"param_route": "sharded", "grad_route": "host_reduce", "window": 1}),
+    "untied-sharded-gpu_reduce-traced": (False, {"param_route": "sharded", "trace": True}),
 }
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_two_ranks_equal_ddp_adamw(job_runner, case):
+def test_two_ranks_equal_ddp_adamw(job_runner, case, tmp_path):
     tied, knobs = CASES[case]
+    knobs = dict(knobs)
+    if knobs.pop("trace", False):  # tracing on must not change a single number
+        knobs["trace_dir"] = str(tmp_path / "trace")
     ref = reference(job_runner, tied)
     got = job_runner(f"slidedp_{case}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
     _assert_ok(got)

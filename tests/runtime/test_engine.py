@@ -659,7 +659,7 @@ def test_multi_host_world_rejected() -> None:
     "kw, match",
     [
         (dict(grad_route="nope"), "grad_route"),
-        (dict(param_route="sharded"), "param_route"),
+        (dict(param_route="diagonal"), "param_route"),
         (dict(prefetch_window=0), "prefetch_window"),
         (dict(update_threads=0), "update_threads"),
         (dict(staging_slots=0), "staging_slots"),

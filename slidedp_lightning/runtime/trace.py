@@ -1,0 +1,199 @@
+"""Lane spans -> TensorBoard scalars per step, a Gantt figure of one step, and a Chrome/Perfetto trace.
+
+Lanes (SLIDEDP.md §3.3): ``h2d`` parameter preparation + host->device, ``offload`` activation offload /
+reload, ``compute`` forward/backward of a unit, ``reduce`` gradient reduction, ``d2h`` gradient return,
+``update`` CPU optimizer. ``stall`` is not a lane: it is the compute thread waiting on another lane
+(exposed work). Spans use ``time.perf_counter`` (on CUDA, host-side issue/complete times). With tracing
+off every call is a no-op on a shared null context.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LANES = ("h2d", "offload", "compute", "reduce", "d2h", "update")
+ROWS = LANES + ("stall",)
+_NULL = nullcontext()
+
+
+@dataclass(frozen=True)
+class Span:
+    lane: str
+    name: str
+    step: int
+    unit: int
+    chunk: int
+    start: float
+    end: float
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def step_metrics(spans: list[Span], start: float, end: float) -> dict[str, float]:
+    """Busy time per lane, step time, exposed host time and the overlap fraction of one step (seconds)."""
+    lanes = defaultdict(list)
+    for s in spans:
+        lanes[s.lane].append((s.start, s.end))
+    busy = {lane: _union(iv) for lane, iv in lanes.items()}
+    compute = busy.get("compute", [])
+    host = _union([iv for lane, ivs in busy.items() if lane not in ("compute", "stall") for iv in ivs])
+    host_busy = _length(host)
+    step_time = end - start
+    out = {f"busy_{lane}": _length(busy.get(lane, [])) for lane in ROWS}
+    out.update(
+        step_time=step_time,
+        exposed_host=max(0.0, step_time - _length(compute)),
+        overlap_fraction=_intersection(host, compute) / host_busy if host_busy else 1.0,
+    )
+    return out
+
+
+class Tracer:
+    """Collects spans of one rank; writes them when a step is complete and at close."""
+
+    def __init__(self, trace_dir: str | None, rank: int, gantt_step: int = 2) -> None:
+        self.enabled = trace_dir is not None
+        self.rank = rank
+        self.dir = Path(trace_dir) if trace_dir else None
+        self.gantt_step = gantt_step
+        self.spans: list[Span] = []
+        self._bounds: dict[int, list[float]] = {}
+        self._written: set[int] = set()
+        self._lock = threading.Lock()
+        self._writer = None
+        self.origin = time.perf_counter()
+
+    # -- recording -------------------------------------------------------------------------------
+    def span(self, lane: str, name: str, step: int, unit: int = -1, chunk: int = -1):
+        """Context manager timing one lane operation (a shared no-op when tracing is off)."""
+        if not self.enabled:
+            return _NULL
+        return _SpanContext(self, lane, name, step, unit, chunk)
+
+    def record(self, lane: str, name: str, step: int, start: float, end: float, unit: int = -1, chunk: int = -1):
+        if self.enabled:
+            self.spans.append(Span(lane, name, step, unit, chunk, start, end))  # list.append is atomic
+
+    def mark_step(self, step: int, start: float, end: float) -> None:
+        """The compute thread's window of ``step``; steps before it are complete and get written."""
+        if not self.enabled:
+            return
+        self._bounds[step] = [start, end]
+        for done in sorted(s for s in self._bounds if s < step and s not in self._written):
+            self._write_step(done)
+
+    # -- output ----------------------------------------------------------------------------------
+    def _tb(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.dir / f"rank{self.rank}"))
+        return self._writer
+
+    def _write_step(self, step: int) -> None:
+        with self._lock:
+            self._written.add(step)
+            start, end = self._bounds[step]
+            spans = [s for s in self.spans if s.step == step]
+            metrics = step_metrics(spans, start, end)
+            writer = self._tb()
+            for key, value in metrics.items():
+                scale = 1.0 if key == "overlap_fraction" else 1e3
+                tag = f"lanes/{key[5:]}_ms" if key.startswith("busy_") else f"step/{key}" + ("" if scale == 1 else "_ms")
+                writer.add_scalar(tag, value * scale, step)
+            if step == self.gantt_step:
+                writer.add_figure("lanes/gantt", self.gantt(spans, start, end, step), step)
+            writer.flush()
+
+    def gantt(self, spans: list[Span], start: float, end: float, step: int):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(12, 3.6))
+        colors = plt.get_cmap("tab10")
+        for row, lane in enumerate(ROWS):
+            bars = [((s.start - start) * 1e3, (s.end - s.start) * 1e3) for s in spans if s.lane == lane]
+            if bars:
+                ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colors(row))
+        ax.set_yticks(range(len(ROWS)), [f"{i + 1} {lane}" if lane in LANES else "compute waits" for i, lane in
+                                         enumerate(ROWS)])  # fmt: skip
+        ax.invert_yaxis()
+        ax.axvline((end - start) * 1e3, color="k", lw=0.8, ls="--")
+        ax.set_xlabel("ms since the step's first forward (dashed: step end on the compute thread)")
+        ax.set_title(f"SlideDP lanes, rank {self.rank}, step {step}")
+        fig.tight_layout()
+        return fig
+
+    def chrome_trace(self) -> dict:
+        events = []
+        for tid, lane in enumerate(ROWS):
+            events.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid, "args": {"name": lane}})
+        for s in self.spans:
+            events.append({
+                "name": s.name, "cat": s.lane, "ph": "X", "pid": self.rank, "tid": ROWS.index(s.lane),
+                "ts": (s.start - self.origin) * 1e6, "dur": (s.end - s.start) * 1e6,
+                "args": {"step": s.step, "unit": s.unit, "chunk": s.chunk},
+            })  # fmt: skip
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        for step in sorted(s for s in self._bounds if s not in self._written):
+            self._write_step(step)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"trace_rank{self.rank}.json"
+        path.write_text(json.dumps(self.chrome_trace()))
+        if self._writer is not None:
+            self._writer.close()
+        log.info("SlideDP trace of rank %d: %d spans -> %s and TensorBoard under %s", self.rank, len(self.spans),
+                 path, self.dir)  # fmt: skip
+        self.enabled = False
+
+
+class _SpanContext:
+    __slots__ = ("tracer", "lane", "name", "step", "unit", "chunk", "start")
+
+    def __init__(self, tracer: Tracer, lane: str, name: str, step: int, unit: int, chunk: int) -> None:
+        self.tracer, self.lane, self.name, self.step, self.unit, self.chunk = tracer, lane, name, step, unit, chunk
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.tracer.record(self.lane, self.name, self.step, self.start, time.perf_counter(), self.unit, self.chunk)

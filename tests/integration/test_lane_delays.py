@@ -1,0 +1,25 @@
+"""Random delays in every lane change nothing, bit for bit: every consumer waits for its producer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_equivalence import BATCH, CASES, STEPS
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case", ["tied-sharded-host_reduce-window3", "untied-gpu_reduce", "tied-window1"])
+def test_random_lane_delays_leave_results_bit_identical(job_runner, case):
+    tied, knobs = CASES[case]
+    common = dict(strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
+    calm = job_runner(f"slidedp_{case}", **common)
+    delayed = job_runner(f"slidedp_{case}_delayed", env={"SLIDEDP_TEST_LANE_DELAY_MS": "3"}, **common)
+    assert calm.returncode == 0, calm.output[-3000:]
+    assert delayed.returncode == 0, delayed.output[-3000:]
+    assert "fault injection" in delayed.output
+    for rank in range(2):
+        assert delayed.losses(rank) == calm.losses(rank), f"rank {rank}: losses changed under lane delays"
+    a, b = calm.state(), delayed.state()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} changed under lane delays"
