@@ -49,7 +49,9 @@ class SlideDPStrategy(ParallelStrategy):
         grad_route: ``"gpu_reduce"`` (reduce-scatter on the devices, 1x host traffic) or ``"host_reduce"``
             (every rank copies its gradient to shared memory; owners sum inside the update).
         param_route: ``"full"``: every rank copies each whole unit host->device (R x host traffic);
-            ``"sharded"``: every rank copies its 1/R shard, then the ranks all-gather the unit on the devices.
+            ``"sharded"``: every rank copies its 1/R shard, then the ranks all-gather the unit on the devices;
+            ``"replicated"``: the SlideFormer-style multi-GPU baseline for benchmarks: every rank keeps and
+            updates its own full ledger (R x host memory and CPU work), gradients all-reduced on the devices.
         prefetch_window: units resident at once in the streaming direction (>= 1).
         update_threads: CPU threads per rank for the update; default physical cores / local ranks.
         meta_init: run ``configure_model`` under the meta device: local rank 0 materializes and initializes

@@ -35,7 +35,7 @@ from slidedp_lightning.runtime.update import UpdateLane, UpdateTask, read_hyper,
 
 log = logging.getLogger(__name__)
 
-PARAM_ROUTES = ("full", "sharded")
+PARAM_ROUTES = ("full", "sharded", "replicated")
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class EngineConfig:
             raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {self.grad_route!r}.")
         if self.param_route not in PARAM_ROUTES:
             raise ValueError(f"param_route must be one of {PARAM_ROUTES}, got {self.param_route!r}.")
+        if self.param_route == "replicated" and self.grad_route != "gpu_reduce":
+            raise ValueError(
+                "param_route='replicated' (every rank keeps and updates its own ledger) reduces gradients with an "
+                f"all-reduce on the devices; grad_route={self.grad_route!r} does not apply: use 'gpu_reduce'."
+            )
         if not isinstance(self.prefetch_window, int) or self.prefetch_window < 1:
             raise ValueError(f"prefetch_window must be an integer >= 1, got {self.prefetch_window!r}.")
         if self.update_threads is not None and (not isinstance(self.update_threads, int) or self.update_threads < 1):
@@ -136,21 +141,25 @@ class SlideDPEngine:
         model = find_streamed_model(self.root)
         self.adapter = adapter_for(model)
         self.model = model
-        self.layout: Layout = build_layout(self.root, self.adapter.units(model), self.world_size)
+        # replicated: the SlideFormer-style baseline, every rank a ledger of its own (R x host memory and traffic)
+        self.replicated = self.config.param_route == "replicated" and self.world_size > 1
+        self.owner_rank, owners = (0, 1) if self.replicated else (self.rank, self.world_size)
+        self.layout: Layout = build_layout(self.root, self.adapter.units(model), owners)
         grad_bytes = 2 if self.compute_dtype == torch.bfloat16 else 4
         host_reduce = self.config.grad_route == "host_reduce"
         geometry = LedgerGeometry(
             total=self.layout.total,
             num_units=len(self.layout.units),
-            world_size=self.world_size,
+            world_size=owners,
             staging_slots=self.config.staging_slots if host_reduce else 0,
             staging_elems=self.layout.max_unit if host_reduce else 0,
             staging_itemsize=grad_bytes,
         )
         self.adapter.materialize_buffers(model)
+        copies = self.local_world_size if self.replicated else 1
 
         def create() -> str:
-            check_host_memory(geometry, self.layout.num_params)
+            check_host_memory(geometry, self.layout.num_params, copies)
             path = os.path.join(SHM_DIR, f"slidedp-{uuid.uuid4().hex[:12]}-ledger")
             ledger = HostLedger(path, geometry, create=True)
             try:
@@ -161,14 +170,23 @@ class SlideDPEngine:
             self.ledger = ledger
             return path
 
-        path = self._collective_check(create)
-        if self.ledger is None:
-            self.ledger = HostLedger(path, geometry, create=False)
-        self.ledger.pids[self.local_rank] = os.getpid()
-        self._barrier()
-        self.ledger.unlink()  # every rank has mapped it: the name is no longer needed
+        if self.replicated:
+            self._collective_check(lambda: check_host_memory(geometry, self.layout.num_params, copies))
+            create()
+            self.ledger.unlink()
+            dist.broadcast(self.ledger.master, src=0, group=self.group)  # DDP's rule: rank 0's weights
+            master, _, _, bf16 = self.ledger.np_arrays()
+            cpu_ops.fp32_to_bf16(master, bf16)
+            self.ledger.pids[0] = os.getpid()
+        else:
+            path = self._collective_check(create)
+            if self.ledger is None:
+                self.ledger = HostLedger(path, geometry, create=False)
+            self.ledger.pids[self.local_rank] = os.getpid()
+            self._barrier()
+            self.ledger.unlink()  # every rank has mapped it: the name is no longer needed
         self.liveness = Liveness(
-            pids=lambda: [int(p) for i, p in enumerate(self.ledger.pids) if i != self.local_rank],
+            pids=lambda: [int(p) for i, p in enumerate(self.ledger.pids) if p != os.getpid()],
             timeout_s=self.config.timeout_s,
             own_error=lambda: self.lane.error if self.lane is not None else None,
         )
@@ -178,19 +196,19 @@ class SlideDPEngine:
             log.warning("SlideDP fault injection: random delays up to %.1f ms in every lane", self.config.lane_delay_ms)
         # the H2D lane issues all-gathers while backward issues reduce-scatters: separate groups keep each
         # group's collectives in one deterministic order
-        route = self.config.param_route if self.world_size > 1 else "full"
+        route = "sharded" if self.config.param_route == "sharded" and self.world_size > 1 else "full"
         param_group = dist.new_group(list(range(self.world_size))) if route == "sharded" else None
         self.residency = UnitResidency(
             self.layout, self.ledger, self.device, self.compute_dtype, self.config.prefetch_window, self.liveness,
-            self.tracer, route, self.rank, param_group,
+            self.tracer, route, self.owner_rank, param_group,
         )  # fmt: skip
         self.residency.bind()
         self.routes = GradRoute(
-            self.config.grad_route, self.layout, self.ledger, self.rank, self.world_size, self.group,
-            self.device, self.liveness, self.tracer,
+            "all_reduce" if self.replicated else self.config.grad_route, self.layout, self.ledger, self.rank,
+            self.world_size, self.group, self.device, self.liveness, self.tracer,
         )  # fmt: skip
         threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
-        self.lane = UpdateLane(self.ledger, self.layout, self.rank, threads, self.tracer)
+        self.lane = UpdateLane(self.ledger, self.layout, self.owner_rank, threads, self.tracer)
         self._install_hooks()
         jit_s = cpu_ops.warmup(sum_rows=(self.world_size,))
         gib = 1 << 30
@@ -440,7 +458,7 @@ class SlideDPEngine:
             unexpected = sorted(set(state_dict) - set(own))
             if missing or unexpected:
                 raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        if self.local_rank == 0:
+        if self.local_rank == 0 or self.replicated:
             for name, value in state_dict.items():
                 where = self._slot_of.get(id(own[name])) if name in own else None
                 if where is not None:
@@ -459,7 +477,7 @@ class SlideDPEngine:
         steps = {int(s["step"]) for s in saved.values()} or {0}
         if len(steps) != 1:
             raise ValueError(f"SlideDP keeps one step count for all parameters; the checkpoint has {sorted(steps)}.")
-        if self.local_rank == 0:
+        if self.local_rank == 0 or self.replicated:
             for index, s in saved.items():
                 where = self._slot_of[id(params[int(index)])]
                 self._write_slot(where, s["exp_avg"], "exp_avg")

@@ -21,6 +21,7 @@ from slidedp_lightning.runtime.sync import Liveness, lane_delay, wait_until
 from slidedp_lightning.runtime.trace import Tracer
 
 GRAD_ROUTES = ("gpu_reduce", "host_reduce")
+ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, every rank gets the whole gradient
 # torch 2.13 renamed reduce_scatter_tensor (same semantics); older releases only have the old name
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -104,7 +105,7 @@ class GradRoute:
         liveness: Liveness,
         tracer: Tracer | None = None,
     ) -> None:
-        if route not in GRAD_ROUTES:
+        if route not in ROUTES:
             raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {route!r}")
         self.route = route
         self.layout = layout
@@ -127,21 +128,25 @@ class GradRoute:
     def dispatch(self, u: int, grads: list[torch.Tensor], step: int):
         """Start the reduction of unit ``u``'s gradient for engine step ``step``; returns its source."""
         lane_delay()
-        if self.route == "gpu_reduce":
-            return self._gpu_reduce(u, grads, step)
-        return self._host_reduce(u, grads, step)
+        if self.route == "host_reduce":
+            return self._host_reduce(u, grads, step)
+        return self._gpu_reduce(u, grads, step)
 
     def _gpu_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> ReducedShard:
         unit = self.layout.units[u]
         flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
         _fill_flat(flat, unit, grads)
         work = None
-        if self.world_size > 1:
+        if self.world_size == 1:
+            shard = flat
+        elif self.route == "all_reduce":
+            flat.div_(self.world_size)
+            shard = flat  # this rank's ledger owns the whole unit
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:
             flat.div_(self.world_size)
             shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
             work = _reduce_scatter(shard, flat, group=self.group, async_op=True)
-        else:
-            shard = flat
         traced = self.tracer if self.tracer.enabled else None
         if not self._cuda:
             return ReducedShard(work, shard, None, keep=(flat,), tracer=traced, step=step, unit=u)

@@ -82,20 +82,23 @@ def available_host_bytes() -> tuple[int, int]:
     return mem, st.f_bavail * st.f_frsize
 
 
-def check_host_memory(geometry: LedgerGeometry, num_params: int) -> None:
-    """Fail fast, before anything is allocated, when the ledger cannot fit in host shared memory."""
-    need = geometry.nbytes
+def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: int = 1) -> None:
+    """Fail fast, before anything is allocated, when ``copies`` ledgers cannot fit in host shared memory."""
+    need = geometry.nbytes * copies
     mem, shm = available_host_bytes()
     have = min(mem, shm)
     if need > have:
         gib = 1 << 30
         raise HostMemoryError(
-            f"SlideDP needs {need / gib:.2f} GiB of host shared memory for the ledger "
-            f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
+            f"SlideDP needs {need / gib:.2f} GiB of host shared memory for "
+            + (f"{copies} ledgers (param_route='replicated': one per rank) " if copies > 1 else "the ledger ")
+            + f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
             + (f" + {geometry.staging_bytes / gib:.2f} GiB host_reduce staging" if geometry.staging_bytes else "")
             + f"), but only {have / gib:.2f} GiB is available (MemAvailable {mem / gib:.2f} GiB, "
-            f"{SHM_DIR} free {shm / gib:.2f} GiB). Free host memory, enlarge {SHM_DIR} "
-            f"(mount -o remount,size=...), or use grad_route='gpu_reduce' to drop the staging slots."
+            f"{SHM_DIR} free {shm / gib:.2f} GiB). Free host memory or enlarge {SHM_DIR} (mount -o remount,size=...)"
+            + ("; param_route='full' or 'sharded' keeps one ledger per host" if copies > 1 else "")
+            + ("; grad_route='gpu_reduce' needs no staging slots" if geometry.staging_bytes else "")
+            + "."
         )
 
 

@@ -55,6 +55,8 @@ CASES = {
     "tied-sharded-host_reduce-window3": (True, {"param_route": "sharded", "grad_route": "host_reduce", "window": 3}),
     "untied-sharded-host_reduce-window1": (False, {"param_route": "sharded", "grad_route": "host_reduce", "window": 1}),
     "untied-sharded-gpu_reduce-traced": (False, {"param_route": "sharded", "trace": True}),
+    "tied-replicated": (True, {"param_route": "replicated"}),
+    "untied-replicated-window3": (False, {"param_route": "replicated", "window": 3}),
 }
 
 

@@ -26,6 +26,24 @@ def test_one_ledger_per_host_at_14_bytes_per_param(job_runner, devices):
 
 
 @pytest.mark.integration
+def test_replicated_mode_holds_one_ledger_per_rank(job_runner):
+    """The SlideFormer-style baseline: R ledgers of the same size (the avoidable amplification), none left."""
+    res = job_runner("ledger_replicated", strategy="slidedp", devices=2, tied=True, steps=3, batch=2,
+                     param_route="replicated")  # fmt: skip
+    assert res.returncode == 0, res.output[-4000:]
+    infos = [res.ledger(r) for r in range(2)]
+    mapped = [tuple(m) for info in infos for m in info["mapped"]]
+    assert len(mapped) == 2 and len(set(mapped)) == 2, f"expected one distinct ledger per rank, found {mapped}"
+    shared = job_runner("ledger_2", strategy="slidedp", devices=2, tied=True, steps=3, batch=2).ledger(0)
+    assert infos[0]["nbytes"] == infos[1]["nbytes"]
+    # a replicated rank owns whole units (no R-way shard padding): at least the shared ledger's payload each
+    assert infos[0]["nbytes"] >= 14 * shared["num_params"]
+    host_total = sum(info["nbytes"] for info in infos)
+    assert host_total >= 2 * 14 * shared["num_params"], "replicated mode must hold R copies of the ledger"
+    assert not shm_files()
+
+
+@pytest.mark.integration
 def test_exception_in_training_step_leaves_no_shared_memory(tmp_path):
     before = shm_files()
     res = run_job(tmp_path, timeout=180, strategy="slidedp", devices=2, tied=True, steps=10, batch=2, raise_at_step=3)
