@@ -59,6 +59,8 @@ class SlideDPStrategy(ParallelStrategy):
         restore_module: after fit/validate, give the LightningModule ordinary FP32 CPU parameters again
             (copies of the master, on every rank); ``False`` leaves them on the meta device; ``"auto"`` restores
             when the copies fit in half of the available host memory.
+        chunk_bytes: gradient path chunking (gpu_reduce, replicated): each chunk of a unit's reduced gradient goes
+            to the CPU update as soon as it lands; ``None`` = one chunk per unit.
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
             host time, overlap fraction), a Gantt figure of step 2 and ``trace_rank{r}.json`` (Chrome/Perfetto).
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
@@ -82,6 +84,7 @@ class SlideDPStrategy(ParallelStrategy):
         meta_init: bool = False,
         restore_module: Union[bool, str] = "auto",
         trace_dir: Optional[str] = None,
+        chunk_bytes: Optional[int] = None,
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -105,6 +108,7 @@ class SlideDPStrategy(ParallelStrategy):
             update_threads=update_threads,
             timeout_s=timeout.total_seconds(),
             trace_dir=trace_dir,
+            chunk_bytes=chunk_bytes,
         )
         self.meta_init = meta_init
         self.restore_module = restore_module

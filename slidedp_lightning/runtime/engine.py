@@ -49,6 +49,7 @@ class EngineConfig:
     staging_slots: int = 2
     timeout_s: float = 1800.0
     trace_dir: str | None = None
+    chunk_bytes: int | None = None  # gradient path: FP32 bytes per reduce + update chunk; None = one per unit
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
@@ -66,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"prefetch_window must be an integer >= 1, got {self.prefetch_window!r}.")
         if self.update_threads is not None and (not isinstance(self.update_threads, int) or self.update_threads < 1):
             raise ValueError(f"update_threads must be None (auto) or an integer >= 1, got {self.update_threads!r}.")
+        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 64):
+            raise ValueError(f"chunk_bytes must be None (one chunk per unit) or an integer >= 64, got {self.chunk_bytes!r}.")
         if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
             raise ValueError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}.")
 
@@ -144,7 +147,7 @@ class SlideDPEngine:
         # replicated: the SlideFormer-style baseline, every rank a ledger of its own (R x host memory and traffic)
         self.replicated = self.config.param_route == "replicated" and self.world_size > 1
         self.owner_rank, owners = (0, 1) if self.replicated else (self.rank, self.world_size)
-        self.layout: Layout = build_layout(self.root, self.adapter.units(model), owners)
+        self.layout: Layout = build_layout(self.root, self.adapter.units(model), self.world_size, owners)
         grad_bytes = 2 if self.compute_dtype == torch.bfloat16 else 4
         host_reduce = self.config.grad_route == "host_reduce"
         geometry = LedgerGeometry(
@@ -175,8 +178,7 @@ class SlideDPEngine:
             create()
             self.ledger.unlink()
             dist.broadcast(self.ledger.master, src=0, group=self.group)  # DDP's rule: rank 0's weights
-            master, _, _, bf16 = self.ledger.np_arrays()
-            cpu_ops.fp32_to_bf16(master, bf16)
+            self.ledger.refresh_bf16()
             self.ledger.pids[0] = os.getpid()
         else:
             path = self._collective_check(create)
@@ -206,11 +208,18 @@ class SlideDPEngine:
         self.routes = GradRoute(
             "all_reduce" if self.replicated else self.config.grad_route, self.layout, self.ledger, self.rank,
             self.world_size, self.group, self.device, self.liveness, self.tracer,
+            self.config.chunk_bytes // 4 // 16 * 16 if self.config.chunk_bytes else None,
         )  # fmt: skip
         threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
-        self.lane = UpdateLane(self.ledger, self.layout, self.owner_rank, threads, self.tracer)
+        torch_threads = torch.get_num_threads()
+        # Numba kernels run on the update lane thread only: its OpenMP runtime is torch's, and a kernel launched
+        # on the training thread would change torch's thread count there (oversubscription, other numerics)
+        self.lane = UpdateLane(self.ledger, self.layout, self.owner_rank, threads, self.tracer, (self.world_size,))
         self._install_hooks()
-        jit_s = cpu_ops.warmup(sum_rows=(self.world_size,))
+        jit_s = self.lane.wait_ready()
+        if torch.get_num_threads() != torch_threads:
+            raise RuntimeError(f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
+                               f"{torch.get_num_threads()}); a CPU kernel ran on the training thread")
         gib = 1 << 30
         log.log(
             logging.INFO if self.rank == 0 else logging.DEBUG,
@@ -238,8 +247,7 @@ class SlideDPEngine:
                     self._materialize(module)
                 start = unit.offset + slot.offset
                 ledger.master[start : start + slot.numel].copy_(getattr(module, attr).detach().reshape(-1))
-        master, _, _, bf16 = ledger.np_arrays()
-        cpu_ops.fp32_to_bf16(master, bf16)
+        ledger.refresh_bf16()
 
     def _materialize(self, module: nn.Module) -> None:
         module.to_empty(device="cpu", recurse=True)
@@ -360,8 +368,10 @@ class SlideDPEngine:
         if self._hyper is None:
             self._hyper = read_hyper(self._optimizer)
         with self.tracer.span("reduce", "issue", self.step, u):
-            source = self.routes.dispatch(u, grads, self.step)
-        self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, self.routes.grad_scale))
+            chunks = self.routes.dispatch(u, grads, self.step)
+        for k, (lo, hi, source) in enumerate(chunks):
+            last = k == len(chunks) - 1
+            self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, self.routes.grad_scale, lo, hi, last, k))
         self._mark = time.perf_counter()
 
     def _check_backward_complete(self) -> None:
@@ -465,8 +475,7 @@ class SlideDPEngine:
                     self._write_slot(where, value, "master")
                 elif name in own:
                     own[name].data.copy_(value)
-            master, _, _, bf16 = self.ledger.np_arrays()
-            cpu_ops.fp32_to_bf16(master, bf16)
+            self.ledger.refresh_bf16()
         self._barrier()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -104,6 +104,7 @@ class GradRoute:
         device: torch.device,
         liveness: Liveness,
         tracer: Tracer | None = None,
+        chunk_elems: int | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {route!r}")
@@ -116,6 +117,7 @@ class GradRoute:
         self.device = device
         self.liveness = liveness
         self.tracer = tracer or Tracer(None, rank)
+        self.chunk_elems = chunk_elems  # gpu_reduce/all_reduce: elements per chunk of this rank's range; None: one
         self._cuda = device.type == "cuda"
         self._d2h = torch.cuda.Stream(device) if self._cuda else None
         self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
@@ -125,41 +127,58 @@ class GradRoute:
         """Factor the update applies to the gradient it reads (host_reduce averages inside the update)."""
         return 1.0 / self.world_size if self.route == "host_reduce" else 1.0
 
-    def dispatch(self, u: int, grads: list[torch.Tensor], step: int):
-        """Start the reduction of unit ``u``'s gradient for engine step ``step``; returns its source."""
+    def dispatch(self, u: int, grads: list[torch.Tensor], step: int) -> list[tuple[int, int, object]]:
+        """Start the reduction of unit ``u``'s gradient for engine step ``step``.
+
+        Returns ``(lo, hi, source)`` per chunk of this rank's range of the unit (shard-relative), in order:
+        the update lane can start on chunk 0 while the later chunks are still being reduced.
+        """
         lane_delay()
         if self.route == "host_reduce":
-            return self._host_reduce(u, grads, step)
+            staged = self._host_reduce(u, grads, step)
+            return [(0, staged.hi - staged.lo, staged)]
         return self._gpu_reduce(u, grads, step)
 
-    def _gpu_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> ReducedShard:
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        c = self.chunk_elems or n
+        return [(a, min(a + c, n)) for a in range(0, n, c)]
+
+    def _gpu_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> list[tuple[int, int, ReducedShard]]:
         unit = self.layout.units[u]
         flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
         _fill_flat(flat, unit, grads)
-        work = None
-        if self.world_size == 1:
-            shard = flat
-        elif self.route == "all_reduce":
-            flat.div_(self.world_size)
-            shard = flat  # this rank's ledger owns the whole unit
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-        else:
-            flat.div_(self.world_size)
-            shard = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
-            work = _reduce_scatter(shard, flat, group=self.group, async_op=True)
+        r = self.world_size
+        whole = r == 1 or self.route == "all_reduce"  # this rank's ledger range is the whole unit
+        n = unit.padded if whole else unit.shard_numel
+        if r > 1:
+            flat.div_(r)  # pre-divided, as DDP does
         traced = self.tracer if self.tracer.enabled else None
-        if not self._cuda:
-            return ReducedShard(work, shard, None, keep=(flat,), tracer=traced, step=step, unit=u)
-        if work is not None:
-            work.wait()  # orders the compute stream after the collective
-        host = torch.empty(unit.shard_numel, dtype=torch.float32, pin_memory=True)
-        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._d2h):
-            host.copy_(shard, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._d2h)
-        shard.record_stream(self._d2h)
-        return ReducedShard(None, host, event, keep=(flat, shard), tracer=traced, step=step, unit=u)
+        out = []
+        for k, (a, b) in enumerate(self._chunks(n)):
+            work = None
+            if whole:
+                piece = flat[a:b]
+                if r > 1:
+                    work = dist.all_reduce(piece, group=self.group, async_op=True)
+            else:
+                # chunk k of every rank's shard, side by side: rank i receives the sum of the i-th piece
+                inp = flat if (a, b) == (0, n) else flat.view(r, n)[:, a:b].contiguous().view(-1)
+                piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
+                work = _reduce_scatter(piece, inp, group=self.group, async_op=True)
+            if not self._cuda:
+                out.append((a, b, ReducedShard(work, piece, None, (flat,), traced, step, u)))
+                continue
+            if work is not None:
+                work.wait()  # orders the compute stream after the collective
+            host = torch.empty(b - a, dtype=torch.float32, pin_memory=True)
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                host.copy_(piece, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._d2h)
+            piece.record_stream(self._d2h)
+            out.append((a, b, ReducedShard(None, host, event, (flat, piece), traced, step, u)))
+        return out
 
     def _host_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> StagedSlots:
         unit = self.layout.units[u]

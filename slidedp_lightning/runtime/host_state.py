@@ -165,6 +165,11 @@ class HostLedger:
             self.bf16.view(torch.int16).numpy().view(np.uint16),
         )
 
+    def refresh_bf16(self) -> None:
+        """Rewrite the BF16 transfer copy from the master (torch's conversion: round-to-nearest-even, the same
+        bits as the update kernel's; runs on the calling thread with torch's threads, no Numba)."""
+        self.bf16.copy_(self.master)
+
     def unlink(self) -> None:
         """Remove the file name (the mapping stays valid for every process that has it)."""
         if self.owner and self._linked:

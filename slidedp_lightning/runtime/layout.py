@@ -40,7 +40,7 @@ class Unit:
     slots: list[ParamSlot]
     padded: int  # flat length, a multiple of world_size * SHARD_ALIGN
     offset: int  # element offset of this unit in the ledger arrays
-    world_size: int
+    world_size: int  # owners: ranks that split the unit into shards
 
     @property
     def shard_numel(self) -> int:
@@ -97,8 +97,12 @@ def _param_locations(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return where
 
 
-def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int) -> Layout:
+def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners: int | None = None) -> Layout:
     """Assign every parameter of ``root`` to the first unit whose modules contain it, and lay units out flat.
+
+    Units are padded for ``world_size`` ranks and split into ``owners`` shards (default: one per rank; the
+    replicated baseline has a single owner but keeps the same layout, so every mode computes on the same
+    memory geometry).
 
     Raises :class:`UnsupportedModelError` for parameters outside every unit and for frozen parameters.
     """
@@ -127,7 +131,7 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int) -> Lay
         if not slots:
             continue
         padded = _round_up(max(pos, 1), world_size * SHARD_ALIGN)
-        units.append(Unit(len(units), spec.name, slots, padded, offset, world_size))
+        units.append(Unit(len(units), spec.name, slots, padded, offset, owners or world_size))
         offset += padded
     missing = [n for i, n in names.items() if i not in owner]
     if missing:
@@ -141,4 +145,4 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int) -> Lay
             needed = tuple(sorted({owner[id(p)] for p in module.parameters() if id(p) in owner}))
             if needed:
                 compute.append((module, needed))
-    return Layout(units, offset, world_size, compute)
+    return Layout(units, offset, owners or world_size, compute)

@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from cpu_ops import adamw_update, adamw_update_sum, set_kernel_threads
+from cpu_ops import adamw_update, adamw_update_sum, set_kernel_threads, warmup
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import lane_delay
@@ -82,12 +82,24 @@ class UpdateTask:
     hyper: list[AdamHyper]
     grad: GradSource
     grad_scale: float = 1.0
+    lo: int = 0  # the chunk: [lo, hi) of this rank's range of the unit
+    hi: int | None = None
+    last: bool = True  # the unit's last chunk: its version stamp moves after this one
+    chunk: int = 0
 
 
 class UpdateLane:
     """One worker thread per rank running the fused Numba AdamW on the ledger, FIFO by unit."""
 
-    def __init__(self, ledger: HostLedger, layout: Layout, rank: int, threads: int, tracer: Tracer | None = None) -> None:
+    def __init__(
+        self,
+        ledger: HostLedger,
+        layout: Layout,
+        rank: int,
+        threads: int,
+        tracer: Tracer | None = None,
+        sum_rows: tuple[int, ...] = (2,),
+    ) -> None:
         self.ledger = ledger
         self.layout = layout
         self.rank = rank
@@ -99,6 +111,9 @@ class UpdateLane:
         self._idle = threading.Condition()
         self._outstanding = 0
         self.error: BaseException | None = None
+        self._sum_rows = sum_rows
+        self._ready = threading.Event()
+        self.jit_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"slidedp-update-r{rank}", daemon=True)
         self._thread.start()
 
@@ -139,8 +154,20 @@ class UpdateLane:
                     liveness.check("the CPU updates of this rank", float("inf"))
         self.raise_if_failed()
 
+    def wait_ready(self) -> float:
+        """Block until the worker compiled (or loaded) every kernel signature; returns the seconds it took."""
+        self._ready.wait()
+        self.raise_if_failed()
+        return self.jit_s
+
     def _run(self) -> None:
-        set_kernel_threads(self.threads)
+        try:
+            set_kernel_threads(self.threads)
+            self.jit_s = warmup(sum_rows=self._sum_rows)  # here, never inside the first training step
+        except BaseException as exc:  # reported to the training thread
+            self.error = exc
+        finally:
+            self._ready.set()
         while True:
             task = self._queue.get()
             if task is None:
@@ -161,15 +188,20 @@ class UpdateLane:
         grad = task.grad.get()
         s0 = unit.shard(self.rank)[0]
         lane_delay()
-        with self.tracer.span("update", "adamw", task.step - 1, task.unit):
-            self._kernels(task, unit, grad, s0)
+        with self.tracer.span("update", "adamw", task.step - 1, task.unit, task.chunk):
+            self._kernels(task, unit, grad, s0 + task.lo, s0 + (task.hi if task.hi is not None else grad.shape[-1]))
         lane_delay()
         task.grad.release()
-        self.ledger.version[task.unit, self.rank] = task.step
+        if task.last:
+            self.ledger.version[task.unit, self.rank] = task.step
 
-    def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, s0: int) -> None:
+    def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int) -> None:
+        """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0), one param-group run at a time."""
         master, exp_avg, exp_avg_sq, bf16 = self._arrays
-        for a, b, g in self.segments[task.unit]:
+        for sa, sb, g in self.segments[task.unit]:
+            a, b = max(sa, c0), min(sb, c1)
+            if a >= b:
+                continue
             h = task.hyper[g]
             lo, hi = unit.offset + a, unit.offset + b
             kw = dict(
@@ -178,9 +210,9 @@ class UpdateLane:
                 bf16_out=bf16[lo:hi],
             )  # fmt: skip
             if grad.ndim == 1:
-                adamw_update(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[a - s0 : b - s0], **kw)
+                adamw_update(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[a - c0 : b - c0], **kw)
             else:
-                adamw_update_sum(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[:, a - s0 : b - s0], **kw)
+                adamw_update_sum(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[:, a - c0 : b - c0], **kw)
 
     def close(self, wait_s: float = 30.0) -> None:
         """Stop the worker after the queued updates (a daemon thread: a worker stuck on a dead peer is abandoned)."""

@@ -56,6 +56,9 @@ CASES = {
     "untied-sharded-host_reduce-window1": (False, {"param_route": "sharded", "grad_route": "host_reduce", "window": 1}),
     "untied-sharded-gpu_reduce-traced": (False, {"param_route": "sharded", "trace": True}),
     "tied-replicated": (True, {"param_route": "replicated"}),
+    "tied-replicated-chunk4KiB": (True, {"param_route": "replicated", "chunk_bytes": 4096}),
+    "tied-chunk4KiB": (True, {"chunk_bytes": 4096}),
+    "untied-sharded-chunk4KiB-window2": (False, {"param_route": "sharded", "chunk_bytes": 4096}),
     "untied-replicated-window3": (False, {"param_route": "replicated", "window": 3}),
 }
 
@@ -100,3 +103,29 @@ def test_meta_init_equals_ddp_from_the_same_initial_weights(job_runner):
     assert torch.equal(norm, torch.ones_like(norm)), "RMSNorm weights must initialize to 1"
     q = state["model.model.layers.0.self_attn.q_proj.weight"]
     assert 0.015 < q.std().item() < 0.025, "linear weights must initialize with std ~ initializer_range (0.02)"
+
+
+def _p1_path(job_runner, tied: bool):
+    """P1's reference path: route full + gpu_reduce, window 2, one chunk per unit."""
+    name = "tied-gpu_reduce" if tied else "untied-gpu_reduce"
+    return job_runner(f"slidedp_{name}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH,
+                      **CASES[name][1])  # fmt: skip
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c not in ("tied-gpu_reduce", "untied-gpu_reduce")))
+def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner, case, tmp_path):
+    """Routes, chunking, windows and tracing change where and when the arithmetic runs, never its result."""
+    tied, knobs = CASES[case]
+    knobs = dict(knobs)
+    if knobs.pop("trace", False):
+        knobs["trace_dir"] = str(tmp_path / "trace")
+    base = _p1_path(job_runner, tied)
+    got = job_runner(f"slidedp_{case}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
+    _assert_ok(base)
+    _assert_ok(got)
+    for rank in range(2):
+        assert got.losses(rank) == base.losses(rank), f"rank {rank}: losses differ from the P1 path"
+    a, b = base.state(), got.state()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs from the P1 path"

@@ -9,7 +9,9 @@ from tests.integration.test_equivalence import BATCH, CASES, STEPS
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("case", ["tied-sharded-host_reduce-window3", "untied-gpu_reduce", "tied-window1"])
+@pytest.mark.parametrize(
+    "case", ["tied-sharded-host_reduce-window3", "untied-gpu_reduce", "tied-window1", "untied-sharded-chunk4KiB-window2"]
+)
 def test_random_lane_delays_leave_results_bit_identical(job_runner, case):
     tied, knobs = CASES[case]
     common = dict(strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
