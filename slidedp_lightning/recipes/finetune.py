@@ -33,6 +33,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
 import slidedp_lightning  # noqa: F401  (registers strategy="slidedp")
+from slidedp_lightning import SlideDPStrategy
 from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
 
 DEFAULT_CONFIG = "qwen3_tiny.json"
@@ -234,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accelerator", default="cpu", help='Lightning accelerator ("cpu", "gpu", ...)')
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     p.add_argument("--strategy", default="slidedp", choices=STRATEGIES)
+    p.add_argument("--trace-dir", default=None,
+                   help="slidedp only: record the lanes (TensorBoard scalars + Gantt, Chrome trace) under this folder")
     p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per device per step")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak AdamW learning rate")
@@ -258,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_steps < 1:
         parser.error("--max-steps must be >= 1")
+    if args.trace_dir and args.strategy != "slidedp":
+        parser.error("--trace-dir traces SlideDP's lanes: use it with --strategy slidedp")
     if args.model is not None:
         try:
             check_vocab(checkpoint_vocab_size(args.model), TASK, args.model)
@@ -280,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
     trainer = L.Trainer(
-        strategy=args.strategy,
+        strategy=SlideDPStrategy(trace_dir=args.trace_dir) if args.trace_dir else args.strategy,
         accelerator=args.accelerator,
         devices=args.devices,
         precision=args.precision,

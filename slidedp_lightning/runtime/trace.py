@@ -172,7 +172,10 @@ class Tracer:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def close(self) -> None:
-        if not self.enabled:
+        """Write the remaining steps and the Chrome trace; an engine that ran no training step writes nothing
+        (a validate-only run must not overwrite the trace of the fit before it)."""
+        if not self.enabled or not self._bounds:
+            self.enabled = False
             return
         for step in sorted(s for s in self._bounds if s not in self._written):
             self._write_step(step)
