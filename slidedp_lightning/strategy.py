@@ -46,12 +46,14 @@ class SlideDPStrategy(ParallelStrategy):
     shard of a unit as soon as that unit's gradient is reduced, overlapped with the rest of backward.
 
     Args:
-        grad_route: ``"gpu_reduce"`` (reduce-scatter on the devices, 1x host traffic) or ``"host_reduce"``
-            (every rank copies its gradient to shared memory; owners sum inside the update).
+        grad_route: ``"gpu_reduce"`` (reduce-scatter on the devices, 1x host traffic), ``"host_reduce"``
+            (every rank copies its gradient to shared memory; owners sum inside the update) or ``"auto"``
+            (measured at setup with all ranks at once; the numbers and the choice are logged).
         param_route: ``"full"``: every rank copies each whole unit host->device (R x host traffic);
             ``"sharded"``: every rank copies its 1/R shard, then the ranks all-gather the unit on the devices;
             ``"replicated"``: the SlideFormer-style multi-GPU baseline for benchmarks: every rank keeps and
-            updates its own full ledger (R x host memory and CPU work), gradients all-reduced on the devices.
+            updates its own full ledger (R x host memory and CPU work), gradients all-reduced on the devices;
+            ``"auto"``: ``full`` or ``sharded``, whichever the setup probe measures faster.
         prefetch_window: units resident at once in the streaming direction (>= 1).
         update_threads: CPU threads per rank for the update; default physical cores / local ranks.
         meta_init: run ``configure_model`` under the meta device: local rank 0 materializes and initializes
@@ -60,7 +62,8 @@ class SlideDPStrategy(ParallelStrategy):
             (copies of the master, on every rank); ``False`` leaves them on the meta device; ``"auto"`` restores
             when the copies fit in half of the available host memory.
         chunk_bytes: gradient path chunking (gpu_reduce, replicated): each chunk of a unit's reduced gradient goes
-            to the CPU update as soon as it lands; ``None`` = one chunk per unit.
+            to the CPU update as soon as it lands; ``None`` = one chunk per unit; ``"auto"`` = the smallest chunk
+            whose reduce-scatter costs at most 10 % more per byte than whole units (measured).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
             host time, overlap fraction), a Gantt figure of step 2 and ``trace_rank{r}.json`` (Chrome/Perfetto).
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
@@ -84,7 +87,7 @@ class SlideDPStrategy(ParallelStrategy):
         meta_init: bool = False,
         restore_module: Union[bool, str] = "auto",
         trace_dir: Optional[str] = None,
-        chunk_bytes: Optional[int] = None,
+        chunk_bytes: Union[int, str, None] = None,
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,

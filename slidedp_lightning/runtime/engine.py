@@ -10,7 +10,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from slidedp_lightning.runtime.host_state import (
 )
 from slidedp_lightning.runtime.layout import Layout, build_layout
 from slidedp_lightning.runtime.params import UnitResidency
+from slidedp_lightning.runtime.probe import RouteProbe, probe_routes
 from slidedp_lightning.runtime.sync import Liveness, lane_delay, set_lane_delay, wait_until
 from slidedp_lightning.runtime.trace import Tracer
 from slidedp_lightning.runtime.update import UpdateLane, UpdateTask, read_hyper, validate_optimizer
@@ -49,16 +50,16 @@ class EngineConfig:
     staging_slots: int = 2
     timeout_s: float = 1800.0
     trace_dir: str | None = None
-    chunk_bytes: int | None = None  # gradient path: FP32 bytes per reduce + update chunk; None = one per unit
+    chunk_bytes: int | str | None = None  # gradient path: FP32 bytes per reduce + update chunk; None = one per unit
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
     def __post_init__(self) -> None:
-        if self.grad_route not in GRAD_ROUTES:
-            raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {self.grad_route!r}.")
-        if self.param_route not in PARAM_ROUTES:
-            raise ValueError(f"param_route must be one of {PARAM_ROUTES}, got {self.param_route!r}.")
-        if self.param_route == "replicated" and self.grad_route != "gpu_reduce":
+        if self.grad_route not in GRAD_ROUTES + ("auto",):
+            raise ValueError(f"grad_route must be one of {GRAD_ROUTES + ('auto',)}, got {self.grad_route!r}.")
+        if self.param_route not in PARAM_ROUTES + ("auto",):
+            raise ValueError(f"param_route must be one of {PARAM_ROUTES + ('auto',)}, got {self.param_route!r}.")
+        if self.param_route == "replicated" and self.grad_route not in ("gpu_reduce", "auto"):
             raise ValueError(
                 "param_route='replicated' (every rank keeps and updates its own ledger) reduces gradients with an "
                 f"all-reduce on the devices; grad_route={self.grad_route!r} does not apply: use 'gpu_reduce'."
@@ -67,8 +68,10 @@ class EngineConfig:
             raise ValueError(f"prefetch_window must be an integer >= 1, got {self.prefetch_window!r}.")
         if self.update_threads is not None and (not isinstance(self.update_threads, int) or self.update_threads < 1):
             raise ValueError(f"update_threads must be None (auto) or an integer >= 1, got {self.update_threads!r}.")
-        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 64):
-            raise ValueError(f"chunk_bytes must be None (one chunk per unit) or an integer >= 64, got {self.chunk_bytes!r}.")
+        if self.chunk_bytes not in (None, "auto") and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 64):
+            raise ValueError(
+                f"chunk_bytes must be None (one chunk per unit), 'auto' or an integer >= 64, got {self.chunk_bytes!r}."
+            )
         if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
             raise ValueError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}.")
 
@@ -148,6 +151,9 @@ class SlideDPEngine:
         self.replicated = self.config.param_route == "replicated" and self.world_size > 1
         self.owner_rank, owners = (0, 1) if self.replicated else (self.rank, self.world_size)
         self.layout: Layout = build_layout(self.root, self.adapter.units(model), self.world_size, owners)
+        self._param_group = None
+        self.route_probe: RouteProbe | None = None
+        self._resolve_auto()
         grad_bytes = 2 if self.compute_dtype == torch.bfloat16 else 4
         host_reduce = self.config.grad_route == "host_reduce"
         geometry = LedgerGeometry(
@@ -199,7 +205,9 @@ class SlideDPEngine:
         # the H2D lane issues all-gathers while backward issues reduce-scatters: separate groups keep each
         # group's collectives in one deterministic order
         route = "sharded" if self.config.param_route == "sharded" and self.world_size > 1 else "full"
-        param_group = dist.new_group(list(range(self.world_size))) if route == "sharded" else None
+        if route == "sharded" and self._param_group is None:
+            self._param_group = dist.new_group(list(range(self.world_size)))
+        param_group = self._param_group
         self.residency = UnitResidency(
             self.layout, self.ledger, self.device, self.compute_dtype, self.config.prefetch_window, self.liveness,
             self.tracer, route, self.owner_rank, param_group,
@@ -229,6 +237,46 @@ class SlideDPEngine:
             geometry.nbytes / gib, geometry.nbytes / self.layout.num_params, self.config.param_route,
             self.config.grad_route, self.config.prefetch_window, self.device, self.compute_dtype, threads,
             jit_s, time.perf_counter() - t0,
+        )  # fmt: skip
+
+    def _resolve_auto(self) -> None:
+        """Replace every "auto" of the config by the route the probe measured fastest (same on every rank)."""
+        cfg = self.config
+        want = (cfg.param_route == "auto", cfg.grad_route == "auto", cfg.chunk_bytes == "auto")
+        if not any(want):
+            return
+        if self.world_size == 1:
+            self.config = replace(
+                cfg,
+                param_route="full" if want[0] else cfg.param_route,
+                grad_route="gpu_reduce" if want[1] else cfg.grad_route,
+                chunk_bytes=None if want[2] else cfg.chunk_bytes,
+            )
+            log.info("SlideDP auto routes: one rank, nothing to choose: full / gpu_reduce / one chunk per unit")
+            return
+        if want[0]:
+            self._param_group = dist.new_group(list(range(self.world_size)))
+        pin = self.device.type == "cuda"
+        scratch = torch.zeros(self.layout.max_unit, dtype=self.compute_dtype, pin_memory=pin)
+        probe = probe_routes(
+            scratch, self.layout.max_unit, rank=self.rank, world_size=self.world_size, device=self.device,
+            dtype=self.compute_dtype, group=self.group, param_group=self._param_group, want_param=want[0],
+            want_grad=want[1], want_chunks=want[2],
+        )  # fmt: skip
+        self.route_probe = probe
+        self.config = replace(
+            cfg,
+            param_route=probe.param_route if want[0] else cfg.param_route,
+            grad_route=probe.grad_route if want[1] else cfg.grad_route,
+            chunk_bytes=probe.chunk_bytes if want[2] else cfg.chunk_bytes,
+        )
+        measured = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(probe.seconds.items()))
+        log.log(
+            logging.INFO if self.rank == 0 else logging.DEBUG,
+            "SlideDP auto routes on a %s-element unit, all %d ranks at once (max over ranks): %s -> param_route=%s, "
+            "grad_route=%s, chunk_bytes=%s",
+            f"{self.layout.max_unit:,}", self.world_size, measured, self.config.param_route, self.config.grad_route,
+            self.config.chunk_bytes,
         )  # fmt: skip
 
     def _barrier(self) -> None:

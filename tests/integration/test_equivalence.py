@@ -59,6 +59,7 @@ CASES = {
     "tied-replicated-chunk4KiB": (True, {"param_route": "replicated", "chunk_bytes": 4096}),
     "tied-chunk4KiB": (True, {"chunk_bytes": 4096}),
     "untied-sharded-chunk4KiB-window2": (False, {"param_route": "sharded", "chunk_bytes": 4096}),
+    "tied-auto": (True, {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto"}),
     "untied-replicated-window3": (False, {"param_route": "replicated", "window": 3}),
 }
 
@@ -129,3 +130,15 @@ def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner
     a, b = base.state(), got.state()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs from the P1 path"
+
+
+@pytest.mark.integration
+def test_auto_routes_are_measured_logged_and_agreed(job_runner):
+    res = job_runner("slidedp_tied-auto", strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH,
+                     **CASES["tied-auto"][1])  # fmt: skip
+    _assert_ok(res)
+    lines = [line for line in res.output.splitlines() if "SlideDP auto routes" in line]
+    assert len(lines) == 1, "rank 0 logs the probe once"
+    for key in ("param_full", "param_sharded", "grad_gpu_reduce", "grad_host_reduce", "chunk_whole"):
+        assert key in lines[0]
+    assert "param_route=" in lines[0] and "grad_route=" in lines[0] and "chunk_bytes=" in lines[0]

@@ -1,0 +1,133 @@
+"""The route probe behind ``"auto"``: measure each candidate route on this machine, with all ranks at once.
+
+Every rank runs the same timed operations on the largest unit at the same moment (so shared PCIe / DRAM
+bandwidth is contended as in training); the per-rank medians are max-reduced, so every rank decides from
+the same numbers and picks the same routes.
+
+- parameters: ``full`` = H2D of the whole unit; ``sharded`` = H2D of this rank's shard + all-gather.
+- gradients: ``gpu_reduce`` = reduce-scatter of the FP32 unit gradient + D2H of this rank's shard;
+  ``host_reduce`` = D2H of the whole unit gradient into host memory + reading the R slots of one shard.
+- chunks (gpu_reduce): the smallest chunk whose reduce-scatter costs at most 10 % more per byte than one
+  chunk per unit; ``None`` when no smaller chunk qualifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+REPEATS = 3
+CHUNK_TOLERANCE = 1.10
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class RouteProbe:
+    """Measured seconds per operation (max over ranks) and the routes they chose."""
+
+    unit_elems: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    param_route: str = "full"
+    grad_route: str = "gpu_reduce"
+    chunk_bytes: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], None], device: torch.device, group) -> float:
+    """Median of REPEATS runs after one warm-up, all ranks starting together."""
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        if group is not None:
+            dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def probe_routes(
+    source: torch.Tensor,
+    unit_elems: int,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    group,
+    param_group,
+    want_param: bool,
+    want_grad: bool,
+    want_chunks: bool,
+) -> RouteProbe:
+    """Measure the candidate routes on a unit of ``unit_elems`` elements read from ``source`` (the ledger)."""
+    r = world_size
+    shard = unit_elems // r
+    lo, hi = rank * shard, (rank + 1) * shard
+    src = source[:unit_elems]
+    dev_unit = torch.empty(unit_elems, dtype=dtype, device=device)
+    dev_shard = torch.empty(shard, dtype=dtype, device=device)
+    pin = device.type == "cuda"
+    result = RouteProbe(unit_elems)
+    t = result.seconds
+    if want_param:
+        t["param_full"] = _timed(lambda: dev_unit.copy_(src, non_blocking=pin), device, group)
+        t["param_sharded"] = _timed(
+            lambda: (dev_shard.copy_(src[lo:hi], non_blocking=pin), _gather(dev_unit, dev_shard, group=param_group)),
+            device, group,
+        )  # fmt: skip
+    grad = torch.ones(unit_elems, dtype=torch.float32, device=device)
+    out = torch.empty(shard, dtype=torch.float32, device=device)
+    host_shard = torch.empty(shard, dtype=torch.float32, pin_memory=pin)
+    if want_grad:
+        t["grad_gpu_reduce"] = _timed(
+            lambda: (_reduce_scatter(out, grad, group=group), host_shard.copy_(out)), device, group
+        )
+        host_unit = torch.empty(unit_elems, dtype=dtype, pin_memory=pin)
+        rows = torch.zeros(r, shard, dtype=dtype)  # zeros: garbage (denormals, NaN) would distort the timing
+        acc = torch.empty(shard, dtype=torch.float32)
+        t["grad_host_reduce"] = _timed(
+            lambda: (host_unit.copy_(grad), torch.sum(rows, dim=0, dtype=torch.float32, out=acc)), device, group
+        )
+    if want_chunks:
+        whole = _timed(lambda: _reduce_scatter(out, grad, group=group), device, group)
+        t["chunk_whole"] = whole
+        for parts in (8, 4, 2):
+            c = shard // parts
+            if c < 1024:
+                continue
+            pieces = [(grad[: c * r], out[:c]) for _ in range(parts)]
+            secs = _timed(lambda: [_reduce_scatter(o, g, group=group) for g, o in pieces], device, group)
+            t[f"chunk_1/{parts}"] = secs
+    # every rank decides from the slowest rank's numbers
+    names = sorted(t)
+    if group is not None:
+        vec = torch.tensor([t[n] for n in names], dtype=torch.float64)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+        t.update(zip(names, vec.tolist()))
+    if want_param:
+        result.param_route = "sharded" if t["param_sharded"] < t["param_full"] else "full"
+    if want_grad:
+        result.grad_route = "host_reduce" if t["grad_host_reduce"] < t["grad_gpu_reduce"] else "gpu_reduce"
+    if want_chunks:
+        fits = [p for p in (8, 4, 2) if f"chunk_1/{p}" in t and t[f"chunk_1/{p}"] <= CHUNK_TOLERANCE * t["chunk_whole"]]
+        result.chunk_bytes = (shard // max(fits)) * 4 if fits else None
+    return result
