@@ -193,6 +193,8 @@ class SlideDPEngine:
             self.ledger.pids[self.local_rank] = os.getpid()
             self._barrier()
             self.ledger.unlink()  # every rank has mapped it: the name is no longer needed
+        if self.device.type == "cuda":
+            self.ledger.pin()
         self.liveness = Liveness(
             pids=lambda: [int(p) for i, p in enumerate(self.ledger.pids) if p != os.getpid()],
             timeout_s=self.config.timeout_s,

@@ -165,6 +165,22 @@ class HostLedger:
             self.bf16.view(torch.int16).numpy().view(np.uint16),
         )
 
+    def pin(self) -> bool:
+        """Page-lock this process's mapping (``cudaHostRegister``) so H2D/D2H copies to and from it are async
+        DMA. Returns False (and logs why) when CUDA refuses; copies then stage through pageable memory."""
+        err = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), self.geometry.nbytes, 0)
+        code = getattr(err, "value", err)
+        self._pinned = code == 0
+        if not self._pinned:
+            log.warning("cudaHostRegister of the %.2f GiB ledger failed (cudaError %s); copies will be synchronous",
+                        self.geometry.nbytes / (1 << 30), code)  # fmt: skip
+        return self._pinned
+
+    def unpin(self) -> None:
+        if getattr(self, "_pinned", False):
+            torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr())
+            self._pinned = False
+
     def refresh_bf16(self) -> None:
         """Rewrite the BF16 transfer copy from the master (torch's conversion: round-to-nearest-even, the same
         bits as the update kernel's; runs on the calling thread with torch's threads, no Numba)."""
@@ -182,5 +198,6 @@ class HostLedger:
 
     def close(self) -> None:
         self.unlink()
+        self.unpin()
         for name in ("master", "exp_avg", "exp_avg_sq", "bf16", "staging", "_raw"):
             setattr(self, name, None)
