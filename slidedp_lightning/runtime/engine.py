@@ -21,11 +21,11 @@ from slidedp_lightning.models import adapter_for
 from slidedp_lightning.models.adapter import UnsupportedModelError
 from slidedp_lightning.runtime.grads import GRAD_ROUTES, GradRoute
 from slidedp_lightning.runtime.host_state import (
-    SHM_DIR,
     HostLedger,
     LedgerGeometry,
     available_host_bytes,
     check_host_memory,
+    shm_dir,
 )
 from slidedp_lightning.runtime.layout import Layout, build_layout
 from slidedp_lightning.runtime.params import UnitResidency
@@ -169,7 +169,7 @@ class SlideDPEngine:
 
         def create() -> str:
             check_host_memory(geometry, self.layout.num_params, copies)
-            path = os.path.join(SHM_DIR, f"slidedp-{uuid.uuid4().hex[:12]}-ledger")
+            path = os.path.join(shm_dir(), f"slidedp-{uuid.uuid4().hex[:12]}-ledger")
             ledger = HostLedger(path, geometry, create=True)
             try:
                 self._load_initial_weights(ledger)

@@ -18,7 +18,11 @@ log = logging.getLogger(__name__)
 
 PAGE = 4096
 GUARD = PAGE  # bytes left between the arrays so they never sit at power-of-two distances
-SHM_DIR = "/dev/shm"
+SHM_ENV = "SLIDEDP_SHM_DIR"  # where ledgers are created (default /dev/shm); any local directory shared by the ranks
+
+
+def shm_dir() -> str:
+    return os.environ.get(SHM_ENV, "/dev/shm")
 LEDGER_BYTES_PER_PARAM = 14  # FP32 master 4 + exp_avg 4 + exp_avg_sq 4 + BF16 copy 2
 
 
@@ -71,14 +75,14 @@ class LedgerGeometry:
 
 
 def available_host_bytes() -> tuple[int, int]:
-    """(MemAvailable, free bytes in /dev/shm)."""
+    """(MemAvailable, free bytes in the ledger directory)."""
     mem = 0
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 mem = int(line.split()[1]) * 1024
                 break
-    st = os.statvfs(SHM_DIR)
+    st = os.statvfs(shm_dir())
     return mem, st.f_bavail * st.f_frsize
 
 
@@ -95,7 +99,8 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: int = 1
             + f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
             + (f" + {geometry.staging_bytes / gib:.2f} GiB host_reduce staging" if geometry.staging_bytes else "")
             + f"), but only {have / gib:.2f} GiB is available (MemAvailable {mem / gib:.2f} GiB, "
-            f"{SHM_DIR} free {shm / gib:.2f} GiB). Free host memory or enlarge {SHM_DIR} (mount -o remount,size=...)"
+            f"{shm_dir()} free {shm / gib:.2f} GiB). Free host memory, enlarge {shm_dir()} (mount -o remount,size=...) "
+            f"or point {SHM_ENV} at a local directory with room"
             + ("; param_route='full' or 'sharded' keeps one ledger per host" if copies > 1 else "")
             + ("; grad_route='gpu_reduce' needs no staging slots" if geometry.staging_bytes else "")
             + "."

@@ -92,6 +92,7 @@ class Tracer:
         self.spans: list[Span] = []
         self._bounds: dict[int, list[float]] = {}
         self._written: set[int] = set()
+        self.metrics: dict[int, dict[str, float]] = {}  # step -> step_metrics(), in seconds
         self._lock = threading.Lock()
         self._writer = None
         self.origin = time.perf_counter()
@@ -129,6 +130,7 @@ class Tracer:
             start, end = self._bounds[step]
             spans = [s for s in self.spans if s.step == step]
             metrics = step_metrics(spans, start, end)
+            self.metrics[step] = metrics
             writer = self._tb()
             for key, value in metrics.items():
                 scale = 1.0 if key == "overlap_fraction" else 1e3

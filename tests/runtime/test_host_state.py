@@ -12,7 +12,7 @@ from slidedp_lightning.runtime.host_state import (
     GUARD,
     LEDGER_BYTES_PER_PARAM,
     PAGE,
-    SHM_DIR,
+    shm_dir,
     HostLedger,
     HostMemoryError,
     LedgerGeometry,
@@ -73,7 +73,7 @@ def test_geometry_bytes_and_offsets(g: LedgerGeometry) -> None:
 
 @pytest.fixture
 def ledger_path():
-    path = os.path.join(SHM_DIR, f"pytest-slidedp-ledger-{uuid.uuid4().hex[:12]}")
+    path = os.path.join(shm_dir(), f"pytest-slidedp-ledger-{uuid.uuid4().hex[:12]}")
     yield path
     if os.path.exists(path):
         os.unlink(path)
@@ -161,7 +161,7 @@ def test_check_host_memory_absurd_size_raises() -> None:
     msg = str(info.value)
     assert f"{g.nbytes / (1 << 30):.2f} GiB" in msg
     assert "10,000,000,000,000 params" in msg
-    assert SHM_DIR in msg
+    assert shm_dir() in msg
     assert isinstance(info.value, MemoryError)
 
 

@@ -1,0 +1,204 @@
+"""One-GPU check: SlideDP vs plain PyTorch on a Qwen3-architecture model, plus pinned vs pageable copies.
+
+    python bench/gpu_check.py --out "$OUT"                 # ~1.7 B params, BF16, on the first CUDA device
+    python bench/gpu_check.py --device cpu --tiny          # the same code path on a tiny model, for a dry run
+
+Plain PyTorch: the whole model on the device, FP32 weights, BF16 autocast, ``torch.optim.AdamW(fused=True)``.
+SlideDP: the engine on one device, model built on the meta device and initialized unit by unit into the host
+ledger, BF16 units streamed, CPU AdamW. Both run the same random batches; warm-up steps are excluded.
+Writes ``gpu_check.json`` and the SlideDP lane trace under ``--out`` and prints a table last.
+No installs: the repository and its dependencies only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from slidedp_lightning.runtime import EngineConfig, SlideDPEngine
+
+
+def qwen3_config(tiny: bool) -> Qwen3Config:
+    if tiny:
+        return Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                           max_position_embeddings=4096, attn_implementation="sdpa")  # fmt: skip
+    # Qwen3-1.7B shapes: ~1.7 B parameters with tied embeddings
+    return Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       max_position_embeddings=40960, attn_implementation="sdpa")  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> dict[str, float]:
+    """GB/s of host->device and device->host copies from pinned and from pageable host memory."""
+    if device.type != "cuda":
+        return {}
+    out = {}
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for kind, pinned in (("pinned", True), ("pageable", False)):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        host.fill_(1)
+        for direction in ("h2d", "d2h"):
+            times = []
+            for _ in range(4):
+                sync(device)
+                t0 = time.perf_counter()
+                if direction == "h2d":
+                    dev.copy_(host, non_blocking=pinned)
+                else:
+                    host.copy_(dev, non_blocking=pinned)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            out[f"{direction}_{kind}_GBps"] = nbytes / statistics.median(times[1:]) / 1e9
+    return out
+
+
+def batches(vocab: int, batch: int, seq: int, n: int, device: torch.device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(n)]
+
+
+def peak_device_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    times, losses = [], []
+    for i, x in enumerate(data):
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    result = {"step_s": statistics.median(times), "peak_device_bytes": peak_device_bytes(device),
+              "host_rss_bytes": rss_bytes(), "losses": losses}  # fmt: skip
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device, out: Path) -> dict:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    t0 = time.perf_counter()
+    engine = SlideDPEngine(model, EngineConfig(trace_dir=str(out / "slidedp_trace")), device=device,
+                           compute_dtype=torch.bfloat16)  # fmt: skip
+    setup_s = time.perf_counter() - t0
+    engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
+    times, losses = [], []
+    try:
+        for i, x in enumerate(data):
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            engine.end_step()
+            sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        engine.synchronize()
+        result = {
+            "step_s": statistics.median(times),
+            "setup_s": setup_s,
+            "peak_device_bytes": peak_device_bytes(device),
+            "peak_resident_unit_bytes": engine.residency.peak_resident_bytes,
+            "ledger_bytes": engine.ledger.geometry.nbytes,
+            "host_rss_bytes": rss_bytes(),
+            "losses": losses,
+        }
+    finally:
+        engine.close(restore=False)
+    steps = [m for step, m in sorted(engine.tracer.metrics.items()) if step >= warmup]
+    for key in ("exposed_host", "overlap_fraction", "busy_h2d", "busy_update", "busy_reduce", "busy_stall"):
+        result[key] = statistics.median(m[key] for m in steps) if steps else None
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (dry run of the code path)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size for the copy-bandwidth check")
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"))
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = qwen3_config(args.tiny)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in Qwen3ForCausalLM(cfg).parameters())
+    data = batches(cfg.vocab_size, args.batch, args.seq, args.steps, device)
+    tokens = args.batch * args.seq
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "params": n_params, "batch": args.batch, "seq": args.seq,
+        "copies": copy_bandwidth(device, args.copy_mib << 20),
+    }  # fmt: skip
+    for name, fn in (("plain", lambda: run_plain(cfg, data, args.warmup, device)),
+                     ("slidedp", lambda: run_slidedp(cfg, data, args.warmup, device, out))):  # fmt: skip
+        try:
+            report[name] = fn()
+            report[name]["tokens_per_s"] = tokens / report[name]["step_s"]
+        except Exception as exc:  # OOM or a host-memory refusal is a result too
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    gib = 1 << 30
+    print(f"\n{report['device']}, torch {report['torch']}, {n_params / 1e9:.2f} B params, batch {args.batch} x seq {args.seq}")
+    for k, v in report["copies"].items():
+        print(f"  {k}: {v:.1f}")
+    print("| system | tokens/s | step s | peak device GiB | host RSS GiB | ledger GiB | exposed host s | overlap | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in ("plain", "slidedp"):
+        r = report[name]
+        if "error" in r:
+            print(f"| {name} | - | - | - | - | - | - | - | {r['error'][:80]} |")
+            continue
+        dev = f"{r['peak_device_bytes'] / gib:.2f}" if r["peak_device_bytes"] is not None else "n/a (cpu)"
+        ledger = f"{r['ledger_bytes'] / gib:.2f}" if "ledger_bytes" in r else "-"
+        exposed = f"{r['exposed_host']:.3f}" if r.get("exposed_host") is not None else "-"
+        overlap = f"{r['overlap_fraction']:.2f}" if r.get("overlap_fraction") is not None else "-"
+        print(f"| {name} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {dev} | {r['host_rss_bytes'] / gib:.2f} "
+              f"| {ledger} | {exposed} | {overlap} | |")  # fmt: skip
+    print(f"json: {out / 'gpu_check.json'}; SlideDP lanes: tensorboard --logdir {out / 'slidedp_trace'}")
+
+
+if __name__ == "__main__":
+    main()
