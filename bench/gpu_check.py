@@ -79,13 +79,8 @@ def rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device) -> dict:
-    torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+def train(model, data: list[torch.Tensor], warmup: int, device: torch.device, finish) -> tuple[list, list]:
+    """Step times (after ``warmup`` steps) and losses; ``finish`` ends a step after backward."""
     times, losses = [], []
     for i, x in enumerate(data):
         sync(device)
@@ -93,12 +88,27 @@ def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: t
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        finish()
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    return times, losses
+
+
+def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+
+    def finish() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times, losses = train(model, data, warmup, device, finish)
     result = {"step_s": statistics.median(times), "peak_device_bytes": peak_device_bytes(device),
               "host_rss_bytes": rss_bytes(), "losses": losses}  # fmt: skip
     del model, opt
@@ -117,19 +127,8 @@ def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device:
                            compute_dtype=torch.bfloat16)  # fmt: skip
     setup_s = time.perf_counter() - t0
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
-    times, losses = [], []
     try:
-        for i, x in enumerate(data):
-            sync(device)
-            t0 = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=x, labels=x).loss
-            loss.backward()
-            engine.end_step()
-            sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            losses.append(loss.item())
+        times, losses = train(model, data, warmup, device, engine.end_step)
         engine.synchronize()
         result = {
             "step_s": statistics.median(times),

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slidedp_lightning.runtime.comm import reduce_scatter_into
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import Liveness, lane_delay, wait_until
@@ -22,8 +23,6 @@ from slidedp_lightning.runtime.trace import Tracer
 
 GRAD_ROUTES = ("gpu_reduce", "host_reduce")
 ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, every rank gets the whole gradient
-# torch 2.13 renamed reduce_scatter_tensor (same semantics); older releases only have the old name
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor]) -> None:
@@ -164,7 +163,7 @@ class GradRoute:
                 # chunk k of every rank's shard, side by side: rank i receives the sum of the i-th piece
                 inp = flat if (a, b) == (0, n) else flat.view(r, n)[:, a:b].contiguous().view(-1)
                 piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
-                work = _reduce_scatter(piece, inp, group=self.group, async_op=True)
+                work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
             if not self._cuda:
                 out.append((a, b, ReducedShard(work, piece, None, (flat,), traced, step, u)))
                 continue

@@ -17,9 +17,9 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from slidedp_lightning.runtime.comm import all_gather_into
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.sync import lane_delay, wait_until
@@ -53,7 +53,6 @@ class UnitResidency:
         self.route = route
         self.rank = rank
         self.group = group
-        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self.tracer = tracer or Tracer(None, 0)
         self.buffers = [torch.empty(u.padded, dtype=dtype, device=device) for u in layout.units]
         self.refs = [0] * len(layout.units)
@@ -135,7 +134,7 @@ class UnitResidency:
         with self.tracer.span("h2d", "all_gather", step, u):
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
-            self._gather(buf, shard, group=self.group)
+            all_gather_into(buf, shard, group=self.group)
         if self._cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))

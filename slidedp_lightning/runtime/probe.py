@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
+
 log = logging.getLogger(__name__)
 
 REPEATS = 3
 CHUNK_TOLERANCE = 1.10
-_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -90,16 +90,17 @@ def probe_routes(
     t = result.seconds
     if want_param:
         t["param_full"] = _timed(lambda: dev_unit.copy_(src, non_blocking=pin), device, group)
-        t["param_sharded"] = _timed(
-            lambda: (dev_shard.copy_(src[lo:hi], non_blocking=pin), _gather(dev_unit, dev_shard, group=param_group)),
-            device, group,
-        )  # fmt: skip
+        def sharded() -> None:
+            dev_shard.copy_(src[lo:hi], non_blocking=pin)
+            all_gather_into(dev_unit, dev_shard, group=param_group)
+
+        t["param_sharded"] = _timed(sharded, device, group)
     grad = torch.ones(unit_elems, dtype=torch.float32, device=device)
     out = torch.empty(shard, dtype=torch.float32, device=device)
     host_shard = torch.empty(shard, dtype=torch.float32, pin_memory=pin)
     if want_grad:
         t["grad_gpu_reduce"] = _timed(
-            lambda: (_reduce_scatter(out, grad, group=group), host_shard.copy_(out)), device, group
+            lambda: (reduce_scatter_into(out, grad, group=group), host_shard.copy_(out)), device, group
         )
         host_unit = torch.empty(unit_elems, dtype=dtype, pin_memory=pin)
         rows = torch.zeros(r, shard, dtype=dtype)  # zeros: garbage (denormals, NaN) would distort the timing
@@ -108,14 +109,14 @@ def probe_routes(
             lambda: (host_unit.copy_(grad), torch.sum(rows, dim=0, dtype=torch.float32, out=acc)), device, group
         )
     if want_chunks:
-        whole = _timed(lambda: _reduce_scatter(out, grad, group=group), device, group)
+        whole = _timed(lambda: reduce_scatter_into(out, grad, group=group), device, group)
         t["chunk_whole"] = whole
         for parts in (8, 4, 2):
             c = shard // parts
             if c < 1024:
                 continue
             pieces = [(grad[: c * r], out[:c]) for _ in range(parts)]
-            secs = _timed(lambda: [_reduce_scatter(o, g, group=group) for g, o in pieces], device, group)
+            secs = _timed(lambda: [reduce_scatter_into(o, g, group=group) for g, o in pieces], device, group)
             t[f"chunk_1/{parts}"] = secs
     # every rank decides from the slowest rank's numbers
     names = sorted(t)
