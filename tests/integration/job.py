@@ -118,6 +118,7 @@ def main(path: str) -> None:
             grad_route=cfg.get("grad_route", "gpu_reduce"),
             param_route=cfg.get("param_route", "full"),
             chunk_bytes=cfg.get("chunk_bytes"),
+            update_threads=cfg.get("update_threads"),
             prefetch_window=cfg.get("window", 2),
             meta_init=cfg.get("meta_init", False),
             trace_dir=cfg.get("trace_dir"),

@@ -60,6 +60,7 @@ CASES = {
     "tied-chunk4KiB": (True, {"chunk_bytes": 4096}),
     "untied-sharded-chunk4KiB-window2": (False, {"param_route": "sharded", "chunk_bytes": 4096}),
     "tied-auto": (True, {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto"}),
+    "untied-host_reduce-2-update-threads": (False, {"grad_route": "host_reduce", "update_threads": 2}),
     "untied-replicated-window3": (False, {"param_route": "replicated", "window": 3}),
 }
 
