@@ -326,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"time: eval {t1 - t0:.1f}s, fit {t2 - t1:.1f}s, eval {t3 - t2:.1f}s",
         f"TensorBoard logs: {logger.log_dir}",
     ])
+    # leave no gloo/NCCL threads to static destructors at interpreter exit (they can abort the process)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     if not finite:
         _report([f"ERROR: non-finite loss (non-finite training steps on rank 0: {module.nonfinite_loss_steps}, "
                  f"last train_loss {train_loss}, val_loss {after['val_loss']})"])

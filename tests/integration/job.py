@@ -139,6 +139,9 @@ def main(path: str) -> None:
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()},
                    os.path.join(cfg["out"], "final_state.pt"))  # fmt: skip
+    # leave no gloo threads to static destructors at interpreter exit (they can abort the process)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
