@@ -290,13 +290,17 @@ class SlideDPEngine:
         ledger.master.zero_()
         ledger.exp_avg.zero_()
         ledger.exp_avg_sq.zero_()
-        for unit, spec in zip(self.layout.units, self.adapter.units(self.model)):
+        for unit in self.layout.units:
+            materialized = []
             for slot in unit.slots:
                 module, attr = slot.locations[0]
                 if getattr(module, attr).is_meta:
                     self._materialize(module)
+                    materialized.append(module)
                 start = unit.offset + slot.offset
                 ledger.master[start : start + slot.numel].copy_(getattr(module, attr).detach().reshape(-1))
+            for module in materialized:  # the unit lives in the ledger now: hand its memory back at once
+                module.to_empty(device="meta", recurse=True)
         ledger.refresh_bf16()
 
     def _materialize(self, module: nn.Module) -> None:
@@ -421,7 +425,7 @@ class SlideDPEngine:
             chunks = self.routes.dispatch(u, grads, self.step)
         for k, (lo, hi, source) in enumerate(chunks):
             last = k == len(chunks) - 1
-            self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, self.routes.grad_scale, lo, hi, last, k))
+            self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, lo, hi, last, k, self.routes.grad_scale))
         self._mark = time.perf_counter()
 
     def _check_backward_complete(self) -> None:
@@ -459,9 +463,6 @@ class SlideDPEngine:
         wait_until(lambda: bool((version >= self.step).all()), self.liveness, "all ranks' updates")
 
     # -- state ---------------------------------------------------------------------------------------
-    def _param_ids(self) -> dict[int, tuple[int, int]]:
-        return self._slot_of
-
     def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
         unit = self.layout.units[unit_index]
         slot = unit.slots[slot_index]

@@ -81,11 +81,11 @@ class UpdateTask:
     step: int  # the Adam step t, 1-based
     hyper: list[AdamHyper]
     grad: GradSource
+    lo: int  # the chunk: [lo, hi) of this rank's range of the unit
+    hi: int
+    last: bool  # the unit's last chunk: its version stamp moves after this one
+    chunk: int
     grad_scale: float = 1.0
-    lo: int = 0  # the chunk: [lo, hi) of this rank's range of the unit
-    hi: int | None = None
-    last: bool = True  # the unit's last chunk: its version stamp moves after this one
-    chunk: int = 0
 
 
 class UpdateLane:
@@ -189,7 +189,7 @@ class UpdateLane:
         s0 = unit.shard(self.rank)[0]
         lane_delay()
         with self.tracer.span("update", "adamw", task.step - 1, task.unit, task.chunk):
-            self._kernels(task, unit, grad, s0 + task.lo, s0 + (task.hi if task.hi is not None else grad.shape[-1]))
+            self._kernels(task, unit, grad, s0 + task.lo, s0 + task.hi)
         lane_delay()
         task.grad.release()
         if task.last:
