@@ -5,8 +5,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,11 @@ import pytest
 import torch
 
 JOB = Path(__file__).with_name("job.py")
+# Interpreter shutdown of a finished job sometimes aborts (a joinable C++ std::thread destroyed; seen in ~1 of 40
+# jobs inside full suite runs, never in isolation; shared/notes/baselines.md reports the same for FSDP2 on gloo).
+# Such a run counts as finished only with exactly this signature and every rank's "done" marker written as the
+# last statement of main(); it is reported as a warning, never hidden.
+EXIT_ABORT = "terminate called without an active exception"
 
 
 @dataclass
@@ -21,6 +28,7 @@ class JobResult:
     returncode: int
     output: str
     out: Path
+    ranks: int = 1
 
     def losses(self, rank: int) -> list[float]:
         return json.loads((self.out / f"losses_rank{rank}.json").read_text())
@@ -45,7 +53,13 @@ def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, 
         [sys.executable, str(JOB), str(tmp / "config.json")],
         capture_output=True, text=True, timeout=timeout, env=env,
     )  # fmt: skip
-    return JobResult(proc.returncode, proc.stdout + proc.stderr, tmp)
+    output = proc.stdout + proc.stderr
+    ranks = int(cfg.get("devices", 1))
+    finished = all((tmp / f"done_rank{r}").exists() for r in range(ranks))
+    if proc.returncode == -signal.SIGABRT and finished and output.rstrip().endswith(EXIT_ABORT):
+        warnings.warn(f"job {tmp.name} finished on every rank, then aborted at interpreter exit ({EXIT_ABORT!r})")
+        return JobResult(0, output, tmp, ranks)
+    return JobResult(proc.returncode, output, tmp, ranks)
 
 
 @pytest.fixture(scope="session")

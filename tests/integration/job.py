@@ -142,6 +142,9 @@ def main(path: str) -> None:
     # leave no gloo threads to static destructors at interpreter exit (they can abort the process)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    # the very last statement: this rank ran main() to the end (see conftest.EXIT_ABORT)
+    with open(os.path.join(cfg["out"], f"done_rank{trainer.global_rank}"), "w") as f:
+        f.write("ok\n")
 
 
 if __name__ == "__main__":
