@@ -27,6 +27,7 @@ from slidedp_lightning.runtime.host_state import (
     check_host_memory,
     shm_dir,
 )
+from slidedp_lightning.runtime.lanes import make_lanes
 from slidedp_lightning.runtime.layout import Layout, build_layout
 from slidedp_lightning.runtime.params import UnitResidency
 from slidedp_lightning.runtime.probe import RouteProbe, probe_routes
@@ -198,9 +199,10 @@ class SlideDPEngine:
         self.liveness = Liveness(
             pids=lambda: [int(p) for i, p in enumerate(self.ledger.pids) if p != os.getpid()],
             timeout_s=self.config.timeout_s,
-            own_error=lambda: self.lane.error if self.lane is not None else None,
+            own_error=self._lane_error,
         )
         self.tracer = Tracer(self.config.trace_dir, self.rank)
+        self.lanes = make_lanes(self.device, self.tracer)
         set_lane_delay(self.config.lane_delay_ms)
         if self.config.lane_delay_ms:
             log.warning("SlideDP fault injection: random delays up to %.1f ms in every lane", self.config.lane_delay_ms)
@@ -211,13 +213,13 @@ class SlideDPEngine:
             self._param_group = dist.new_group(list(range(self.world_size)))
         param_group = self._param_group
         self.residency = UnitResidency(
-            self.layout, self.ledger, self.device, self.compute_dtype, self.config.prefetch_window, self.liveness,
-            self.tracer, route, self.owner_rank, param_group,
+            self.layout, self.ledger, self.lanes, self.compute_dtype, self.config.prefetch_window, self.liveness,
+            route, self.owner_rank, param_group,
         )  # fmt: skip
         self.residency.bind()
         self.routes = GradRoute(
             "all_reduce" if self.replicated else self.config.grad_route, self.layout, self.ledger, self.rank,
-            self.world_size, self.group, self.device, self.liveness, self.tracer,
+            self.world_size, self.group, self.lanes, self.liveness,
             self.config.chunk_bytes // 4 // 16 * 16 if self.config.chunk_bytes else None,
         )  # fmt: skip
         threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
@@ -280,6 +282,16 @@ class SlideDPEngine:
             f"{self.layout.max_unit:,}", self.world_size, measured, self.config.param_route, self.config.grad_route,
             self.config.chunk_bytes,
         )  # fmt: skip
+
+    def _lane_error(self) -> BaseException | None:
+        """A failure of this rank's own update or D2H lane (ends every wait on the other ranks at once)."""
+        if self.lane is not None and self.lane.error is not None:
+            return self.lane.error
+        return self.routes.error if hasattr(self, "routes") else None
+
+    def _stamp(self):
+        """Tracing: a timestamp on the compute lane (None when tracing is off)."""
+        return self.lanes.stamp("compute") if self.tracer.enabled else None
 
     def _barrier(self) -> None:
         if self.world_size > 1:
@@ -352,7 +364,7 @@ class SlideDPEngine:
         self._callback_queued = False
         self._hyper = None
         self._step_t0: float | None = None  # tracing: the step's first training forward
-        self._mark = 0.0  # tracing: when the compute thread last resumed compute
+        self._mark = None  # tracing: when the compute lane last resumed compute (see Lanes.stamp)
 
     def _make_pre_forward(self, units: tuple[int, ...]):
         def hook(module, args):
@@ -361,15 +373,15 @@ class SlideDPEngine:
             if self.tracer.enabled and self._step_t0 is None and torch.is_grad_enabled():
                 self._step_t0 = time.perf_counter()
             self.residency.acquire(units, self.step, backward=False)
-            self._mark = time.perf_counter()
+            self._mark = self._stamp()
 
         return hook
 
     def _make_post_forward(self, units: tuple[int, ...]):
         def hook(module, args, output):
             if self.tracer.enabled and torch.is_grad_enabled():
-                self.tracer.record("compute", "forward", self.step, self._mark, time.perf_counter(), units[-1])
-                self._mark = 0.0  # loss, logging and the loop run outside the units: backward starts at its hook
+                self.tracer.record("compute", "forward", self.step, self._mark, self._stamp(), units[-1])
+                self._mark = None  # loss, logging and the loop run outside the units: backward starts at its hook
             self.residency.release(units)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._on_output_grad(units))
@@ -388,12 +400,12 @@ class SlideDPEngine:
             )
         self._compute_until_now(units[-1])
         self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
-        self._mark = time.perf_counter()
+        self._mark = self._stamp()
 
     def _compute_until_now(self, unit: int) -> None:
         """Tracing: the compute thread ran backward from the last mark until this hook."""
-        if self.tracer.enabled and self._mark:
-            self.tracer.record("compute", "backward", self.step, self._mark, time.perf_counter(), unit)
+        if self.tracer.enabled and self._mark is not None:
+            self.tracer.record("compute", "backward", self.step, self._mark, self._stamp(), unit)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         ui, si = self._slot_of[id(param)]
@@ -426,11 +438,11 @@ class SlideDPEngine:
         for k, (lo, hi, source) in enumerate(chunks):
             last = k == len(chunks) - 1
             self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, lo, hi, last, k, self.routes.grad_scale))
-        self._mark = time.perf_counter()
+        self._mark = self._stamp()
 
     def _check_backward_complete(self) -> None:
         self._compute_until_now(0)
-        self._mark = 0.0
+        self._mark = None
         self._callback_queued = False
         missing = [
             s.name for ui, u in enumerate(self.layout.units) if self._pending[ui] for s, g in zip(u.slots, self._grads[ui])
@@ -592,6 +604,7 @@ class SlideDPEngine:
             if hasattr(self, "residency"):
                 self.residency.evict_all()
                 self.residency.unbind(restore)
-                self.residency.close(wait=not self._aborted)
+            if hasattr(self, "lanes"):
+                self.lanes.close(wait=not self._aborted)
             if self.ledger is not None:
                 self.ledger.close()

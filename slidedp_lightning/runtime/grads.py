@@ -9,6 +9,7 @@ sums the R slots of its shard inside the update pass (host traffic x R, no devic
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from slidedp_lightning.runtime.comm import reduce_scatter_into
 from slidedp_lightning.runtime.host_state import HostLedger
+from slidedp_lightning.runtime.lanes import Lanes
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import Liveness, lane_delay, wait_until
 from slidedp_lightning.runtime.trace import Tracer
@@ -35,25 +37,27 @@ def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor]) -> Non
 
 @dataclass
 class ReducedShard:
-    """gpu_reduce: this rank's reduced shard, once the collective (and on CUDA the D2H copy) is done."""
+    """gpu_reduce: this rank's reduced shard on the host, once its marker (D2H copy) and work are done."""
 
-    work: object | None
+    lanes: Lanes
     shard: torch.Tensor
-    event: torch.cuda.Event | None
+    marker: object
+    work: object | None
     keep: tuple = ()
-    tracer: Tracer | None = None
     step: int = -1
     unit: int = -1
+    chunk: int = -1
     issued: float = field(default_factory=time.perf_counter)
 
     def get(self) -> np.ndarray:
         lane_delay()
+        self.lanes.host_wait(self.marker)
         if self.work is not None:
             self.work.wait()
-            if self.tracer is not None:  # from issue to completion, as seen by the update lane
-                self.tracer.record("reduce", "reduce_scatter", self.step, self.issued, time.perf_counter(), self.unit)
-        if self.event is not None:
-            self.event.synchronize()
+        tracer = self.lanes.tracer
+        if tracer.enabled:  # from issue until the update lane has it (collective and D2H)
+            tracer.record("reduce", "reduce + return", self.step, self.issued, time.perf_counter(), self.unit,
+                          self.chunk)  # fmt: skip
         return self.shard.numpy()
 
     def release(self) -> None:
@@ -100,9 +104,8 @@ class GradRoute:
         rank: int,
         world_size: int,
         group,
-        device: torch.device,
+        lanes: Lanes,
         liveness: Liveness,
-        tracer: Tracer | None = None,
         chunk_elems: int | None = None,
     ) -> None:
         if route not in ROUTES:
@@ -113,12 +116,12 @@ class GradRoute:
         self.rank = rank
         self.world_size = world_size
         self.group = group
-        self.device = device
+        self.lanes = lanes
+        self.device = lanes.device
         self.liveness = liveness
-        self.tracer = tracer or Tracer(None, rank)
+        self.tracer = lanes.tracer
         self.chunk_elems = chunk_elems  # gpu_reduce/all_reduce: elements per chunk of this rank's range; None: one
-        self._cuda = device.type == "cuda"
-        self._d2h = torch.cuda.Stream(device) if self._cuda else None
+        self._published: list[Future] = []  # host_reduce: copies to the staging slots still on the D2H lane
         self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
 
     @property
@@ -151,7 +154,6 @@ class GradRoute:
         n = unit.padded if whole else unit.shard_numel
         if r > 1:
             flat.div_(r)  # pre-divided, as DDP does
-        traced = self.tracer if self.tracer.enabled else None
         out = []
         for k, (a, b) in enumerate(self._chunks(n)):
             work = None
@@ -164,22 +166,14 @@ class GradRoute:
                 inp = flat if (a, b) == (0, n) else flat.view(r, n)[:, a:b].contiguous().view(-1)
                 piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
                 work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
-            if not self._cuda:
-                out.append((a, b, ReducedShard(work, piece, None, (flat,), traced, step, u)))
-                continue
-            if work is not None:
-                work.wait()  # orders the compute stream after the collective
-            host = torch.empty(b - a, dtype=torch.float32, pin_memory=True)
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
-                host.copy_(piece, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._d2h)
-            piece.record_stream(self._d2h)
-            out.append((a, b, ReducedShard(None, host, event, (flat, piece), traced, step, u)))
+            host, marker, work = self.lanes.to_host(piece, work)
+            out.append((a, b, ReducedShard(self.lanes, host, marker, work, (flat, piece), step, u, k)))
         return out
 
     def _host_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> StagedSlots:
+        """Wait (on the compute thread, bounding the gradients in flight) for a free staging slot, then copy
+        the unit's gradient into it and publish it on the D2H lane."""
+        self.raise_if_failed()
         unit = self.layout.units[u]
         slots = self.ledger.geometry.staging_slots
         self._gen += 1
@@ -189,12 +183,36 @@ class GradRoute:
         if not bool((consumed >= gen - slots).all()):
             with self.tracer.span("stall", "wait free slot", step, u):
                 wait_until(lambda: bool((consumed >= gen - slots).all()), self.liveness, f"owners to free slot {k}")
-        row = self.ledger.staging[self.rank, k, : unit.padded]
-        with self.tracer.span("d2h", "copy to slot", step, u):
-            _fill_flat(row, unit, grads)
-            if self._cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-        lane_delay()
-        self.ledger.grad_gen[self.rank, k] = gen
+        ready = self.lanes.mark("compute")
+        self._published = [f for f in self._published if not f.done() or f.exception() is not None]
+        self._published.append(self.lanes.submit("d2h", self._publish, u, grads, k, gen, ready, step))
         lo, hi = unit.shard(self.rank)
         return StagedSlots(self.ledger, self.liveness, self.rank, k, gen, lo, hi, self.tracer, step, u)
+
+    def _publish(self, u: int, grads: list[torch.Tensor], k: int, gen: int, ready, step: int) -> None:
+        """D2H lane thread: copy unit ``u``'s gradient into staging slot ``k``, then stamp generation ``gen``."""
+        lane_delay()
+        lanes = self.lanes
+        row = self.ledger.staging[self.rank, k, : self.layout.units[u].padded]
+        with lanes.on("d2h"), lanes.span("d2h", "copy to slot", step, u):
+            lanes.wait("d2h", ready)
+            _fill_flat(row, self.layout.units[u], grads)
+            done = lanes.mark("d2h")
+        for g in grads:
+            lanes.hand_over(g, "d2h")
+        lanes.host_wait(done)
+        lane_delay()
+        self.ledger.grad_gen[self.rank, k] = gen
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure of a staging copy on the D2H lane, if any."""
+        for f in self._published:
+            if f.done() and f.exception() is not None:
+                return f.exception()
+        return None
+
+    def raise_if_failed(self) -> None:
+        err = self.error
+        if err is not None:
+            raise RuntimeError("SlideDP: copying a gradient to the host staging slot failed") from err

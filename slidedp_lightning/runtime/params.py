@@ -14,16 +14,16 @@ and fills it from the ledger (the FP32 master, or the BF16 transfer copy under b
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 
 from slidedp_lightning.runtime.comm import all_gather_into
 from slidedp_lightning.runtime.host_state import HostLedger
+from slidedp_lightning.runtime.lanes import Lanes
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.sync import lane_delay, wait_until
-from slidedp_lightning.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -35,25 +35,25 @@ class UnitResidency:
         self,
         layout: Layout,
         ledger: HostLedger,
-        device: torch.device,
+        lanes: Lanes,
         dtype: torch.dtype,
         window: int,
         liveness,
-        tracer: Tracer | None = None,
         route: str = "full",
         rank: int = 0,
         group=None,
     ) -> None:
         self.layout = layout
         self.ledger = ledger
-        self.device = device
+        self.lanes = lanes
+        device = self.device = lanes.device
         self.dtype = dtype
         self.window = window
         self._alive = liveness
         self.route = route
         self.rank = rank
         self.group = group
-        self.tracer = tracer or Tracer(None, 0)
+        self.tracer = lanes.tracer
         self.buffers = [torch.empty(u.padded, dtype=dtype, device=device) for u in layout.units]
         self.refs = [0] * len(layout.units)
         self.held_for_backward = [False] * len(layout.units)
@@ -63,9 +63,6 @@ class UnitResidency:
         self._source = ledger.bf16 if dtype == torch.bfloat16 else ledger.master
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"unsupported compute dtype {dtype}")
-        self._cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slidedp-h2d")
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
         self._forward_mark = -1  # highest unit acquired by the current forward pass
@@ -106,7 +103,9 @@ class UnitResidency:
 
     # -- residency -----------------------------------------------------------------------------------
     def _fill(self, u: int, step: int):
-        """Runs on the H2D lane: wait for the updates this route reads, then fill ``u``'s device buffer."""
+        """Runs on the H2D lane thread: wait for the updates this route reads, then fill ``u``'s device buffer.
+
+        Returns the marker the compute lane waits on before using the unit."""
         unit = self.layout.units[u]
         version = self.ledger.version[u]
         if self.route == "sharded":
@@ -116,43 +115,32 @@ class UnitResidency:
         wait_until(ready, self._alive, f"update of unit {unit.name}")
         lane_delay()
         self.fills[u] += 1
-        buf = self.buffers[u]
-        storage = buf.untyped_storage()
-        storage.resize_(unit.padded * buf.element_size())
-        # an alias with its own version counter: refilling must not look like an in-place edit to autograd,
-        # which saved these parameters for backward
-        buf = torch.empty(0, dtype=buf.dtype, device=buf.device).set_(storage, 0, (unit.padded,))
+        lanes = self.lanes
         src = self._source[unit.offset : unit.offset + unit.padded]
-        if self.route == "full":
-            with self.tracer.span("h2d", "copy", step, u):
-                return self._copy(buf, src)
-        s0, s1 = unit.shard(self.rank)
-        shard = torch.empty(s1 - s0, dtype=buf.dtype, device=buf.device)
-        with self.tracer.span("h2d", "copy shard", step, u):
-            event = self._copy(shard, src[s0:s1])
+        with lanes.on("h2d"):
+            # memory allocated here belongs to the H2D lane: a block the compute lane freed is handed out only
+            # once the compute work recorded on it is done, so no wait on the compute lane is needed
+            storage = self.buffers[u].untyped_storage()
+            storage.resize_(unit.padded * self.buffers[u].element_size())
+            # an alias with its own version counter: refilling must not look like an in-place edit to autograd,
+            # which saved these parameters for backward
+            buf = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, (unit.padded,))
+            if self.route == "full":
+                with lanes.span("h2d", "copy", step, u):
+                    buf.copy_(src, non_blocking=True)
+                return lanes.mark("h2d")
+            s0, s1 = unit.shard(self.rank)
+            shard = torch.empty(s1 - s0, dtype=self.dtype, device=self.device)
+            with lanes.span("h2d", "copy shard", step, u):
+                shard.copy_(src[s0:s1], non_blocking=True)
+            copied = lanes.mark("h2d")
         lane_delay()
-        with self.tracer.span("h2d", "all_gather", step, u):
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+        with lanes.on("comm"), lanes.span("h2d", "all_gather", step, u, on="comm"):
+            lanes.wait("comm", copied)
             all_gather_into(buf, shard, group=self.group)
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            return event
-        return None
-
-    def _copy(self, buf: torch.Tensor, src: torch.Tensor):
-        """Copy one unit into its device buffer: on CUDA on the H2D stream (returns its event), else inline."""
-        if self._cuda:
-            # the block was allocated on the compute stream, which may still use its previous contents
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                buf.copy_(src, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            return event
-        buf.copy_(src)
-        return None
+        lanes.hand_over(shard, "comm")
+        lanes.hand_over(buf, "comm")
+        return lanes.mark("comm")
 
     def _start(self, u: int, step: int) -> None:
         if self.resident[u] and self.filled_step[u] < step and self.refs[u] == 0 and not self.held_for_backward[u]:
@@ -160,7 +148,7 @@ class UnitResidency:
                 self._parked = None
             self._maybe_evict(u)
         if not self.resident[u] and u not in self.pending:
-            self.pending[u] = self._lane.submit(self._fill, u, step)
+            self.pending[u] = self.lanes.submit("h2d", self._fill, u, step)
             self.filled_step[u] = step
 
     def _finish(self, u: int, step: int) -> None:
@@ -169,11 +157,10 @@ class UnitResidency:
             return
         if self.tracer.enabled and not fut.done():
             with self.tracer.span("stall", "wait h2d", step, u):
-                event = fut.result()
+                marker = fut.result()
         else:
-            event = fut.result()
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            marker = fut.result()
+        self.lanes.wait("compute", marker)
         self.resident[u] = True
         self.resident_bytes += self.buffers[u].numel() * self.buffers[u].element_size()
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
@@ -227,9 +214,7 @@ class UnitResidency:
         if self.refs[u] > 0 or self.held_for_backward[u] or not self.resident[u]:
             return
         buf = self.buffers[u]
-        if self._cuda:
-            # the compute stream may still read the buffer: let the allocator know before freeing it
-            buf.record_stream(torch.cuda.current_stream(self.device))
+        self.lanes.hand_over(buf, "compute")  # the compute lane may still read it: the allocator must wait
         buf.untyped_storage().resize_(0)
         self.resident[u] = False
         self.resident_bytes -= buf.numel() * buf.element_size()
@@ -242,7 +227,3 @@ class UnitResidency:
             self.refs[u] = 0
             self.held_for_backward[u] = False
             self._maybe_evict(u)
-
-    def close(self, wait: bool = True) -> None:
-        """Stop the H2D lane (after an error, without waiting on a fill that may wait for a dead peer)."""
-        self._lane.shutdown(wait=wait, cancel_futures=True)

@@ -3,8 +3,9 @@
 Lanes (SLIDEDP.md §3.3): ``h2d`` parameter preparation + host->device, ``offload`` activation offload /
 reload, ``compute`` forward/backward of a unit, ``reduce`` gradient reduction, ``d2h`` gradient return,
 ``update`` CPU optimizer. ``stall`` is not a lane: it is the compute thread waiting on another lane
-(exposed work). Spans use ``time.perf_counter`` (on CUDA, host-side issue/complete times). With tracing
-off every call is a no-op on a shared null context.
+(exposed work). A span's ends are ``time.perf_counter`` seconds, or on CUDA timing events recorded on the
+lane's stream, turned into the same clock when the step is written. With tracing off every call is a no-op
+on a shared null context.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Span:
     step: int
     unit: int
     chunk: int
-    start: float
+    start: float  # or, until resolved, a device timing event (see Tracer.set_device_clock)
     end: float
 
 
@@ -96,6 +97,23 @@ class Tracer:
         self._lock = threading.Lock()
         self._writer = None
         self.origin = time.perf_counter()
+        self._clock = None  # (timing event, host seconds when it completed): maps device events to host time
+
+    def set_device_clock(self, ref_event, host_seconds: float) -> None:
+        """Device spans are timing events; ``ref_event`` completed at ``host_seconds`` on the host clock."""
+        self._clock = (ref_event, host_seconds)
+
+    def _seconds(self, t) -> float:
+        if isinstance(t, float):
+            return t
+        ref, host = self._clock
+        t.synchronize()
+        return host + ref.elapsed_time(t) / 1e3
+
+    def _resolved(self, s: Span) -> Span:
+        if isinstance(s.start, float) and isinstance(s.end, float):
+            return s
+        return Span(s.lane, s.name, s.step, s.unit, s.chunk, self._seconds(s.start), self._seconds(s.end))
 
     # -- recording -------------------------------------------------------------------------------
     def span(self, lane: str, name: str, step: int, unit: int = -1, chunk: int = -1):
@@ -104,7 +122,8 @@ class Tracer:
             return _NULL
         return _SpanContext(self, lane, name, step, unit, chunk)
 
-    def record(self, lane: str, name: str, step: int, start: float, end: float, unit: int = -1, chunk: int = -1):
+    def record(self, lane: str, name: str, step: int, start, end, unit: int = -1, chunk: int = -1):
+        """One span; ``start``/``end`` are host seconds or device timing events (see set_device_clock)."""
         if self.enabled:
             self.spans.append(Span(lane, name, step, unit, chunk, start, end))  # list.append is atomic
 
@@ -128,7 +147,7 @@ class Tracer:
         with self._lock:
             self._written.add(step)
             start, end = self._bounds[step]
-            spans = [s for s in self.spans if s.step == step]
+            spans = [self._resolved(s) for s in self.spans if s.step == step]
             metrics = step_metrics(spans, start, end)
             self.metrics[step] = metrics
             writer = self._tb()
@@ -165,7 +184,7 @@ class Tracer:
         events = []
         for tid, lane in enumerate(ROWS):
             events.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid, "args": {"name": lane}})
-        for s in self.spans:
+        for s in map(self._resolved, self.spans):
             events.append({
                 "name": s.name, "cat": s.lane, "ph": "X", "pid": self.rank, "tid": ROWS.index(s.lane),
                 "ts": (s.start - self.origin) * 1e6, "dur": (s.end - s.start) * 1e6,
