@@ -27,12 +27,21 @@ GRAD_ROUTES = ("gpu_reduce", "host_reduce")
 ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, every rank gets the whole gradient
 
 
-def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor]) -> None:
-    """Write a unit's parameter gradients into its flat layout, zeroing alignment gaps and padding."""
+WATERMARK = 1 << 32  # host_reduce stamps: generation * WATERMARK + elements of the slot written so far
+
+
+def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: int = 0, hi: int | None = None) -> None:
+    """Write elements [lo, hi) of a unit's flat gradient layout into ``flat`` (zeros in alignment gaps and
+    padding)."""
+    hi = unit.padded if hi is None else hi
     for a, b in unit.gaps():
-        flat[a:b].zero_()
+        if max(a, lo) < min(b, hi):
+            flat[max(a, lo) : min(b, hi)].zero_()
     for slot, g in zip(unit.slots, grads):
-        flat[slot.offset : slot.end].copy_(g.reshape(-1), non_blocking=True)
+        a, b = max(slot.offset, lo), min(slot.end, hi)
+        if a < b:
+            src = g.reshape(-1)[a - slot.offset : b - slot.offset]
+            flat[a:b].copy_(src, non_blocking=True)
 
 
 @dataclass
@@ -66,31 +75,35 @@ class ReducedShard:
 
 @dataclass
 class StagedSlots:
-    """host_reduce: the R staging rows of this rank's shard, once every rank has published them."""
+    """host_reduce: the R staging rows of one chunk [lo, hi) of a slot, once every rank has written it."""
 
     ledger: HostLedger
     liveness: Liveness
     rank: int
     slot: int
     gen: int
-    lo: int
+    lo: int  # slot-relative (unit-relative) range of the chunk
     hi: int
     tracer: Tracer
     step: int
     unit: int
+    last: bool = True  # the last chunk of this rank's shard: reading it frees the slot
+    chunk: int = 0
 
     def get(self) -> np.ndarray:
         lane_delay()
-        gens = self.ledger.grad_gen[:, self.slot]
-        with self.tracer.span("reduce", "wait all ranks' slots", self.step, self.unit):
-            wait_until(lambda: bool((gens == self.gen).all()), self.liveness, f"gradient slot {self.slot} of all ranks")
+        marks = self.ledger.grad_gen[:, self.slot]
+        need = self.gen * WATERMARK + self.hi
+        with self.tracer.span("reduce", "wait all ranks' slots", self.step, self.unit, self.chunk):
+            wait_until(lambda: bool((marks >= need).all()), self.liveness, f"gradient slot {self.slot} of all ranks")
         rows = self.ledger.staging[:, self.slot, self.lo : self.hi]
         if rows.dtype == torch.bfloat16:
             return rows.view(torch.int16).numpy().view(np.uint16)
         return rows.numpy()
 
     def release(self) -> None:
-        self.ledger.consumed[self.rank, :, self.slot] = self.gen
+        if self.last:
+            self.ledger.consumed[self.rank, :, self.slot] = self.gen
 
 
 class GradRoute:
@@ -121,6 +134,9 @@ class GradRoute:
         self.liveness = liveness
         self.tracer = lanes.tracer
         self.chunk_elems = chunk_elems  # gpu_reduce/all_reduce: elements per chunk of this rank's range; None: one
+        if route == "host_reduce" and layout.max_unit >= WATERMARK:
+            raise ValueError(f"grad_route='host_reduce' supports units of fewer than 2**32 elements; the largest "
+                             f"unit has {layout.max_unit:,}. Use grad_route='gpu_reduce'.")  # fmt: skip
         self._published: list[Future] = []  # host_reduce: copies to the staging slots still on the D2H lane
         self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
 
@@ -133,12 +149,11 @@ class GradRoute:
         """Start the reduction of unit ``u``'s gradient for engine step ``step``.
 
         Returns ``(lo, hi, source)`` per chunk of this rank's range of the unit (shard-relative), in order:
-        the update lane can start on chunk 0 while the later chunks are still being reduced.
+        the update lane can start on chunk 0 while the later chunks are still being reduced or copied.
         """
         lane_delay()
         if self.route == "host_reduce":
-            staged = self._host_reduce(u, grads, step)
-            return [(0, staged.hi - staged.lo, staged)]
+            return self._host_reduce(u, grads, step)
         return self._gpu_reduce(u, grads, step)
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
@@ -170,9 +185,10 @@ class GradRoute:
             out.append((a, b, ReducedShard(self.lanes, host, marker, work, (flat, piece), step, u, k)))
         return out
 
-    def _host_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> StagedSlots:
+    def _host_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> list[tuple[int, int, StagedSlots]]:
         """Wait (on the compute thread, bounding the gradients in flight) for a free staging slot, then copy
-        the unit's gradient into it and publish it on the D2H lane."""
+        the unit's gradient into it chunk by chunk on the D2H lane; each owner's chunk k is readable as soon as
+        every rank's watermark passes it."""
         self.raise_if_failed()
         unit = self.layout.units[u]
         slots = self.ledger.geometry.staging_slots
@@ -184,25 +200,43 @@ class GradRoute:
             with self.tracer.span("stall", "wait free slot", step, u):
                 wait_until(lambda: bool((consumed >= gen - slots).all()), self.liveness, f"owners to free slot {k}")
         ready = self.lanes.mark("compute")
+        # every owner's chunks in slot order: the copy order that lets each owner start as early as possible
+        n = unit.shard_numel
+        pieces = [(o * n + a, o * n + b) for o in range(unit.world_size) for a, b in self._chunks(n)]
         self._published = [f for f in self._published if not f.done() or f.exception() is not None]
-        self._published.append(self.lanes.submit("d2h", self._publish, u, grads, k, gen, ready, step))
-        lo, hi = unit.shard(self.rank)
-        return StagedSlots(self.ledger, self.liveness, self.rank, k, gen, lo, hi, self.tracer, step, u)
+        self._published.append(self.lanes.submit("d2h", self._publish, u, grads, k, gen, pieces, ready, step))
+        s0 = unit.shard(self.rank)[0]
+        mine = self._chunks(n)
+        return [
+            (a, b, StagedSlots(self.ledger, self.liveness, self.rank, k, gen, s0 + a, s0 + b, self.tracer, step, u,
+                               i == len(mine) - 1, i))
+            for i, (a, b) in enumerate(mine)
+        ]  # fmt: skip
 
-    def _publish(self, u: int, grads: list[torch.Tensor], k: int, gen: int, ready, step: int) -> None:
-        """D2H lane thread: copy unit ``u``'s gradient into staging slot ``k``, then stamp generation ``gen``."""
+    def _publish(self, u, grads, k: int, gen: int, pieces: list[tuple[int, int]], ready, step: int) -> None:
+        """D2H lane thread: copy unit ``u``'s gradient into staging slot ``k`` piece by piece, moving this rank's
+        watermark ``gen * WATERMARK + end`` past each piece once it has landed."""
         lane_delay()
         lanes = self.lanes
-        row = self.ledger.staging[self.rank, k, : self.layout.units[u].padded]
-        with lanes.on("d2h"), lanes.span("d2h", "copy to slot", step, u):
+        unit = self.layout.units[u]
+        row = self.ledger.staging[self.rank, k, : unit.padded]
+        mark = self.ledger.grad_gen[self.rank : self.rank + 1, k]
+        landed: list[tuple[int, object]] = []
+        with lanes.on("d2h"):
             lanes.wait("d2h", ready)
-            _fill_flat(row, self.layout.units[u], grads)
-            done = lanes.mark("d2h")
+            for i, (a, b) in enumerate(pieces):
+                lane_delay()
+                with lanes.span("d2h", "copy to slot", step, u, i):
+                    _fill_flat(row, unit, grads, a, b)
+                landed.append((b, lanes.mark("d2h")))
+                while landed and lanes.done(landed[0][1]):  # publish what has landed while issuing the rest
+                    mark[0] = gen * WATERMARK + landed.pop(0)[0]
         for g in grads:
             lanes.hand_over(g, "d2h")
-        lanes.host_wait(done)
-        lane_delay()
-        self.ledger.grad_gen[self.rank, k] = gen
+        for end, marker in landed:
+            lanes.host_wait(marker)
+            lane_delay()
+            mark[0] = gen * WATERMARK + end
 
     @property
     def error(self) -> BaseException | None:

@@ -113,7 +113,8 @@ class HostLedger:
     Tensors (torch views of the shared mapping): ``master``, ``exp_avg``, ``exp_avg_sq`` (FP32),
     ``bf16`` (BF16 transfer copy) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
     Stamps (int64 numpy views, written by one process, read by all): ``version[unit, owner]`` = updates
-    applied; ``pids[rank]``; ``grad_gen[rank, slot]`` = generation written into a staging slot;
+    applied; ``pids[rank]``; ``grad_gen[rank, slot]`` = watermark of a staging slot (generation * 2**32 + elements
+    written so far, see grads.WATERMARK);
     ``consumed[owner, writer, slot]`` = generation an owner has finished reading.
     """
 

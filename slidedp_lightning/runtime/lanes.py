@@ -62,6 +62,10 @@ class Lanes:
     def host_wait(self, marker) -> None:
         pass
 
+    def done(self, marker) -> bool:
+        """Whether ``marker`` has completed (never blocks)."""
+        return True
+
     def hand_over(self, tensor: torch.Tensor, lane: str) -> None:
         pass
 
@@ -137,6 +141,9 @@ class CudaLanes(Lanes):
     def host_wait(self, marker) -> None:
         if marker is not None:
             marker.synchronize()
+
+    def done(self, marker) -> bool:
+        return marker is None or marker.query()
 
     def hand_over(self, tensor: torch.Tensor, lane: str) -> None:
         tensor.record_stream(self._stream(lane))

@@ -109,10 +109,8 @@ class TinyLM(L.LightningModule):
             json.dump(self.losses, f)
 
 
-def main(path: str) -> None:
-    with open(path) as f:
-        cfg = json.load(f)
-    torch.set_num_threads(1)
+def fit(cfg: dict) -> int:
+    """Train one configuration; returns the global rank."""
     if cfg["strategy"] == "slidedp":
         strategy = SlideDPStrategy(
             grad_route=cfg.get("grad_route", "gpu_reduce"),
@@ -139,11 +137,28 @@ def main(path: str) -> None:
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()},
                    os.path.join(cfg["out"], "final_state.pt"))  # fmt: skip
+    return trainer.global_rank
+
+
+def main(path: str) -> None:
+    """One job, or with ``variants`` ({name: knobs}) one fit per variant in the same processes (outputs under
+    ``out/<name>``), which saves the start-up of a job per configuration."""
+    with open(path) as f:
+        cfg = json.load(f)
+    torch.set_num_threads(1)
+    variants = cfg.pop("variants", None)
+    if variants is None:
+        rank = fit(cfg)
+    else:
+        for name, knobs in variants.items():
+            out = os.path.join(cfg["out"], name)
+            os.makedirs(out, exist_ok=True)
+            rank = fit({**cfg, **knobs, "out": out})
     # leave no gloo threads to static destructors at interpreter exit (they can abort the process)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     # the very last statement: this rank ran main() to the end (see conftest.EXIT_ABORT)
-    with open(os.path.join(cfg["out"], f"done_rank{trainer.global_rank}"), "w") as f:
+    with open(os.path.join(cfg["out"], f"done_rank{rank}"), "w") as f:
         f.write("ok\n")
 
 

@@ -5,6 +5,8 @@ Losses per step and rank, and the final weights, within 1e-5 relative (max |a-b|
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -58,6 +60,7 @@ CASES = {
     "tied-replicated": (True, {"param_route": "replicated"}),
     "tied-replicated-chunk4KiB": (True, {"param_route": "replicated", "chunk_bytes": 4096}),
     "tied-chunk4KiB": (True, {"chunk_bytes": 4096}),
+    "untied-host_reduce-chunk4KiB": (False, {"grad_route": "host_reduce", "chunk_bytes": 4096}),
     "untied-sharded-chunk4KiB-window2": (False, {"param_route": "sharded", "chunk_bytes": 4096}),
     "tied-auto": (True, {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto"}),
     "untied-host_reduce-2-update-threads": (False, {"grad_route": "host_reduce", "update_threads": 2}),
@@ -131,6 +134,48 @@ def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner
     a, b = base.state(), got.state()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs from the P1 path"
+
+
+# every param route x grad route x chunk size x window (replicated all-reduces on the devices: no host_reduce)
+MATRIX = {
+    f"{p}-{g}-chunk{c or 'unit'}-window{w}": {"param_route": p, "grad_route": g, "chunk_bytes": c, "window": w}
+    for p in ("full", "sharded", "replicated")
+    for g in ("gpu_reduce", "host_reduce")
+    if not (p == "replicated" and g == "host_reduce")
+    for c in (4096, None)
+    for w in (1, 2, 3)
+}
+MATRIX_STEPS = 6
+
+
+def run_matrix(job_runner, name: str = "slidedp_matrix", env: dict[str, str] | None = None):
+    """One 2-rank job fitting the P1 path ("p1") and then every MATRIX combination, each a fit of its own."""
+    variants = {"p1": {"param_route": "full", "grad_route": "gpu_reduce", "chunk_bytes": None, "window": 2}, **MATRIX}
+    res = job_runner(name, env=env, strategy="slidedp", devices=2, tied=True, steps=MATRIX_STEPS, batch=BATCH,
+                     variants=variants, timeout=900)  # fmt: skip
+    _assert_ok(res)
+    return res
+
+
+def matrix_result(res, variant: str) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    out = res.out / variant
+    losses = [json.loads((out / f"losses_rank{r}.json").read_text()) for r in range(2)]
+    assert all(len(x) == MATRIX_STEPS for x in losses), f"{variant}: not every step ran"
+    return losses, torch.load(out / "final_state.pt")
+
+
+def differing(ref: tuple, got: tuple) -> bool:
+    return got[0] != ref[0] or any(not torch.equal(ref[1][k], got[1][k]) for k in ref[1])
+
+
+@pytest.mark.integration
+def test_full_matrix_is_bit_identical_to_the_p1_path(job_runner):
+    """All 30 combinations against the P1 path fitted in that same job."""
+    res = run_matrix(job_runner)
+    ref = matrix_result(res, "p1")
+    differ = [name for name in MATRIX if differing(ref, matrix_result(res, name))]
+    assert not differ, f"{len(differ)} of {len(MATRIX)} combinations differ from the P1 path: {differ}"
+    assert not shm_files(), "a shared-memory ledger file was left behind"
 
 
 @pytest.mark.integration

@@ -5,18 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_equivalence import BATCH, CASES, STEPS
+from tests.integration.test_equivalence import BATCH, CASES, MATRIX, STEPS, differing, matrix_result, run_matrix
+
+DELAYS = {"SLIDEDP_TEST_LANE_DELAY_MS": "3"}
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "case", ["tied-sharded-host_reduce-window3", "untied-gpu_reduce", "tied-window1", "untied-sharded-chunk4KiB-window2"]
+    "case",
+    ["tied-sharded-host_reduce-window3", "untied-gpu_reduce", "tied-window1", "untied-sharded-chunk4KiB-window2",
+     "untied-host_reduce-chunk4KiB"],
 )
 def test_random_lane_delays_leave_results_bit_identical(job_runner, case):
     tied, knobs = CASES[case]
     common = dict(strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
     calm = job_runner(f"slidedp_{case}", **common)
-    delayed = job_runner(f"slidedp_{case}_delayed", env={"SLIDEDP_TEST_LANE_DELAY_MS": "3"}, **common)
+    delayed = job_runner(f"slidedp_{case}_delayed", env=DELAYS, **common)
     assert calm.returncode == 0, calm.output[-3000:]
     assert delayed.returncode == 0, delayed.output[-3000:]
     assert "fault injection" in delayed.output
@@ -25,3 +29,12 @@ def test_random_lane_delays_leave_results_bit_identical(job_runner, case):
     a, b = calm.state(), delayed.state()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} changed under lane delays"
+
+
+@pytest.mark.integration
+def test_random_lane_delays_leave_every_matrix_combination_bit_identical(job_runner):
+    calm = run_matrix(job_runner)
+    delayed = run_matrix(job_runner, "slidedp_matrix_delayed", env=DELAYS)
+    assert "fault injection" in delayed.output
+    differ = [n for n in ["p1", *MATRIX] if differing(matrix_result(calm, n), matrix_result(delayed, n))]
+    assert not differ, f"{len(differ)} combinations changed under lane delays: {differ}"
