@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
+from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 
 if TYPE_CHECKING:
@@ -64,6 +65,13 @@ class SlideDPStrategy(ParallelStrategy):
         chunk_bytes: gradient path chunking (gpu_reduce, replicated): each chunk of a unit's reduced gradient goes
             to the CPU update as soon as it lands; ``None`` = one chunk per unit; ``"auto"`` = the smallest chunk
             whose reduce-scatter costs at most 10 % more per byte than whole units (measured).
+        activation_policy: per decoder block, how activations are kept for backward: ``"none"``, ``"full"``
+            (keep the block input, recompute the block), ``"segments:0101100"`` (keep the activations at the marked
+            internal boundaries of the block, recompute the segments between them), ``"selective"`` (PyTorch's
+            selective checkpointing, matmul outputs saved), each with an optional offload ratio ``"@0.5"`` (that
+            fraction of the retained bytes waits in host memory between forward and backward); an
+            :class:`~slidedp_lightning.runtime.activations.ActivationPolicy` with per-block overrides, or the path
+            of a saved policy JSON.
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
             host time, overlap fraction), a Gantt figure of step 2 and ``trace_rank{r}.json`` (Chrome/Perfetto).
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
@@ -88,6 +96,7 @@ class SlideDPStrategy(ParallelStrategy):
         restore_module: Union[bool, str] = "auto",
         trace_dir: Optional[str] = None,
         chunk_bytes: Union[int, str, None] = None,
+        activation_policy: Union[str, dict, ActivationPolicy, UnitPolicy, None] = None,
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -112,6 +121,7 @@ class SlideDPStrategy(ParallelStrategy):
             timeout_s=timeout.total_seconds(),
             trace_dir=trace_dir,
             chunk_bytes=chunk_bytes,
+            activation_policy=ActivationPolicy.coerce(activation_policy),
         )
         self.meta_init = meta_init
         self.restore_module = restore_module

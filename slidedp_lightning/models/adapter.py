@@ -22,6 +22,7 @@ class UnitSpec:
 
     name: str
     modules: tuple[nn.Module, ...]
+    block: bool = False  # a decoder block (modules[0]): activation policies apply to it
 
 
 class ArchitectureAdapter(Protocol):

@@ -36,7 +36,7 @@ class HFDecoderAdapter:
         if len(inner.layers) == 0:
             raise UnsupportedModelError(f"{type(model).__name__} has no decoder layers to stream.")
         units = [UnitSpec("embed", (inner.embed_tokens,))]
-        units += [UnitSpec(f"layers.{i}", (layer,)) for i, layer in enumerate(inner.layers)]
+        units += [UnitSpec(f"layers.{i}", (layer,), block=True) for i, layer in enumerate(inner.layers)]
         units.append(UnitSpec("head", (inner.norm, model.lm_head)))
         return units
 

@@ -19,6 +19,7 @@ from torch import nn
 import cpu_ops
 from slidedp_lightning.models import adapter_for
 from slidedp_lightning.models.adapter import UnsupportedModelError
+from slidedp_lightning.runtime.activations import ActivationManager, ActivationPolicy
 from slidedp_lightning.runtime.grads import GRAD_ROUTES, GradRoute
 from slidedp_lightning.runtime.host_state import (
     HostLedger,
@@ -52,6 +53,7 @@ class EngineConfig:
     timeout_s: float = 1800.0
     trace_dir: str | None = None
     chunk_bytes: int | str | None = None  # gradient path: FP32 bytes per reduce + update chunk; None = one per unit
+    activation_policy: ActivationPolicy = ActivationPolicy()  # per decoder block: checkpointing + offload ratio
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
@@ -73,6 +75,9 @@ class EngineConfig:
             raise ValueError(
                 f"chunk_bytes must be None (one chunk per unit), 'auto' or an integer >= 64, got {self.chunk_bytes!r}."
             )
+        if not isinstance(self.activation_policy, ActivationPolicy):
+            raise TypeError("EngineConfig.activation_policy must be an ActivationPolicy; use "
+                            "ActivationPolicy.coerce(...) for strings, dicts and JSON paths.")  # fmt: skip
         if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
             raise ValueError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}.")
 
@@ -151,7 +156,9 @@ class SlideDPEngine:
         # replicated: the SlideFormer-style baseline, every rank a ledger of its own (R x host memory and traffic)
         self.replicated = self.config.param_route == "replicated" and self.world_size > 1
         self.owner_rank, owners = (0, 1) if self.replicated else (self.rank, self.world_size)
-        self.layout: Layout = build_layout(self.root, self.adapter.units(model), self.world_size, owners)
+        specs = self.adapter.units(model)
+        self.layout: Layout = build_layout(self.root, specs, self.world_size, owners)
+        self._blocks = {i: spec.modules[0] for i, spec in enumerate(specs) if spec.block}
         self._param_group = None
         self.route_probe: RouteProbe | None = None
         self._resolve_auto()
@@ -217,6 +224,11 @@ class SlideDPEngine:
             route, self.owner_rank, param_group,
         )  # fmt: skip
         self.residency.bind()
+        self.activations = ActivationManager(
+            self._blocks, [u.name for u in self.layout.units], self.config.activation_policy, self.lanes,
+            self.residency.resident_storages,
+        )  # fmt: skip
+        self.activations.install()
         self.routes = GradRoute(
             "all_reduce" if self.replicated else self.config.grad_route, self.layout, self.ledger, self.rank,
             self.world_size, self.group, self.lanes, self.liveness,
@@ -400,6 +412,8 @@ class SlideDPEngine:
             )
         self._compute_until_now(units[-1])
         self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
+        for u in units:
+            self.activations.prefetch(u)
         self._mark = self._stamp()
 
     def _compute_until_now(self, unit: int) -> None:
@@ -464,6 +478,7 @@ class SlideDPEngine:
             self._check_backward_complete()
         if self.tracer.enabled:
             self.tracer.mark_step(self.step, self._step_t0 or time.perf_counter(), time.perf_counter())
+        self.activations.end_step()
         self.step += 1
         self._reset_step_grads()
         return True
@@ -473,6 +488,16 @@ class SlideDPEngine:
         self.lane.wait_idle(self.liveness)
         version = self.ledger.version
         wait_until(lambda: bool((version >= self.step).all()), self.liveness, "all ranks' updates")
+
+    def device_memory(self) -> dict[str, int]:
+        """Device bytes the runtime accounts (on CPU too): resident unit parameters now and at peak, and the
+        activations the decoder blocks retained in the last finished step (on the device / offloaded)."""
+        return {
+            "resident_param_bytes": self.residency.resident_bytes,
+            "peak_resident_param_bytes": self.residency.peak_resident_bytes,
+            "retained_activation_bytes": self.activations.last_step.get("retained_bytes", 0),
+            "offloaded_activation_bytes": self.activations.last_step.get("offloaded_bytes", 0),
+        }
 
     # -- state ---------------------------------------------------------------------------------------
     def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
@@ -597,6 +622,8 @@ class SlideDPEngine:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            if hasattr(self, "activations"):
+                self.activations.uninstall()
             if self.lane is not None:
                 self.lane.close(wait_s=1.0 if self._aborted else 30.0)
             if hasattr(self, "tracer"):

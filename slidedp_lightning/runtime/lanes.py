@@ -35,7 +35,7 @@ from slidedp_lightning.runtime.trace import Tracer
 log = logging.getLogger(__name__)
 
 STREAM_LANES = ("h2d", "d2h", "comm", "offload")
-WORKER_LANES = ("h2d", "d2h")
+WORKER_LANES = ("h2d", "d2h", "offload")
 _NULL = nullcontext()
 
 

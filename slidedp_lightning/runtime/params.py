@@ -96,6 +96,10 @@ class UnitResidency:
                 for module, attr in slot.locations:
                     setattr(module, attr, param)
 
+    def resident_storages(self) -> list[int]:
+        """Data pointers of the resident units' device buffers (saved parameters are views of these)."""
+        return [b.untyped_storage().data_ptr() for b, res in zip(self.buffers, self.resident) if res]
+
     def param(self, unit_index: int, slot_index: int) -> torch.Tensor:
         slot = self.layout.units[unit_index].slots[slot_index]
         module, attr = slot.locations[0]

@@ -120,6 +120,7 @@ def fit(cfg: dict) -> int:
             prefetch_window=cfg.get("window", 2),
             meta_init=cfg.get("meta_init", False),
             trace_dir=cfg.get("trace_dir"),
+            activation_policy=cfg.get("activations"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
     else:

@@ -65,6 +65,9 @@ CASES = {
     "tied-auto": (True, {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto"}),
     "untied-host_reduce-2-update-threads": (False, {"grad_route": "host_reduce", "update_threads": 2}),
     "untied-replicated-window3": (False, {"param_route": "replicated", "window": 3}),
+    "tied-full-offload0.5-host_reduce": (True, {"activations": "full@0.5", "grad_route": "host_reduce"}),
+    "untied-segments-offload1-sharded": (False, {"activations": "segments:0110010@1", "param_route": "sharded"}),
+    "tied-selective-offload0.5-window1": (True, {"activations": "selective@0.5", "window": 1}),
 }
 
 
@@ -176,6 +179,26 @@ def test_full_matrix_is_bit_identical_to_the_p1_path(job_runner):
     differ = [name for name in MATRIX if differing(ref, matrix_result(res, name))]
     assert not differ, f"{len(differ)} of {len(MATRIX)} combinations differ from the P1 path: {differ}"
     assert not shm_files(), "a shared-memory ledger file was left behind"
+
+
+# every activation mode (masks 0000000, 1111111 and two mixed) x offload ratio 0, 0.5, 1
+POLICIES = [
+    f"{mode}@{ratio}"
+    for mode in ("none", "full", "selective", "segments:0000000", "segments:1111111", "segments:1010101",
+                 "segments:0110010")
+    for ratio in (0, 0.5, 1)
+]  # fmt: skip
+
+
+@pytest.mark.integration
+def test_every_activation_policy_is_bit_identical_to_no_checkpointing(job_runner):
+    variants = {"plain": {"activations": None}, **{p: {"activations": p} for p in POLICIES}}
+    res = job_runner("slidedp_policies", strategy="slidedp", devices=2, tied=False, steps=MATRIX_STEPS, batch=BATCH,
+                     grad_route="host_reduce", chunk_bytes=4096, variants=variants, timeout=900)  # fmt: skip
+    _assert_ok(res)
+    ref = matrix_result(res, "plain")
+    differ = [p for p in POLICIES if differing(ref, matrix_result(res, p))]
+    assert not differ, f"{len(differ)} of {len(POLICIES)} activation policies change results: {differ}"
 
 
 @pytest.mark.integration

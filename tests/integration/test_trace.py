@@ -11,14 +11,15 @@ from slidedp_lightning.runtime.trace import LANES
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("grad_route", ["gpu_reduce", "host_reduce"])
-def test_traced_run_writes_tensorboard_gantt_and_chrome_trace(job_runner, tmp_path, grad_route):
+@pytest.mark.parametrize("grad_route, activations", [("gpu_reduce", None), ("host_reduce", "full@0.5")])
+def test_traced_run_writes_tensorboard_gantt_and_chrome_trace(job_runner, tmp_path, grad_route, activations):
     trace_dir = tmp_path / "trace"
     res = job_runner(f"traced_{grad_route}", strategy="slidedp", devices=2, tied=True, steps=5, batch=4,
-                     grad_route=grad_route, param_route="sharded", trace_dir=str(trace_dir))  # fmt: skip
+                     grad_route=grad_route, param_route="sharded", trace_dir=str(trace_dir),
+                     activations=activations)  # fmt: skip
     assert res.returncode == 0, res.output[-3000:]
-    # activation offload (lane 2) does not exist yet; a gpu_reduce run on CPU has no device->host copy
-    expected = set(LANES) - {"offload"} - ({"d2h"} if grad_route == "gpu_reduce" else set())
+    # without activation offload lane 2 is idle; a gpu_reduce run on CPU has no device->host copy
+    expected = set(LANES) if activations else set(LANES) - {"offload"} - {"d2h"}
     for rank in range(2):
         trace = json.loads((trace_dir / f"trace_rank{rank}.json").read_text())
         lanes = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}

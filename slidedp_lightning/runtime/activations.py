@@ -1,0 +1,395 @@
+"""Elastic activation checkpointing per unit (SLIDEDP.md §3.6) and lane 2, activation offload/reload.
+
+Each decoder-block unit runs under one :class:`UnitPolicy`:
+
+- ``none``: autograd keeps what it saves;
+- ``full``: keep only the block input, recompute the block in backward (its parameters are resident again
+  by then: backward acquires the unit before its first backward node runs);
+- ``segments``: a 7-bit mask over the block's 7 internal boundaries (:mod:`slidedp_lightning.models.segments`);
+  each run of segments between kept boundaries is recomputed from the state at its start;
+- ``selective``: PyTorch's selective activation checkpointing; matmul outputs are saved, the rest recomputed.
+
+Every tensor a unit retains for backward goes through :meth:`ActivationManager.retain`: saved tensors
+(``saved_tensors_hooks``), the inputs a checkpointed region is recomputed from, and the operator outputs
+selective checkpointing caches. ``retain`` counts the bytes and moves the policy's ``offload`` fraction of
+each tensor to host memory on the offload lane; backward prefetches them back (the unit being
+differentiated and the next one) before the unit's backward nodes read them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from slidedp_lightning.runtime.lanes import Lanes
+
+log = logging.getLogger(__name__)
+
+MODES = ("none", "full", "segments", "selective")
+MASK_BITS = 7
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+# operators whose outputs selective checkpointing saves (the expensive ones to recompute)
+SAVED_OPS = frozenset(
+    op
+    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if (op := getattr(torch.ops.aten, name, None)) is not None
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """How one unit keeps its activations: a mode, a segment mask and an offload ratio in [0, 1]."""
+
+    mode: str = "none"
+    mask: int = 0  # segments: bit i set = activations kept at internal boundary i (0..6)
+    offload: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"activation mode must be one of {MODES}, got {self.mode!r}.")
+        if not isinstance(self.mask, int) or not 0 <= self.mask < 1 << MASK_BITS:
+            raise ValueError(f"segment mask must be an integer in [0, {(1 << MASK_BITS) - 1}], got {self.mask!r}.")
+        if self.mask and self.mode != "segments":
+            raise ValueError(f"a segment mask applies to mode 'segments' only, not {self.mode!r}.")
+        if not isinstance(self.offload, (int, float)) or not 0.0 <= self.offload <= 1.0:
+            raise ValueError(f"offload ratio must be a number in [0, 1], got {self.offload!r}.")
+
+    @classmethod
+    def parse(cls, text: str) -> UnitPolicy:
+        """``"none"``, ``"full"``, ``"selective"``, ``"segments:0101100"`` (boundary 0 first), each with an
+        optional ``"@ratio"`` offload suffix, e.g. ``"full@0.5"``."""
+        spec, _, ratio = text.strip().partition("@")
+        mode, _, bits = spec.partition(":")
+        mask = 0
+        if mode == "segments":
+            from slidedp_lightning.models.segments import parse_mask
+
+            if not bits:
+                raise ValueError(f"segments need a mask of {MASK_BITS} '0'/'1' characters (boundary 0 first), "
+                                 f"e.g. 'segments:0101100'; got {text!r}.")  # fmt: skip
+            mask = sum(1 << i for i, kept in enumerate(parse_mask(bits)) if kept)
+        elif bits:
+            raise ValueError(f"only 'segments' takes a mask; got {text!r}.")
+        try:
+            offload = float(ratio) if ratio else 0.0
+        except ValueError:
+            raise ValueError(f"offload ratio after '@' must be a number in [0, 1]; got {text!r}.") from None
+        return cls(mode, mask, offload)
+
+    def __str__(self) -> str:
+        text = self.mode
+        if self.mode == "segments":
+            text += ":" + "".join("1" if self.mask >> i & 1 else "0" for i in range(MASK_BITS))
+        return text + (f"@{self.offload:g}" if self.offload else "")
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """A default :class:`UnitPolicy` for every decoder block, and overrides by unit name (``"layers.3"``)."""
+
+    default: UnitPolicy = UnitPolicy()
+    units: dict[str, UnitPolicy] = field(default_factory=dict)
+
+    def for_unit(self, name: str) -> UnitPolicy:
+        return self.units.get(name, self.default)
+
+    def to_dict(self) -> dict:
+        return {"default": str(self.default), "units": {k: str(v) for k, v in sorted(self.units.items())}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ActivationPolicy:
+        try:
+            default = UnitPolicy.parse(data.get("default", "none"))
+            units = {k: UnitPolicy.parse(v) for k, v in data.get("units", {}).items()}
+        except AttributeError:
+            raise ValueError(f"an activation policy is {{'default': str, 'units': {{name: str}}}}; got {data!r}") from None
+        return cls(default, units)
+
+    @classmethod
+    def coerce(cls, value) -> ActivationPolicy:
+        """From an ActivationPolicy, a UnitPolicy, a mode string (``"full@0.5"``) or a policy JSON path."""
+        if value is None:
+            return cls()
+        if isinstance(value, ActivationPolicy):
+            return value
+        if isinstance(value, UnitPolicy):
+            return cls(value)
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, (str, os.PathLike)) and str(value).endswith(".json"):
+            if not os.path.exists(value):
+                raise FileNotFoundError(f"activation policy file {value} does not exist.")
+            with open(value) as f:
+                data = json.load(f)
+            return cls.from_dict(data.get("activations", data))
+        if isinstance(value, str):
+            return cls(UnitPolicy.parse(value))
+        raise TypeError(f"activation_policy must be a mode string, a UnitPolicy, an ActivationPolicy or a .json "
+                        f"path; got {type(value).__name__}.")  # fmt: skip
+
+
+class _Retained:
+    """One retained tensor: kept on the device, or partly/wholly in host memory until reloaded."""
+
+    __slots__ = ("shape", "requires_grad", "live", "kept", "host", "offloaded", "reload", "split")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape = t.shape
+        self.requires_grad = t.requires_grad
+        self.live: torch.Tensor | None = t  # the original, until the unit's forward ends
+        self.kept: torch.Tensor | None = None  # the part that stays on the device
+        self.host = None  # future -> (host tensor, marker) of the offloaded part
+        self.offloaded = None
+        self.reload = None  # future -> (device tensor, marker)
+        self.split = 0
+
+
+class ActivationManager:
+    """Installs the policies on the decoder blocks and runs retention, offload and reload for them."""
+
+    def __init__(self, blocks: dict[int, nn.Module], names: list[str], policy: ActivationPolicy, lanes: Lanes,
+                 param_storages) -> None:  # fmt: skip
+        self.blocks = blocks  # unit index -> decoder layer module
+        self.policy = {u: policy.for_unit(names[u]) for u in blocks}
+        self.lanes = lanes
+        self._param_storages = param_storages  # () -> data_ptrs of resident unit buffers (parameters, not activations)
+        self._originals: dict[int, object] = {}
+        self._unit: int | None = None  # the block whose forward runs now
+        self._step = 0
+        self._seen: dict[tuple, _Retained] = {}
+        self._params: set[int] = set()
+        self._pending: dict[int, list[_Retained]] = defaultdict(list)  # offloaded, by unit, for prefetch
+        self.retained_bytes: dict[int, int] = defaultdict(int)  # this step, on the device, by unit
+        self.offloaded_bytes: dict[int, int] = defaultdict(int)
+        self.last_step: dict[str, int] = {}  # totals of the last finished step (device / offloaded bytes)
+
+    # -- installation ---------------------------------------------------------------------------------
+    def install(self) -> None:
+        for u, layer in self.blocks.items():
+            pol = self.policy[u]
+            if pol.mode == "segments":
+                from slidedp_lightning.models.segments import segments_for
+
+                segments_for(layer)  # raises a clear error for blocks without a segment adapter, before training
+            self._originals[u] = layer.forward
+            layer.forward = partial(self._forward, u, layer.forward)
+        modes = defaultdict(list)
+        for u in self.blocks:
+            modes[str(self.policy[u])].append(u)
+        log.info("SlideDP activation policy: %s",
+                 "; ".join(f"{m} on {len(us)} block(s)" for m, us in modes.items()) or "no blocks")  # fmt: skip
+
+    def uninstall(self) -> None:
+        for u, forward in self._originals.items():
+            self.blocks[u].forward = forward
+        self._originals.clear()
+
+    # -- forward --------------------------------------------------------------------------------------
+    def _forward(self, u: int, forward, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        pol = self.policy[u]
+        if not args:  # the block input by keyword: the checkpointed region takes it positionally
+            args = (kwargs.pop("hidden_states"),)
+        if pol.mode != "none":
+            # a recomputed block would append its keys/values to a KV cache a second time; training has no use
+            # for the cache (an empty one changes no result), so checkpointed blocks run without it
+            for name in CACHE_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+        self._unit, self._seen = u, {}
+        self._params = set(self._param_storages())
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                if pol.mode == "none":
+                    return forward(*args, **kwargs)
+                if pol.mode == "full":
+                    return self._checkpoint(lambda h, *rest: forward(h, *rest, **kwargs), *args)
+                if pol.mode == "selective":
+                    return self._checkpoint(lambda h, *rest: forward(h, *rest, **kwargs), *args, selective=True)
+                from slidedp_lightning.models.segments import run_segments, segments_for
+
+                layer = self.blocks[u]
+                state, segs = segments_for(layer).segments(layer, args, kwargs)
+                return run_segments(segs, state, pol.mask, self._checkpoint)
+        finally:
+            self._end_unit(u)
+
+    def _checkpoint(self, fn, *inputs, selective: bool = False):
+        """Run ``fn(*inputs)`` as a region recomputed in backward from its retained tensor inputs."""
+        held = [self.retain(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+        def region(*hs):
+            return fn(*[self._region_input(h) if isinstance(h, _Retained) else h for h in hs])
+
+        if not selective:
+            return checkpoint(region, *held, use_reentrant=False)
+        return checkpoint(region, *held, use_reentrant=False, context_fn=self._selective_contexts)
+
+    def _selective_contexts(self):
+        """PyTorch's selective checkpointing, its cache of saved operator outputs routed through retain()."""
+        def policy(ctx, op, *args, **kwargs):
+            saved = getattr(op, "overloadpacket", op) in SAVED_OPS
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        store = _RetainingStore(self)
+        caching.storage = cached.storage = store
+        return caching, cached
+
+    def _pack(self, t: torch.Tensor):
+        if self._unit is None or t.untyped_storage().data_ptr() in self._params:
+            return t  # a parameter (a view of a resident unit buffer) or a save outside any block
+        return self.retain(t)
+
+    def _unpack(self, packed):
+        return self._get(packed) if isinstance(packed, _Retained) else packed
+
+    # -- retention, offload and reload ----------------------------------------------------------------
+    def retain(self, t: torch.Tensor) -> _Retained:
+        """Account ``t`` as retained by the current unit and offload the policy's fraction of it."""
+        # outside any dispatch mode: selective checkpointing counts the operators of the region, ours are not
+        with _disable_current_modes():
+            return self._retain(t)
+
+    def _retain(self, t: torch.Tensor) -> _Retained:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version,
+               t.dtype)  # fmt: skip
+        if key in self._seen:  # saved twice (e.g. one input of two operators): one copy
+            return self._seen[key]
+        u = self._unit
+        r = _Retained(t)
+        self._seen[key] = r
+        nbytes = t.numel() * t.element_size()
+        ratio = self.policy[u].offload if u is not None else 0.0
+        r.split = round(ratio * t.numel())
+        off = r.split * t.element_size()
+        self.retained_bytes[u] += nbytes - off
+        if r.split:
+            self.offloaded_bytes[u] += off
+            flat = t.detach().reshape(-1)
+            if r.split < t.numel():
+                r.kept = flat[r.split :].clone()  # its own memory: the original can go
+            r.offloaded = flat
+            r.host = self.lanes.submit("offload", self._offload, flat, r.split, u)
+            self._pending[u].append(r)
+        else:
+            r.kept = t
+        return r
+
+    def _offload(self, flat: torch.Tensor, n: int, u: int):
+        """Offload lane thread: copy the first ``n`` elements of ``flat`` into host memory."""
+        lanes = self.lanes
+        host = lanes.pinned(n, flat.dtype)
+        with lanes.on("offload"), lanes.span("offload", "offload", self._step, u):
+            lanes.wait("offload", lanes.mark("compute"))
+            host.copy_(flat[:n], non_blocking=True)
+            marker = lanes.mark("offload")
+        lanes.hand_over(flat, "offload")
+        return host, marker
+
+    def _reload(self, r: _Retained, u: int):
+        """Offload lane thread: bring ``r``'s host part back to the device."""
+        lanes = self.lanes
+        host, marker = r.host.result()
+        lanes.host_wait(marker)  # the offload copy landed (and the host part is complete)
+        with lanes.on("offload"), lanes.span("offload", "reload", self._step, u):
+            dev = torch.empty(host.numel(), dtype=host.dtype, device=lanes.device)
+            dev.copy_(host, non_blocking=True)
+            return dev, lanes.mark("offload")
+
+    def _end_unit(self, u: int) -> None:
+        """The unit's forward is over: offloaded originals may go (their copies were issued after them)."""
+        for r in self._pending[u]:
+            r.live = None
+            r.offloaded = None
+        self._unit, self._seen = None, {}
+
+    def prefetch(self, u: int) -> None:
+        """Backward reached unit ``u``: start reloading its offloaded tensors and those of the unit before it."""
+        for v in (u, u - 1):
+            for r in self._pending.pop(v, ()):
+                r.reload = self.lanes.submit("offload", self._reload, r, v)
+
+    def _get(self, r: _Retained) -> torch.Tensor:
+        with _disable_current_modes():
+            return self._fetch(r)
+
+    def _fetch(self, r: _Retained) -> torch.Tensor:
+        if r.live is not None:
+            return r.live  # still inside the forward that retained it
+        if not r.split:
+            return r.kept
+        if r.reload is None:  # read before any prefetch (e.g. an early recompute): reload now
+            for v, items in list(self._pending.items()):
+                if r in items:
+                    items.remove(r)
+            r.reload = self.lanes.submit("offload", self._reload, r, -1)
+        dev, marker = r.reload.result()
+        self.lanes.wait("compute", marker)
+        self.lanes.hand_over(dev, "compute")
+        flat = dev if r.kept is None else torch.cat([dev, r.kept])
+        return flat.view(r.shape)
+
+    def _region_input(self, r: _Retained) -> torch.Tensor:
+        """A region's input in forward (the original) or in the recompute (reloaded: it must require grad as
+        the original did, or the recompute would save fewer tensors than the forward)."""
+        x = self._get(r)
+        if r.requires_grad and not x.requires_grad:
+            with _disable_current_modes():
+                x = x.detach().requires_grad_()
+        return x
+
+    def end_step(self) -> dict[str, int]:
+        """Totals of the step that just ended: retained device bytes and offloaded bytes of all blocks."""
+        self.last_step = {"retained_bytes": sum(self.retained_bytes.values()),
+                          "offloaded_bytes": sum(self.offloaded_bytes.values())}  # fmt: skip
+        self.retained_bytes.clear()
+        self.offloaded_bytes.clear()
+        self._pending.clear()
+        self._step += 1
+        return self.last_step
+
+
+class _RetainingStore(defaultdict):
+    """The cache of selective checkpointing ({op key: {call index: entry}}) with every saved operator output
+    passed through ``retain`` when stored and brought back when read in backward."""
+
+    def __init__(self, manager: ActivationManager) -> None:
+        super().__init__(partial(_RetainingEntries, manager))
+
+
+class _RetainingEntries(dict):
+    def __init__(self, manager: ActivationManager) -> None:
+        super().__init__()
+        self.manager = manager
+
+    def __setitem__(self, index, entry) -> None:
+        # an entry is a pytree of version-checked wrappers of the op's outputs (or a marker object)
+        super().__setitem__(index, tree_map(self._retain, entry))
+
+    def _retain(self, w):
+        if isinstance(getattr(w, "val", None), torch.Tensor) and self.manager._unit is not None:
+            w.val = self.manager.retain(w.val)
+        return w
+
+    def get(self, index, default=None):
+        entry = super().get(index, default)
+        return None if entry is None else tree_map(self._restore, entry)
+
+    def _restore(self, w):
+        if isinstance(getattr(w, "val", None), _Retained):
+            w.val = self.manager._get(w.val)
+            w.version = w.val._version
+        return w

@@ -1,0 +1,104 @@
+"""runtime.activations: every checkpointing mode and offload ratio gives bit-identical training, and the
+runtime's accounting of retained activation bytes behaves as the policies promise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
+from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine, tiny_model
+
+STEPS = 3
+
+
+def train(policy, tied: bool = True, steps: int = STEPS):
+    """Losses, final master weights and per-step accounting of a one-process engine run under ``policy``."""
+    model = tiny_model(tied)
+    engine = make_engine(model, activation_policy=ActivationPolicy.coerce(policy))
+    try:
+        engine.attach_optimizer(adamw_groups(model))
+        losses, memory = [], []
+        for x in batches(steps):
+            loss = loss_of(model, x)
+            loss.backward()
+            assert engine.end_step()
+            losses.append(loss.item())
+            memory.append(engine.device_memory())
+        return losses, engine.state_dict(), memory
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(None)
+
+
+POLICIES = ["full", "selective", "segments:0000000", "segments:1111111", "segments:1010101", "segments:0110010",
+            "none@0.5", "none@1", "full@0.5", "full@1", "selective@0.5", "segments:1010101@0.5",
+            "segments:1111111@1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_trains_bit_identically_to_no_checkpointing(reference, policy):
+    losses, state, _ = train(policy)
+    ref_losses, ref_state, _ = reference
+    assert losses == ref_losses
+    for k in ref_state:
+        assert torch.equal(state[k], ref_state[k]), f"{k} differs under {policy}"
+
+
+def test_per_block_overrides_and_untied_head(reference):
+    policy = ActivationPolicy(UnitPolicy("full", offload=0.5), {"layers.1": UnitPolicy.parse("segments:0101010@1")})
+    losses, state, _ = train(policy, tied=False)
+    ref_losses, ref_state, _ = train(None, tied=False)
+    assert losses == ref_losses
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def retained(policy: str) -> tuple[int, int]:
+    memory = train(policy, steps=2)[2][-1]
+    return memory["retained_activation_bytes"], memory["offloaded_activation_bytes"]
+
+
+def test_retained_bytes_fall_from_none_to_selective_and_segments_to_full():
+    none, selective, seg_all, seg_mixed, full = (retained(p)[0] for p in
+                                                 ("none", "selective", "segments:1111111", "segments:0100100", "full"))  # fmt: skip
+    assert none > selective > full
+    assert none > seg_all > seg_mixed > full
+    hidden = 2 * 16 * 64 * 4  # the block input: batch x seq x hidden FP32, per block
+    assert full == 2 * hidden, "full checkpointing keeps exactly each block's input"
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective", "segments:1010101"])
+@pytest.mark.parametrize("ratio", [0.5, 1.0])
+def test_offload_ratio_moves_that_fraction_of_the_retained_bytes_off_the_device(mode, ratio):
+    kept0, off0 = retained(mode)
+    kept, off = retained(f"{mode}@{ratio}")
+    assert off0 == 0
+    assert kept + off == kept0, "offloading moves bytes, it neither adds nor drops any"
+    assert off / kept0 == pytest.approx(ratio, abs=0.05)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [("segments:012", "mask"), ("segments", "mask"), ("full:0101010", "only 'segments'"), ("full@1.5", "offload"),
+     ("full@x", "number"), ("sometimes", "mode"), ("segments:11111111", "mask")],
+)  # fmt: skip
+def test_bad_policies_are_refused_with_a_clear_error(bad, match):
+    with pytest.raises(ValueError, match=match):
+        UnitPolicy.parse(bad)
+
+
+def test_policy_round_trips_through_json(tmp_path):
+    policy = ActivationPolicy(UnitPolicy("selective", offload=0.25), {"layers.0": UnitPolicy.parse("segments:1000001@1")})
+    path = tmp_path / "policy.json"
+    import json
+
+    path.write_text(json.dumps({"activations": policy.to_dict()}))
+    assert ActivationPolicy.coerce(str(path)) == policy
+    with pytest.raises(FileNotFoundError):
+        ActivationPolicy.coerce(str(tmp_path / "missing.json"))
+    with pytest.raises(TypeError):
+        ActivationPolicy.coerce(3)
