@@ -55,6 +55,20 @@ DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_SEED = 1234
 PRECISIONS = ("bf16-mixed", "32-true")
 STRATEGIES = ("slidedp", "ddp")
+PARAM_ROUTES = ("full", "sharded", "replicated", "auto")
+GRAD_ROUTES = ("gpu_reduce", "host_reduce", "auto")
+
+
+def _chunk_bytes(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected a positive integer or "auto", got {text!r}') from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def load_tiny_config(name: str = DEFAULT_CONFIG) -> tuple[Any, str]:
@@ -237,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="slidedp", choices=STRATEGIES)
     p.add_argument("--trace-dir", default=None,
                    help="slidedp only: record the lanes (TensorBoard scalars + Gantt, Chrome trace) under this folder")
+    p.add_argument("--param-route", default="full", choices=PARAM_ROUTES,
+                   help="slidedp only: how parameters reach the devices")
+    p.add_argument("--grad-route", default="gpu_reduce", choices=GRAD_ROUTES,
+                   help="slidedp only: how gradients are reduced and returned to the host")
+    p.add_argument("--chunk-bytes", type=_chunk_bytes, default=None,
+                   help='slidedp only: gradient chunk size in bytes, or "auto" (default: whole units)')
     p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per device per step")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak AdamW learning rate")
@@ -244,6 +264,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--log-dir", default=os.path.join("runs", "finetune"), help="TensorBoard log directory")
     return p
+
+
+def strategy_for(args: argparse.Namespace) -> SlideDPStrategy | str:
+    """The strategy the parsed flags ask for (a configured SlideDPStrategy, or the registered name)."""
+    custom = (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
+    if args.strategy != "slidedp" or not (args.trace_dir or custom):
+        return args.strategy
+    return SlideDPStrategy(param_route=args.param_route, grad_route=args.grad_route, chunk_bytes=args.chunk_bytes,
+                           trace_dir=args.trace_dir)
 
 
 @rank_zero_only
@@ -263,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--max-steps must be >= 1")
     if args.trace_dir and args.strategy != "slidedp":
         parser.error("--trace-dir traces SlideDP's lanes: use it with --strategy slidedp")
+    custom = (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
+    if custom and args.strategy != "slidedp":
+        parser.error("--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp")
     if args.model is not None:
         try:
             check_vocab(checkpoint_vocab_size(args.model), TASK, args.model)
@@ -285,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
     trainer = L.Trainer(
-        strategy=SlideDPStrategy(trace_dir=args.trace_dir) if args.trace_dir else args.strategy,
+        strategy=strategy_for(args),
         accelerator=args.accelerator,
         devices=args.devices,
         precision=args.precision,

@@ -1,0 +1,134 @@
+"""Hardware profiles: every constant with the source it came from.
+
+A profile JSON maps each field to ``{"value": ..., "source": "..."}``. Sources start with ``paper:`` (a
+measured number of SLIDEDP.md), ``datasheet:``, ``probe:`` (measured here by ``calibrate``), ``fitted:``
+(fitted to a named paper figure; never tested against that figure) or ``assumed:`` (no measurement exists).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+SOURCE_KINDS = ("paper:", "datasheet:", "probe:", "fitted:", "assumed:")
+LINK_KINDS = ("none", "nvlink", "pcie", "host", "loopback")
+GB = 1e9
+REQUIRED = (
+    "gpus", "gpu_flops", "gpu_efficiency", "bwd_fwd_ratio", "op_overhead_s", "step_overhead_s",
+    "h2d_gbps", "d2h_gbps", "copy_latency_s", "link_kind", "link_gbps", "link_latency_s",
+    "host_dram_gbps", "cpu_cores", "update_gbps", "host_is_device",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A machine: R GPUs (or CPU ranks), their links, and the host that serves them."""
+
+    name: str
+    values: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+
+    def __getattr__(self, key: str) -> Any:
+        values = self.__dict__.get("values", {})
+        if key in values:
+            return values[key]
+        raise AttributeError(key)
+
+    # -- derived rates -------------------------------------------------------------------------------
+    def check_gpus(self, r: int) -> None:
+        if not isinstance(r, int) or r < 1:
+            raise ValueError(f"gpus must be an integer >= 1, got {r!r}")
+        if r > self.gpus:
+            raise ValueError(f"profile {self.name!r} has {self.gpus} GPU(s); cannot model R={r}")
+
+    @staticmethod
+    def _concurrent(table: dict[str, float], k: int) -> float:
+        """Per-GPU GB/s when ``k`` GPUs copy at once: the table's entry, or beyond it the largest entry's
+        per-GPU rate (each further GPU pair sits behind its own switch)."""
+        known = sorted(int(n) for n in table)
+        below = [n for n in known if n <= k] or known[:1]
+        return float(table[str(k)] if str(k) in table else table[str(max(below))])
+
+    def h2d_per_gpu(self, k: int) -> float:
+        return self._concurrent(self.h2d_gbps, k) * GB
+
+    def d2h_per_gpu(self, k: int) -> float:
+        return self._concurrent(self.d2h_gbps, k) * GB
+
+    def update_rate(self, cores: int | None = None) -> float:
+        """Host-wide CPU update bytes/s on ``cores`` cores (default: all): 1/rate = 1/(a c) + 1/B through the
+        profile's points (saturation); one point means a flat rate."""
+        cores = self.cpu_cores if cores is None else cores
+        pts = sorted((int(c), float(v)) for c, v in self.update_gbps.items())
+        if len(pts) == 1:
+            return pts[0][1] * GB
+        (c1, v1), (c2, v2) = pts[0], pts[-1]
+        inv_a = (1 / v1 - 1 / v2) / (1 / c1 - 1 / c2)  # = 1/a
+        inv_b = 1 / v2 - inv_a / c2
+        if inv_b <= 0:  # no saturation visible between the points: linear in cores
+            return v1 / c1 * cores * GB
+        return GB / (inv_a / cores + inv_b)
+
+    def capacities(self, r: int) -> dict[str, float]:
+        """Per-rank service capacity of each resource when all ``r`` ranks run the same step at once."""
+        self.check_gpus(r)
+        cap = {
+            "gpu": self.gpu_flops * self.gpu_efficiency,
+            "h2d": self.h2d_per_gpu(r),
+            "d2h": self.d2h_per_gpu(r),
+            "link": self.link_gbps * GB if self.link_gbps else math.inf,
+            "cpu": self.update_rate() / r,
+            "dram": self.host_dram_gbps * GB / r,
+        }
+        if self.host_is_device:
+            cap["cores"] = self.cpu_cores / r
+        return cap
+
+    # -- io --------------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"name": self.name, "description": self.description,
+                "constants": {k: {"value": v, "source": self.sources.get(k, "")} for k, v in self.values.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "profile") -> "Profile":
+        consts = data.get("constants")
+        if not isinstance(consts, dict):
+            raise ValueError(f"{where}: no 'constants' mapping")
+        missing = [k for k in REQUIRED if k not in consts]
+        if missing:
+            raise ValueError(f"{where}: missing constants {missing}")
+        values, sources = {}, {}
+        for key, entry in consts.items():
+            if not isinstance(entry, dict) or "value" not in entry:
+                raise ValueError(f"{where}: constant {key!r} must be {{'value': ..., 'source': ...}}")
+            src = str(entry.get("source", ""))
+            if not src.startswith(SOURCE_KINDS):
+                raise ValueError(f"{where}: constant {key!r} has source {src!r}; it must start with one of {SOURCE_KINDS}")
+            values[key], sources[key] = entry["value"], src
+        if values["link_kind"] not in LINK_KINDS:
+            raise ValueError(f"{where}: link_kind {values['link_kind']!r} not in {LINK_KINDS}")
+        return cls(str(data.get("name", where)), values, sources, str(data.get("description", "")))
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles shipped with the package."""
+    root = resources.files("slidedp_lightning.steptime").joinpath("profiles")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (see :func:`shipped_profiles`) or a profile JSON file (from ``calibrate``)."""
+    key = str(name_or_path)
+    if key in shipped_profiles():
+        text = resources.files("slidedp_lightning.steptime").joinpath("profiles", key + ".json").read_text()
+        return Profile.from_json(json.loads(text), key)
+    path = Path(key)
+    if path.suffix == ".json" and path.is_file():
+        return Profile.from_json(json.loads(path.read_text()), str(path))
+    raise ValueError(f"unknown hardware profile {key!r}: give one of {shipped_profiles()} or a profile JSON file "
+                     "(python -m slidedp_lightning.steptime calibrate writes one)")  # fmt: skip

@@ -1,0 +1,42 @@
+"""Measured steps from the runtime's lane traces (TensorBoard scalars written per step under ``trace_dir``)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from slidedp_lightning.steptime.graph import LANES
+from slidedp_lightning.steptime.simulate import classify
+
+
+def read_steps(trace_dir: str | Path, rank: int = 0) -> dict[int, dict[str, float]]:
+    """step -> metrics (seconds) of one rank, as ``runtime.trace.step_metrics`` wrote them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    path = Path(trace_dir) / f"rank{rank}"
+    if not path.is_dir():
+        raise FileNotFoundError(f"no lane trace of rank {rank} under {trace_dir}")
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps: dict[int, dict[str, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        key = tag.split("/", 1)[1]
+        if key.endswith("_ms"):
+            key, scale = key[:-3], 1e-3
+        else:
+            scale = 1.0
+        key = f"busy_{key}" if tag.startswith("lanes/") else key
+        for ev in acc.Scalars(tag):
+            steps.setdefault(ev.step, {})[key] = ev.value * scale
+    return steps
+
+
+def measured(trace_dir: str | Path, skip: int = 2, ranks: int = 2) -> dict:
+    """Median step time (slowest rank per step), median lane busy times and the bottleneck label."""
+    per_rank = [read_steps(trace_dir, r) for r in range(ranks)]
+    steps = sorted(set.intersection(*(set(s) for s in per_rank)))[skip:]
+    if not steps:
+        raise ValueError(f"{trace_dir}: no traced steps after skipping {skip}")
+    step_time = statistics.median(max(s[k]["step_time"] for s in per_rank) for k in steps)
+    busy = {lane: statistics.median(per_rank[0][k].get(f"busy_{lane}", 0.0) for k in steps) for lane in LANES}
+    return {"step_time": step_time, "busy": busy, "bottleneck": classify(busy), "steps": len(steps)}

@@ -1,0 +1,24 @@
+"""The fine-tune CLI's SlideDP route flags reach the strategy."""
+
+import pytest
+
+from slidedp_lightning import SlideDPStrategy
+from slidedp_lightning.recipes.finetune import build_parser, strategy_for
+
+
+def test_route_flags_configure_the_strategy():
+    args = build_parser().parse_args(["--param-route", "sharded", "--grad-route", "host_reduce", "--chunk-bytes", "4096"])
+    s = strategy_for(args)
+    assert isinstance(s, SlideDPStrategy)
+    assert (s.engine_config.param_route, s.engine_config.grad_route, s.engine_config.chunk_bytes) == ("sharded", "host_reduce", 4096)
+
+
+def test_defaults_keep_the_registered_strategy():
+    assert strategy_for(build_parser().parse_args([])) == "slidedp"
+    assert strategy_for(build_parser().parse_args(["--strategy", "ddp"])) == "ddp"
+
+
+@pytest.mark.parametrize("argv", [["--param-route", "ring"], ["--chunk-bytes", "0"], ["--chunk-bytes", "big"]])
+def test_bad_flags(argv):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
