@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -27,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
+from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
 from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
@@ -70,8 +73,13 @@ class SlideDPStrategy(ParallelStrategy):
             internal boundaries of the block, recompute the segments between them), ``"selective"`` (PyTorch's
             selective checkpointing, matmul outputs saved), each with an optional offload ratio ``"@0.5"`` (that
             fraction of the retained bytes waits in host memory between forward and backward); an
-            :class:`~slidedp_lightning.runtime.activations.ActivationPolicy` with per-block overrides, or the path
-            of a saved policy JSON.
+            :class:`~slidedp_lightning.runtime.activations.ActivationPolicy` with per-block overrides; ``"auto"``
+            (AutoPolicy: measure every mode on a real block at the first training step and solve an integer
+            program for the fastest plan within ``memory_budget``; the plan is saved as
+            ``<default_root_dir>/slidedp_policy.json``), an :class:`~slidedp_lightning.autopolicy.AutoPolicy`, or
+            the path of a saved plan/policy JSON (reused without measuring; its routes fill in ``"auto"`` routes).
+        memory_budget: AutoPolicy's device memory budget: bytes, a fraction of the device's memory (CUDA), or
+            None (90 % on CUDA, unlimited on CPU).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
             host time, overlap fraction), a Gantt figure of step 2 and ``trace_rank{r}.json`` (Chrome/Perfetto).
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
@@ -96,7 +104,8 @@ class SlideDPStrategy(ParallelStrategy):
         restore_module: Union[bool, str] = "auto",
         trace_dir: Optional[str] = None,
         chunk_bytes: Union[int, str, None] = None,
-        activation_policy: Union[str, dict, ActivationPolicy, UnitPolicy, None] = None,
+        activation_policy: Union[str, dict, ActivationPolicy, UnitPolicy, AutoPolicy, None] = None,
+        memory_budget: Union[int, float, None] = None,
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -113,6 +122,15 @@ class SlideDPStrategy(ParallelStrategy):
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
         timeout = timeout or default_pg_timeout
+        self.planner: Optional[AutoPolicy] = None
+        if activation_policy == "auto":
+            activation_policy = AutoPolicy(memory_budget=memory_budget)
+        elif memory_budget is not None and not isinstance(activation_policy, AutoPolicy):
+            raise ValueError("memory_budget is AutoPolicy's budget: use it with activation_policy='auto'.")
+        if isinstance(activation_policy, AutoPolicy):
+            self.planner, activation_policy = activation_policy, None
+        elif isinstance(activation_policy, str) and activation_policy.endswith(".json"):
+            param_route, grad_route, chunk_bytes = _plan_routes(activation_policy, param_route, grad_route, chunk_bytes)
         self.engine_config = EngineConfig(
             grad_route=grad_route,
             param_route=param_route,
@@ -234,6 +252,11 @@ class SlideDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_trainer(trainer)
         self.accelerator.setup(trainer)
+        if self.planner is not None and self.planner.save_to is None:
+            self.planner.save_to = os.path.join(trainer.default_root_dir, "slidedp_policy.json")
+        if self.planner is not None and self.planner.plan is not None:
+            # a later fit/validate of the same strategy reuses the plan instead of measuring again
+            self.engine_config = replace(self.engine_config, activation_policy=self.planner.plan.activations)
         self.engine = SlideDPEngine(
             self.model,
             self.engine_config,
@@ -244,6 +267,7 @@ class SlideDPStrategy(ParallelStrategy):
             local_rank=self.local_rank,
             local_world_size=self.num_processes,
             group=_group.WORLD if self.world_size > 1 else None,
+            planner=self.planner if self.planner is not None and self.planner.plan is None else None,
         )
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -354,3 +378,20 @@ class SlideDPStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def _plan_routes(path: str, param_route: str, grad_route: str, chunk_bytes) -> tuple:
+    """A saved AutoPolicy plan also fixes the routes it was planned for: they replace the "auto" arguments."""
+    import json
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"activation policy file {path} does not exist.")
+    with open(path) as f:
+        routes = json.load(f).get("routes", {})
+    if param_route == "auto":
+        param_route = routes.get("param_route", param_route)
+    if grad_route == "auto":
+        grad_route = routes.get("grad_route", grad_route)
+    if chunk_bytes == "auto":
+        chunk_bytes = routes.get("chunk_bytes", chunk_bytes)
+    return param_route, grad_route, chunk_bytes

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -159,9 +160,13 @@ class ActivationManager:
     """Installs the policies on the decoder blocks and runs retention, offload and reload for them."""
 
     def __init__(self, blocks: dict[int, nn.Module], names: list[str], policy: ActivationPolicy, lanes: Lanes,
-                 param_storages) -> None:  # fmt: skip
+                 param_storages, planner=None) -> None:  # fmt: skip
         self.blocks = blocks  # unit index -> decoder layer module
+        self.names = names
         self.policy = {u: policy.for_unit(names[u]) for u in blocks}
+        # planner(unit, args, kwargs) -> ActivationPolicy: chooses the policies at the first training
+        # forward of a block, when the real shapes are known (AutoPolicy)
+        self.planner = planner
         self.lanes = lanes
         self._param_storages = param_storages  # () -> data_ptrs of resident unit buffers (parameters, not activations)
         self._originals: dict[int, object] = {}
@@ -190,6 +195,57 @@ class ActivationManager:
         log.info("SlideDP activation policy: %s",
                  "; ".join(f"{m} on {len(us)} block(s)" for m, us in modes.items()) or "no blocks")  # fmt: skip
 
+    def set_policy(self, policy: ActivationPolicy) -> None:
+        """Switch every block to ``policy`` (between steps, or before a block's forward)."""
+        new = {u: policy.for_unit(self.names[u]) for u in self.blocks}
+        if any(p.mode == "segments" for p in new.values()):
+            from slidedp_lightning.models.segments import segments_for
+
+            for u, p in new.items():
+                if p.mode == "segments":
+                    segments_for(self.blocks[u])
+        self.policy = new
+        log.info("SlideDP activation policy set: %s", policy.to_dict())
+
+    def measure(self, u: int, policy: UnitPolicy, args: tuple, kwargs: dict, repeats: int = 2) -> dict[str, float]:
+        """Run block ``u``'s forward + backward under ``policy`` on the real call's inputs, outside training.
+
+        The block must be resident. Returns the median seconds, the retained and offloaded activation bytes
+        and, on CUDA, the peak device memory above the starting point. Gradients go nowhere (``autograd.grad``)
+        and the KV cache, if any, is left out."""
+        layer, forward = self.blocks[u], self._originals[u]
+        kwargs = {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items()}
+        saved = (self.policy[u], self.retained_bytes[u], self.offloaded_bytes[u], self._pending.pop(u, []))
+        cuda = self.lanes.device.type == "cuda"
+        params = [p for p in layer.parameters() if p.requires_grad]
+        times, retained, offloaded, peak = [], 0, 0, 0
+        self.policy[u] = policy
+        try:
+            for i in range(repeats + 1):  # the first run warms up
+                x = args[0].detach().requires_grad_(args[0].requires_grad)
+                self.retained_bytes[u] = self.offloaded_bytes[u] = 0
+                if cuda:
+                    torch.cuda.synchronize(self.lanes.device)
+                    torch.cuda.reset_peak_memory_stats(self.lanes.device)
+                    base = torch.cuda.memory_allocated(self.lanes.device)
+                t0 = time.perf_counter()
+                out = self._forward(u, forward, x, *args[1:], **kwargs)
+                retained, offloaded = self.retained_bytes[u], self.offloaded_bytes[u]
+                inputs = [x] + params if x.requires_grad else params
+                torch.autograd.grad(out, inputs, torch.ones_like(out))
+                self._pending.pop(u, None)
+                if cuda:
+                    torch.cuda.synchronize(self.lanes.device)
+                    peak = max(peak, torch.cuda.max_memory_allocated(self.lanes.device) - base)
+                if i:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            self.policy[u], self.retained_bytes[u], self.offloaded_bytes[u], pending = saved
+            if pending:
+                self._pending[u] = pending
+        return {"seconds": sorted(times)[len(times) // 2], "retained_bytes": retained, "offloaded_bytes": offloaded,
+                "peak_bytes": peak}  # fmt: skip
+
     def uninstall(self) -> None:
         for u, forward in self._originals.items():
             self.blocks[u].forward = forward
@@ -202,6 +258,10 @@ class ActivationManager:
         pol = self.policy[u]
         if not args:  # the block input by keyword: the checkpointed region takes it positionally
             args = (kwargs.pop("hidden_states"),)
+        if self.planner is not None:
+            planner, self.planner = self.planner, None
+            self.set_policy(planner(u, args, kwargs))
+            pol = self.policy[u]
         if pol.mode != "none":
             # a recomputed block would append its keys/values to a KV cache a second time; training has no use
             # for the cache (an empty one changes no result), so checkpointed blocks run without it

@@ -11,6 +11,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,7 @@ class SlideDPEngine:
         local_rank: int = 0,
         local_world_size: int = 1,
         group=None,
+        planner=None,
     ) -> None:
         if local_world_size != world_size:
             raise ValueError(
@@ -123,6 +125,7 @@ class SlideDPEngine:
         self.rank, self.world_size = rank, world_size
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.group = group
+        self._planner = planner  # chooses the activation policy at the first training forward (AutoPolicy)
         self.step = 0  # optimizer steps whose updates have all been dispatched
         self._optimizer: torch.optim.Optimizer | None = None
         self._handles: list = []
@@ -226,7 +229,7 @@ class SlideDPEngine:
         self.residency.bind()
         self.activations = ActivationManager(
             self._blocks, [u.name for u in self.layout.units], self.config.activation_policy, self.lanes,
-            self.residency.resident_storages,
+            self.residency.resident_storages, partial(self._planner, self) if self._planner else None,
         )  # fmt: skip
         self.activations.install()
         self.routes = GradRoute(

@@ -121,6 +121,7 @@ def fit(cfg: dict) -> int:
             meta_init=cfg.get("meta_init", False),
             trace_dir=cfg.get("trace_dir"),
             activation_policy=cfg.get("activations"),
+            memory_budget=cfg.get("memory_budget"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
     else:
@@ -131,7 +132,7 @@ def fit(cfg: dict) -> int:
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=cfg.get("precision", "32-true"),
         max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=cfg["out"],
         use_distributed_sampler=cfg.get("distributed_sampler", True),
     )  # fmt: skip
     trainer.fit(module)

@@ -202,6 +202,31 @@ def test_every_activation_policy_is_bit_identical_to_no_checkpointing(job_runner
 
 
 @pytest.mark.integration
+def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_identically(job_runner):
+    """activation_policy="auto": both ranks measure at the first step, run rank 0's plan (bit-identical to no
+    checkpointing), save it; a second job given the plan's path reuses it without measuring."""
+    common = dict(strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH)
+    planned = job_runner("slidedp_autopolicy", activations="auto", memory_budget=900_000, **common)
+    _assert_ok(planned)
+    assert planned.output.count("AutoPolicy: measured per block") == 1, "rank 0 reports the plan once"
+    plan_path = planned.out / "slidedp_policy.json"
+    plan = json.loads(plan_path.read_text())
+    assert set(plan["activations"]["units"]) == {"layers.0", "layers.1"}
+    assert plan["report"]["retained_bytes"] <= plan["report"]["budget_bytes"]
+    assert plan["routes"] == {"param_route": "full", "grad_route": "gpu_reduce", "chunk_bytes": None}
+    base = _p1_path(job_runner, tied=True)
+    _assert_ok(base)
+    for rank in range(2):
+        assert planned.losses(rank) == base.losses(rank)
+    a, b = base.state(), planned.state()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    reused = job_runner("slidedp_autopolicy_reused", activations=str(plan_path), **common)
+    _assert_ok(reused)
+    assert "AutoPolicy: measured" not in reused.output
+    assert reused.losses(0) == base.losses(0)
+
+
+@pytest.mark.integration
 def test_auto_routes_are_measured_logged_and_agreed(job_runner):
     res = job_runner("slidedp_tied-auto", strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH,
                      **CASES["tied-auto"][1])  # fmt: skip
