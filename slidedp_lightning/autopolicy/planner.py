@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slidedp_lightning.autopolicy.solve import Fixed, Option, predict, solve
+from slidedp_lightning.autopolicy.solve import Fixed, InfeasibleBudget, Option, predict, solve
 from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
 
 log = logging.getLogger(__name__)
@@ -85,13 +85,16 @@ class AutoPolicy:
         measured = {m: engine.activations.measure(u, UnitPolicy.parse(m), args, kwargs, self.repeats)
                     for m in self.modes}  # fmt: skip
         measured = _max_over_ranks(measured, group)
-        options = [
-            Option(f"{m}@{r:g}", c["seconds"], round(c["retained_bytes"] * (1 - r)), round(c["retained_bytes"] * r))
-            for m, c in measured.items() for r in self.ratios
-        ]  # fmt: skip
+        options = self._options(measured)
         fixed = self._fixed(engine, x, rates)
         blocks = [engine.layout.units[b].name for b in sorted(engine.activations.blocks)]
-        choice = solve(blocks, options, fixed, budget)
+        try:
+            choice = solve(blocks, options, fixed, budget)
+        except InfeasibleBudget as err:
+            smallest = err.needed + self._reserve(engine)
+            raise ValueError(f"AutoPolicy: {err} The smallest feasible memory_budget is {smallest:,.0f} bytes "
+                             f"({smallest / 2**20:.2f} MiB); raise it, or lower the batch size or sequence "
+                             "length.") from None  # fmt: skip
         policy = ActivationPolicy(UnitPolicy(), {b: UnitPolicy.parse(o.policy) for b, o in zip(blocks, choice)})
         search_s = time.perf_counter() - t0
         baseline = next(o for o in options if o.policy == f"{BASELINE}@0")
@@ -124,9 +127,24 @@ class AutoPolicy:
             raise ValueError("a fractional memory_budget needs a CUDA device; give bytes on the CPU.")
         else:
             budget = math.inf if self.memory_budget is None else self.memory_budget
+        return budget - self._reserve(engine)
+
+    @staticmethod
+    def _reserve(engine) -> int:
         itemsize = torch.empty(0, dtype=engine.compute_dtype).element_size()
-        params = (engine.config.prefetch_window + 1) * engine.layout.max_unit * itemsize + engine.layout.max_unit * 4
-        return budget - params
+        return (engine.config.prefetch_window + 1) * engine.layout.max_unit * itemsize + engine.layout.max_unit * 4
+
+    def _options(self, measured: dict[str, dict[str, float]]) -> list[Option]:
+        """Every mode with every offload ratio. A checkpointing mode does the work of ``none`` plus its
+        recompute, so a measurement below ``none``'s is noise: it is raised to ``none``'s time (plus 0.1 %)."""
+        floor = measured["none"]["seconds"] if "none" in measured else 0.0
+        out = []
+        for m, c in measured.items():
+            seconds = c["seconds"] if m == "none" else max(c["seconds"], floor * 1.001)
+            for r in self.ratios:
+                kept = c["retained_bytes"]
+                out.append(Option(f"{m}@{r:g}", seconds, round(kept * (1 - r)), round(kept * r)))
+        return out
 
     def _probe_links(self, x: torch.Tensor, device: torch.device, group) -> tuple[float, float]:
         """Bytes/s of device->host and host->device copies of an activation-sized tensor, all ranks at once."""

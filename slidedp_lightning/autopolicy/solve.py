@@ -8,7 +8,9 @@ Linearized step-time model (docs/STEPTIME.md): the step is at least the work of 
     T >= host_fixed                                                     (CPU update, DRAM)
     sum_o x[u,o] = 1,   sum_u,o x[u,o] * retained_bytes[o] <= budget
 
-and minimizes T (then, by a tie-break far below any measured difference, the retained bytes).
+and minimizes T, then (a tie-break of 1e-4 of the step, below measurement noise) the offloaded bytes and the
+compute: when the step is bound elsewhere, activations stay on the device and nothing is recomputed if the
+budget allows it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from dataclasses import dataclass
 import pulp
 
 log = logging.getLogger(__name__)
+
+
+class InfeasibleBudget(ValueError):
+    """No assignment of options fits the budget; ``needed`` is the smallest budget that fits."""
+
+    def __init__(self, message: str, needed: float) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclass(frozen=True)
@@ -62,17 +72,17 @@ def solve(blocks: list[str], options: list[Option], fixed: Fixed, budget: float)
     retained device bytes; raises ValueError when no assignment fits."""
     least = min(o.retained_bytes for o in options)
     if least * len(blocks) > budget:
-        raise ValueError(
+        raise InfeasibleBudget(
             f"no activation policy fits the device memory budget: even the most frugal option keeps "
-            f"{least * len(blocks) / 2**20:.1f} MiB of activations for {len(blocks)} blocks, the budget leaves "
-            f"{budget / 2**20:.1f} MiB. Lower the batch size or sequence length, or raise memory_budget."
-        )
+            f"{least * len(blocks) / 2**20:.2f} MiB of activations for {len(blocks)} blocks, the budget leaves "
+            f"{budget / 2**20:.2f} MiB for them.", least * len(blocks))
     prob = pulp.LpProblem("slidedp_activation_policy", pulp.LpMinimize)
     x = {(b, k): prob.add_variable(f"x_{b}_{k}", cat="Binary") for b in range(len(blocks)) for k in range(len(options))}
     t = prob.add_variable("step_seconds", lowBound=0)
-    scale = max(o.retained_bytes for o in options) * len(blocks) or 1
-    tie = 1e-9 * max(1.0, max(o.seconds for o in options) * len(blocks))
-    prob += t + tie * pulp.lpSum(x[b, k] * options[k].retained_bytes / scale for b, k in x)
+    moved = max(o.offloaded_bytes for o in options) * len(blocks) or 1
+    work = max(o.seconds for o in options) * len(blocks) or 1
+    tie = 1e-4 * work
+    prob += t + tie * pulp.lpSum(x[b, k] * (options[k].offloaded_bytes / moved + options[k].seconds / work) for b, k in x)
     for b in range(len(blocks)):
         prob += pulp.lpSum(x[b, k] for k in range(len(options))) == 1
     picked = lambda f: pulp.lpSum(x[b, k] * f(options[k]) for b, k in x)  # noqa: E731

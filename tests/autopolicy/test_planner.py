@@ -95,9 +95,20 @@ def test_bad_autopolicy_arguments_are_refused(kwargs, match):
         AutoPolicy(**kwargs)
 
 
-def test_an_impossible_budget_stops_the_first_step_with_the_numbers():
-    with pytest.raises(ValueError, match="no activation policy fits"):
-        run(AutoPolicy(memory_budget=1000))
+@pytest.mark.parametrize("ratios", [(0.0, 0.5, 1.0), (0.0,)])
+def test_an_impossible_budget_stops_the_first_step_naming_the_smallest_feasible_one(ratios):
+    with pytest.raises(ValueError, match="smallest feasible memory_budget is") as err:
+        run(AutoPolicy(memory_budget=1000, ratios=ratios))
+    smallest = int(str(err.value).split("memory_budget is ")[1].split(" bytes")[0].replace(",", ""))
+    planner = AutoPolicy(memory_budget=smallest, ratios=ratios)
+    run(planner)  # exactly that budget is feasible
+    assert planner.plan.report["retained_bytes"] <= planner.plan.report["budget_bytes"]
+
+
+def test_ample_memory_keeps_everything_on_the_device_without_recompute():
+    planner = AutoPolicy(memory_budget=10**9)
+    run(planner)
+    assert set(planner.plan.report["plan"].values()) == {"none@0"}
 
 
 def test_a_fractional_budget_needs_a_gpu():

@@ -53,3 +53,18 @@ def test_offload_is_chosen_only_when_the_links_have_room():
 def test_an_impossible_budget_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match="no activation policy fits"):
         solve(["layers.0", "layers.1"], [Option("full@0", 1.0, 1 << 20, 0)], Fixed(), budget=1 << 20)
+
+
+def test_a_tight_budget_with_busy_links_picks_full_checkpointing_with_offload():
+    # per-block costs shaped like a measured decoder block: recompute costs time, offload costs link time
+    measured = {"none": (2.4, 191_488), "selective": (3.6, 90_112), "segments:1111111": (3.3, 106_496),
+                "segments:1010101": (3.1, 57_344), "full": (3.2, 8_192)}  # fmt: skip
+    options = [Option(f"{m}@{r:g}", t, round(b * (1 - r)), round(b * r))
+               for m, (t, b) in measured.items() for r in (0.0, 0.5, 1.0)]  # fmt: skip
+    blocks = [f"layers.{i}" for i in range(8)]
+    busy = Fixed(gpu=1.0, h2d=30.0, d2h=30.0, host=5.0, h2d_rate=2e5, d2h_rate=2e5)  # parameter traffic: the links bound the step
+    ample = solve(blocks, options, busy, budget=10**9)
+    assert {o.policy for o in ample} == {"none@0"}
+    tight = solve(blocks, options, busy, budget=8 * 4_096)
+    assert {o.policy.split("@")[0] for o in tight} == {"full"}
+    assert sum(o.offloaded_bytes for o in tight) > 0 and sum(o.retained_bytes for o in tight) <= 8 * 4_096
