@@ -1,5 +1,6 @@
 """Host-side optimizer kernels: fused Numba Adam/AdamW, bf16 conversion, thread budgets."""
 
+from cpu_ops.accumulate import accumulate, sum_squares
 from cpu_ops.adamw import adamw_update, adamw_update_sum
 from cpu_ops.bandwidth import adam_shaped_copy, update_bytes_per_param
 from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
@@ -7,6 +8,7 @@ from cpu_ops.threads import physical_cores, set_kernel_threads, thread_budget
 from cpu_ops.warmup import is_vectorized, warmup
 
 __all__ = [
+    "accumulate",
     "adam_shaped_copy",
     "adamw_update",
     "adamw_update_sum",
@@ -15,6 +17,7 @@ __all__ = [
     "is_vectorized",
     "physical_cores",
     "set_kernel_threads",
+    "sum_squares",
     "thread_budget",
     "update_bytes_per_param",
     "warmup",

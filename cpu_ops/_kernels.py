@@ -170,3 +170,21 @@ def bf16_to_fp32_kernel(src, dst):
     """dst[i] = float32 value of the bf16 bits src[i]."""
     for i in prange(src.shape[0]):
         dst[i] = bf16_bits_to_f32(src[i])
+
+
+@njit(**KERNEL_OPTIONS)
+def accumulate_kernel(acc, grads, grad_scale, first):
+    """acc[i] = (0 if first else acc[i]) + sum_r(grads[r][i] * grad_scale), float32, rows in order."""
+    for i in prange(acc.shape[0]):
+        g = _summed_grad(grads, i, grad_scale)
+        acc[i] = g if first else acc[i] + g
+
+
+@njit(**KERNEL_OPTIONS)
+def sum_squares_kernel(x):
+    """sum(x[i]**2) accumulated in float64 (a gradient norm that cannot overflow)."""
+    total = 0.0
+    for i in prange(x.shape[0]):
+        v = np.float64(x[i])
+        total += v * v
+    return total

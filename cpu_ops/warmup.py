@@ -11,6 +11,7 @@ import numba
 import numpy as np
 
 from cpu_ops import _kernels
+from cpu_ops.accumulate import accumulate, sum_squares
 from cpu_ops.adamw import _hyperparameters, adamw_update, adamw_update_sum
 from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
 
@@ -50,6 +51,10 @@ def warmup(sum_rows: Iterable[int] = (2,)) -> float:
             adamw_update(*_state(), np.zeros(_N, dtype), bf16_out=bf16_out, **_HYPER)
             for r in rows:
                 adamw_update_sum(*_state(), np.zeros((r, _N), dtype), bf16_out=bf16_out, **_HYPER)
+        accumulate(np.zeros(_N, np.float32), np.zeros(_N, dtype), first=True)
+        for r in rows:
+            accumulate(np.zeros(_N, np.float32), np.zeros((r, _N), dtype))
+    sum_squares(np.zeros(_N, np.float32))
     fp32_to_bf16(np.zeros(_N, np.float32), np.zeros(_N, np.uint16))
     bf16_to_fp32(np.zeros(_N, np.uint16), np.zeros(_N, np.float32))
     elapsed = time.perf_counter() - start

@@ -78,6 +78,10 @@ class SlideDPStrategy(ParallelStrategy):
             program for the fastest plan within ``memory_budget``; the plan is saved as
             ``<default_root_dir>/slidedp_policy.json``), an :class:`~slidedp_lightning.autopolicy.AutoPolicy`, or
             the path of a saved plan/policy JSON (reused without measuring; its routes fill in ``"auto"`` routes).
+        update: ``"immediate"``: each unit is updated as soon as its gradient (of the last micro-batch) lands;
+            ``"deferred"``: gradients are kept in host memory until backward ends, then checked (a non-finite
+            gradient skips the step on every rank), clipped by the exact global norm or by value, and applied
+            (overlapping the next forward); ``"auto"``: deferred when clipping or 16-mixed needs it.
         memory_budget: AutoPolicy's device memory budget: bytes, a fraction of the device's memory (CUDA), or
             None (90 % on CUDA, unlimited on CPU).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
@@ -106,6 +110,7 @@ class SlideDPStrategy(ParallelStrategy):
         chunk_bytes: Union[int, str, None] = None,
         activation_policy: Union[str, dict, ActivationPolicy, UnitPolicy, AutoPolicy, None] = None,
         memory_budget: Union[int, float, None] = None,
+        update: str = "auto",
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -122,6 +127,10 @@ class SlideDPStrategy(ParallelStrategy):
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
         timeout = timeout or default_pg_timeout
+        if update not in ("auto", "immediate", "deferred"):
+            raise ValueError(f"update must be 'auto', 'immediate' or 'deferred', got {update!r}.")
+        self._update = update
+        self._clip: tuple = (None, None)
         self.planner: Optional[AutoPolicy] = None
         if activation_policy == "auto":
             activation_policy = AutoPolicy(memory_budget=memory_budget)
@@ -140,6 +149,7 @@ class SlideDPStrategy(ParallelStrategy):
             trace_dir=trace_dir,
             chunk_bytes=chunk_bytes,
             activation_policy=ActivationPolicy.coerce(activation_policy),
+            update="deferred" if update == "deferred" else "immediate",
         )
         self.meta_init = meta_init
         self.restore_module = restore_module
@@ -207,7 +217,7 @@ class SlideDPStrategy(ParallelStrategy):
         if name not in SUPPORTED_PRECISION:
             raise ValueError(
                 f"SlideDP supports precision {SUPPORTED_PRECISION}; got {name or type(plugin).__name__!r}. "
-                "Use Trainer(precision='bf16-mixed') or Trainer(precision='32-true')."
+                "Use Trainer(precision='bf16-mixed'), '16-mixed' or '32-true'."
             )
         self._precision_plugin = SlideDPPrecision(name, getattr(plugin, "device", "cpu"))
 
@@ -236,16 +246,17 @@ class SlideDPStrategy(ParallelStrategy):
 
     # -- setup ---------------------------------------------------------------------------------------
     def _check_trainer(self, trainer: "pl.Trainer") -> None:
-        if trainer.gradient_clip_val:
+        """Fit the engine to the Trainer: accumulation window, and deferred updates when clipping needs the
+        global norm (or the precision needs unscaling and a finite check) before any update."""
+        needs_deferred = bool(trainer.gradient_clip_val) or self.precision_plugin.scales_loss
+        if self._update == "immediate" and needs_deferred:
             raise ValueError(
-                "SlideDP does not support gradient_clip_val yet: each unit is updated as soon as its gradient is "
-                "reduced, before the global norm is known. Remove gradient_clip_val from the Trainer."
+                "update='immediate' applies each unit's gradient as soon as it lands, before the global norm is "
+                "known; gradient_clip_val and precision='16-mixed' need update='deferred' (or 'auto')."
             )
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "SlideDP does not support accumulate_grad_batches > 1 yet: each unit is updated once per backward. "
-                "Use a larger per-device batch instead."
-            )
+        update = "deferred" if self._update == "deferred" or needs_deferred else "immediate"
+        self.engine_config = replace(self.engine_config, update=update, accumulate=trainer.accumulate_grad_batches)
+        self._clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.model is not None and self.accelerator is not None
@@ -309,7 +320,12 @@ class SlideDPStrategy(ParallelStrategy):
         model = model or self.lightning_module
         result = self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         assert self.engine is not None
-        if self.engine.end_step():
+        clip_val, algorithm = self._clip
+        clip_norm = float(clip_val) if clip_val and algorithm != "value" else None
+        clip_value = float(clip_val) if clip_val and algorithm == "value" else None
+        stepped = self.engine.end_step(clip_norm, clip_value, self.precision_plugin.unscale_factor())
+        self.precision_plugin.update_scale(found_inf=self.engine.skipped)
+        if stepped:
             # the step ran on the CPU update lane, not in optimizer.step(); tell torch's LR schedulers it happened
             optimizer._opt_called = True
         return result

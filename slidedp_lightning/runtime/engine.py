@@ -7,6 +7,7 @@ initialized ``torch.distributed`` process group whose ranks all run on this host
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -40,6 +41,7 @@ from slidedp_lightning.runtime.update import UpdateLane, UpdateTask, read_hyper,
 log = logging.getLogger(__name__)
 
 PARAM_ROUTES = ("full", "sharded", "replicated")
+UPDATE_MODES = ("immediate", "deferred")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class EngineConfig:
     trace_dir: str | None = None
     chunk_bytes: int | str | None = None  # gradient path: FP32 bytes per reduce + update chunk; None = one per unit
     activation_policy: ActivationPolicy = ActivationPolicy()  # per decoder block: checkpointing + offload ratio
+    # "immediate": a unit is updated as soon as its (last micro-batch's) gradient lands; "deferred": gradients
+    # are accumulated until the step ends, then checked (non-finite: the step is skipped), clipped and applied
+    update: str = "immediate"
+    accumulate: int = 1  # backward passes (micro-batches) per optimizer step
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
@@ -79,6 +85,10 @@ class EngineConfig:
         if not isinstance(self.activation_policy, ActivationPolicy):
             raise TypeError("EngineConfig.activation_policy must be an ActivationPolicy; use "
                             "ActivationPolicy.coerce(...) for strings, dicts and JSON paths.")  # fmt: skip
+        if self.update not in UPDATE_MODES:
+            raise ValueError(f"update must be one of {UPDATE_MODES}, got {self.update!r}.")
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate must be an integer >= 1, got {self.accumulate!r}.")
         if not isinstance(self.staging_slots, int) or self.staging_slots < 1:
             raise ValueError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}.")
 
@@ -126,6 +136,8 @@ class SlideDPEngine:
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.group = group
         self._planner = planner  # chooses the activation policy at the first training forward (AutoPolicy)
+        self.skipped = False  # the last end_step skipped a step with a non-finite gradient
+        self.last_grad_norm: float | None = None  # deferred mode: the last step's global gradient norm
         self.step = 0  # optimizer steps whose updates have all been dispatched
         self._optimizer: torch.optim.Optimizer | None = None
         self._handles: list = []
@@ -372,11 +384,15 @@ class SlideDPEngine:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._reset_step_grads()
 
-    def _reset_step_grads(self) -> None:
+    def _reset_backward(self) -> None:
         self._grads: list[list[torch.Tensor | None]] = [[None] * len(u.slots) for u in self.layout.units]
         self._pending = [len(u.slots) for u in self.layout.units]
-        self._any_grad = False
         self._callback_queued = False
+
+    def _reset_step_grads(self) -> None:
+        self._reset_backward()
+        self._micro = 0  # backward passes completed in this optimizer step
+        self._any_grad = False
         self._hyper = None
         self._step_t0: float | None = None  # tracing: the step's first training forward
         self._mark = None  # tracing: when the compute lane last resumed compute (see Lanes.stamp)
@@ -404,14 +420,20 @@ class SlideDPEngine:
         return hook
 
     def _on_output_grad(self, units: tuple[int, ...]) -> None:
+        if self._micro >= self.config.accumulate:
+            raise RuntimeError(
+                f"SlideDP received a second gradient for this optimizer step: backward pass {self._micro + 1} with "
+                f"accumulate={self.config.accumulate}. Close each step (optimizer_step / end_step) after "
+                f"{self.config.accumulate} backward pass(es), or raise accumulate_grad_batches."
+            )
         done = [self.layout.units[u].name for u in units if self._pending[u] == 0]
         if done:
             # the unit's gradient already went to the update lane and its device buffer is gone: stop before
             # autograd reads it
             raise RuntimeError(
-                f"SlideDP: backward reached unit(s) {done} a second time in one optimizer step, after their "
-                "gradient was reduced and handed to the CPU update; a second gradient before the optimizer step "
-                "(accumulate_grad_batches > 1, several backward calls per step) is not supported yet."
+                f"SlideDP: one backward pass reached unit(s) {done} a second time, after their gradient was "
+                "reduced and handed to the CPU update (a module called twice in one forward, or retain_graph "
+                "backward passes); each unit takes part in a forward pass once."
             )
         self._compute_until_now(units[-1])
         self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
@@ -429,9 +451,8 @@ class SlideDPEngine:
         grad, param.grad = param.grad, None
         if self._grads[ui][si] is not None or self._pending[ui] == 0:
             raise RuntimeError(
-                f"SlideDP received a second gradient for {self.layout.units[ui].slots[si].name} before the "
-                "optimizer step: gradient accumulation (accumulate_grad_batches > 1, several backward calls "
-                "per step) is not supported yet."
+                f"SlideDP received a second gradient for {self.layout.units[ui].slots[si].name} in one backward "
+                "pass; each parameter takes part in a forward pass once."
             )
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._check_backward_complete)
@@ -452,10 +473,18 @@ class SlideDPEngine:
             self._hyper = read_hyper(self._optimizer)
         with self.tracer.span("reduce", "issue", self.step, u):
             chunks = self.routes.dispatch(u, grads, self.step)
+        action = self._action()
         for k, (lo, hi, source) in enumerate(chunks):
             last = k == len(chunks) - 1
-            self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, lo, hi, last, k, self.routes.grad_scale))
+            self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, source, lo, hi, last, k, self.routes.grad_scale,
+                                        action, first=self._micro == 0))  # fmt: skip
         self._mark = self._stamp()
+
+    def _action(self) -> str:
+        """What the update lane does with the gradient of the backward pass now running."""
+        if self.config.update == "deferred" or self._micro < self.config.accumulate - 1:
+            return "accumulate"
+        return "accumulate_update" if self._micro else "update"
 
     def _check_backward_complete(self) -> None:
         self._compute_until_now(0)
@@ -470,20 +499,65 @@ class SlideDPEngine:
                 f"{len(missing)} parameters received no gradient in this backward pass (e.g. {missing[:3]}). "
                 "SlideDP updates each unit once per step and needs every parameter to take part in the loss."
             )
+        self._micro += 1
+        self._reset_backward()
 
     # -- step boundary -------------------------------------------------------------------------------
-    def end_step(self) -> bool:
-        """Close the optimizer step: True when it produced updates (all of them are now dispatched)."""
+    def end_step(self, clip_norm: float | None = None, clip_value: float | None = None, grad_scale: float = 1.0) -> bool:
+        """Close the optimizer step: True when it produced updates (all of them are now dispatched).
+
+        Deferred mode (or an accumulation window that ended early): the accumulated gradient is applied here,
+        multiplied by ``grad_scale`` (e.g. 1 / loss scale) and clipped to the global norm ``clip_norm`` or to
+        ``[-clip_value, clip_value]``; a non-finite gradient on any rank skips the step on every rank (False).
+        """
         self.lane.raise_if_failed()
+        self.skipped = False
         if not self._any_grad:
             return False
-        if any(self._pending):
+        if self._callback_queued:  # a backward pass whose completion check has not run
             self._check_backward_complete()
         if self.tracer.enabled:
             self.tracer.mark_step(self.step, self._step_t0 or time.perf_counter(), time.perf_counter())
         self.activations.end_step()
-        self.step += 1
+        applied = True
+        if self.config.update == "deferred" or self._micro < self.config.accumulate:
+            applied = self._apply_accumulated(clip_norm, clip_value, grad_scale)
+        elif clip_norm or clip_value or grad_scale != 1.0:
+            raise RuntimeError("clipping and gradient scaling need update='deferred' (the engine was built with "
+                               "update='immediate')")  # fmt: skip
+        if applied:
+            self.step += 1
         self._reset_step_grads()
+        return applied
+
+    def _apply_accumulated(self, clip_norm: float | None, clip_value: float | None, grad_scale: float) -> bool:
+        """Check, clip and apply this rank's accumulated shards (forward order: the next step needs unit 0 first)."""
+        if self._hyper is None:
+            self._hyper = read_hyper(self._optimizer)
+        self.lane.wait_idle(self.liveness)
+        squares = self.lane.call(lambda: cpu_ops.sum_squares(self.lane.accumulator())).result()
+        total = torch.tensor([squares], dtype=torch.float64)
+        if self.world_size > 1 and not self.replicated:  # shards are disjoint: the global norm sums them
+            dist.all_reduce(total, group=self.group)
+        elif self.world_size > 1:  # every rank holds the whole gradient: agree on non-finite values
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+        norm = float(total.sqrt()) * abs(grad_scale)
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            log.warning("SlideDP: non-finite gradient (global norm %s) in step %d: the step is skipped on every "
+                        "rank, weights and moments untouched.", norm, self.step)  # fmt: skip
+            self.skipped = True
+            return False
+        scale = grad_scale
+        if clip_norm:
+            scale *= min(1.0, clip_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
+        clamp = clip_value / abs(grad_scale) if clip_value else None  # in the accumulator's (scaled) units
+        for u, unit in enumerate(self.layout.units):
+            s0, s1 = unit.shard(self.owner_rank)
+            chunks = self.routes._chunks(s1 - s0)
+            for k, (lo, hi) in enumerate(chunks):
+                self.lane.submit(UpdateTask(u, self.step + 1, self._hyper, None, lo, hi, k == len(chunks) - 1, k,
+                                            scale, "update_from_acc", clamp=clamp))  # fmt: skip
         return True
 
     def synchronize(self) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from cpu_ops import adamw_update, adamw_update_sum, set_kernel_threads, warmup
+from cpu_ops import accumulate, adamw_update, adamw_update_sum, set_kernel_threads, warmup
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import lane_delay
@@ -75,17 +76,36 @@ class GradSource(Protocol):
         """Called once the update has read the gradient."""
 
 
+ACTIONS = ("update", "accumulate", "accumulate_update", "update_from_acc")
+
+
 @dataclass
 class UpdateTask:
+    """One chunk of one unit for the update lane.
+
+    ``update``: apply ``grad``. ``accumulate``: add ``grad`` (times ``grad_scale``) into this rank's FP32
+    accumulator (``first``: overwrite). ``accumulate_update``: accumulate, then apply the accumulator.
+    ``update_from_acc`` (``grad`` None): apply the accumulator times ``grad_scale``, after clamping it to
+    ``[-clamp, clamp]`` when ``clamp`` is set."""
+
     unit: int
     step: int  # the Adam step t, 1-based
     hyper: list[AdamHyper]
-    grad: GradSource
+    grad: GradSource | None
     lo: int  # the chunk: [lo, hi) of this rank's range of the unit
     hi: int
     last: bool  # the unit's last chunk: its version stamp moves after this one
     chunk: int
     grad_scale: float = 1.0
+    action: str = "update"
+    first: bool = False
+    clamp: float | None = None
+
+
+@dataclass
+class _Call:
+    fn: object
+    future: Future
 
 
 class UpdateLane:
@@ -114,6 +134,15 @@ class UpdateLane:
         self._sum_rows = sum_rows
         self._ready = threading.Event()
         self.jit_s = 0.0
+        # this rank's FP32 gradient accumulator (accumulation, deferred updates), allocated on first use
+        self._acc: np.ndarray | None = None
+        self._acc_offset: list[int] = []
+        total = 0
+        for unit in layout.units:
+            self._acc_offset.append(total)
+            s0, s1 = unit.shard(rank)
+            total += s1 - s0
+        self._acc_total = total
         self._thread = threading.Thread(target=self._run, name=f"slidedp-update-r{rank}", daemon=True)
         self._thread.start()
 
@@ -134,6 +163,18 @@ class UpdateLane:
                     else:
                         ranges.append((a, b, g))
             self.segments.append(ranges)
+
+    def accumulator(self) -> np.ndarray:
+        """This rank's FP32 accumulator over all its shards (zero-length views until first used)."""
+        if self._acc is None:
+            self._acc = np.zeros(self._acc_total, np.float32)
+        return self._acc
+
+    def call(self, fn) -> Future:
+        """Run ``fn()`` on the lane thread after the tasks queued before it (kernels must run there)."""
+        future: Future = Future()
+        self.submit(_Call(fn, future))
+        return future
 
     def submit(self, task: UpdateTask) -> None:
         self.raise_if_failed()
@@ -173,7 +214,13 @@ class UpdateLane:
             if task is None:
                 return
             try:
-                if self.error is None:
+                if isinstance(task, _Call):
+                    if task.future.set_running_or_notify_cancel():
+                        try:
+                            task.future.set_result(task.fn())
+                        except BaseException as exc:
+                            task.future.set_exception(exc)
+                elif self.error is None:
                     self._apply(task)
             except BaseException as exc:  # reported to the training thread
                 log.error("SlideDP update of unit %s failed: %s", task.unit, exc)
@@ -185,17 +232,36 @@ class UpdateLane:
 
     def _apply(self, task: UpdateTask) -> None:
         unit = self.layout.units[task.unit]
-        grad = task.grad.get()
         s0 = unit.shard(self.rank)[0]
+        scale = task.grad_scale
+        if task.action == "update":
+            grad = task.grad.get()
+        else:
+            off = self._acc_offset[task.unit]
+            acc = self.accumulator()[off + task.lo : off + task.hi]
+            if task.action == "update_from_acc":
+                if task.clamp is not None:
+                    np.clip(acc, -task.clamp, task.clamp, out=acc)
+            else:
+                grad = task.grad.get()
+                lane_delay()
+                with self.tracer.span("update", "accumulate", task.step - 1, task.unit, task.chunk):
+                    accumulate(acc, grad, grad_scale=scale, first=task.first)
+                task.grad.release()
+                if task.action == "accumulate":
+                    return
+                scale = 1.0
+            grad = acc
         lane_delay()
         with self.tracer.span("update", "adamw", task.step - 1, task.unit, task.chunk):
-            self._kernels(task, unit, grad, s0 + task.lo, s0 + task.hi)
+            self._kernels(task, unit, grad, s0 + task.lo, s0 + task.hi, scale)
         lane_delay()
-        task.grad.release()
+        if task.grad is not None and task.action == "update":
+            task.grad.release()
         if task.last:
             self.ledger.version[task.unit, self.rank] = task.step
 
-    def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int) -> None:
+    def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0), one param-group run at a time."""
         master, exp_avg, exp_avg_sq, bf16 = self._arrays
         for sa, sb, g in self.segments[task.unit]:
@@ -206,7 +272,7 @@ class UpdateLane:
             lo, hi = unit.offset + a, unit.offset + b
             kw = dict(
                 step=task.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                weight_decay=h.weight_decay, decoupled=h.decoupled, grad_scale=task.grad_scale,
+                weight_decay=h.weight_decay, decoupled=h.decoupled, grad_scale=scale,
                 bf16_out=bf16[lo:hi],
             )  # fmt: skip
             if grad.ndim == 1:

@@ -67,6 +67,8 @@ class TinyLM(L.LightningModule):
         if batch_idx == self.cfg.get("kill_at_step", -1) and self.global_rank == self.cfg.get("kill_rank", 1):
             os.kill(os.getpid(), signal.SIGKILL)
         loss = self.model(input_ids=batch, labels=batch).loss
+        if batch_idx == self.cfg.get("nan_at_step", -1) and self.global_rank == self.cfg.get("nan_rank", 0):
+            loss = loss * float("nan")  # a non-finite gradient on this rank only
         self.losses.append(loss.item())
         self.log("train_loss", loss, sync_dist=True)
         return loss
@@ -79,12 +81,19 @@ class TinyLM(L.LightningModule):
             lr=self.cfg.get("lr", 3e-3), betas=(0.9, 0.95),
         )  # fmt: skip
         warm = 5
+        if self.cfg.get("constant_lr"):
+            return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) * (1 - s / 200))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(Tokens(self.cfg["steps"] * self.cfg["batch"] * self.cfg["devices"], seed=7),
-                          batch_size=self.cfg["batch"], shuffle=False)  # fmt: skip
+        per_batch = self.cfg["batch"] * self.cfg["devices"]
+        data = Tokens(self.cfg.get("data_batches", self.cfg["steps"]) * per_batch, seed=7)
+        if "drop_batch" in self.cfg:  # batch k leaves the data; later batches move up (every rank loads all data)
+            assert not self.cfg.get("distributed_sampler", True), "Lightning's sampler shuffles: order would change"
+            k, per_batch = self.cfg["drop_batch"], self.cfg["batch"]
+            data.data = torch.cat([data.data[: k * per_batch], data.data[(k + 1) * per_batch :]])
+        return DataLoader(data, batch_size=self.cfg["batch"], shuffle=False)
 
     def on_train_start(self) -> None:
         engine = getattr(self.trainer.strategy, "engine", None)
@@ -122,6 +131,7 @@ def fit(cfg: dict) -> int:
             trace_dir=cfg.get("trace_dir"),
             activation_policy=cfg.get("activations"),
             memory_budget=cfg.get("memory_budget"),
+            update=cfg.get("update", "auto"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
     else:
@@ -134,6 +144,8 @@ def fit(cfg: dict) -> int:
         max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=cfg["out"],
         use_distributed_sampler=cfg.get("distributed_sampler", True),
+        gradient_clip_val=cfg.get("clip"), gradient_clip_algorithm=cfg.get("clip_algorithm", "norm"),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
     )  # fmt: skip
     trainer.fit(module)
     if trainer.global_rank == 0:
