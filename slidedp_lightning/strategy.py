@@ -29,6 +29,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
+from slidedp_lightning import checkpoint as sharded
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
 from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
@@ -82,6 +83,9 @@ class SlideDPStrategy(ParallelStrategy):
             ``"deferred"``: gradients are kept in host memory until backward ends, then checked (a non-finite
             gradient skips the step on every rank), clipped by the exact global norm or by value, and applied
             (overlapping the next forward); ``"auto"``: deferred when clipping or 16-mixed needs it.
+        checkpoint_format: ``"distributed"``: checkpoints are directories written by every rank through
+            ``torch.distributed.checkpoint`` (FP32 weights and moments per parameter, loadable on any number of
+            ranks, swapped into place atomically); ``"full"``: one ``torch.save`` file from rank 0.
         memory_budget: AutoPolicy's device memory budget: bytes, a fraction of the device's memory (CUDA), or
             None (90 % on CUDA, unlimited on CPU).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
@@ -111,6 +115,7 @@ class SlideDPStrategy(ParallelStrategy):
         activation_policy: Union[str, dict, ActivationPolicy, UnitPolicy, AutoPolicy, None] = None,
         memory_budget: Union[int, float, None] = None,
         update: str = "auto",
+        checkpoint_format: str = "distributed",
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -130,6 +135,9 @@ class SlideDPStrategy(ParallelStrategy):
         if update not in ("auto", "immediate", "deferred"):
             raise ValueError(f"update must be 'auto', 'immediate' or 'deferred', got {update!r}.")
         self._update = update
+        if checkpoint_format not in ("distributed", "full"):
+            raise ValueError(f"checkpoint_format must be 'distributed' or 'full', got {checkpoint_format!r}.")
+        self.checkpoint_format = checkpoint_format
         self._clip: tuple = (None, None)
         self.planner: Optional[AutoPolicy] = None
         if activation_policy == "auto":
@@ -349,9 +357,12 @@ class SlideDPStrategy(ParallelStrategy):
 
     # -- state ---------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """FP32 master weights from the ledger, on global rank 0 (the rank that writes checkpoints)."""
+        """Full format: FP32 master weights from the ledger, on global rank 0 (the rank that writes the file).
+        Distributed format: nothing here, the ranks write the ledger itself in ``save_checkpoint``."""
         if self.engine is None:
             return super().lightning_module_state_dict()
+        if self.checkpoint_format == "distributed":
+            return {}
         return self.engine.state_dict() if self.is_global_zero else {}
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
@@ -366,17 +377,46 @@ class SlideDPStrategy(ParallelStrategy):
                     "or pass weights_only=True to save the final weights."
                 )
             return optimizer.state_dict()
+        if self.checkpoint_format == "distributed":  # the moments go with the ledger; keep the hyper-parameters
+            return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
         return self.engine.optimizer_state_dict(optimizer) if self.is_global_zero else {}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        """Distributed format: a directory written by every rank through ``torch.distributed.checkpoint``,
+        swapped into place atomically (see :mod:`slidedp_lightning.checkpoint`); full format: one file."""
+        if self.engine is None or self.checkpoint_format == "full":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or "
+                            "pass checkpoint_format='full'.")  # fmt: skip
+        sharded.save(self.engine, checkpoint, filepath)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if self.engine is not None and sharded.is_sharded(checkpoint_path):
+            meta = sharded.load(self.engine, checkpoint_path)
+            return {**meta, "state_dict": {}, _LOADED: True}
+        if sharded.is_sharded(checkpoint_path):
+            raise ValueError(f"{checkpoint_path} is a SlideDP distributed checkpoint: load it with "
+                             "Trainer(strategy=SlideDPStrategy(...)).fit(ckpt_path=...), which reads it into the "
+                             "ledger.")  # fmt: skip
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         assert self.engine is not None
+        if checkpoint.get(_LOADED):
+            return  # read straight into the ledger by load_checkpoint
         self.engine.load_state_dict(checkpoint["state_dict"], strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         assert self.engine is not None
         states = checkpoint.get("optimizer_states", [])
-        if states:
-            self.engine.load_optimizer_state_dict(self.optimizers[0], states[0])
+        if not states:
+            return
+        if checkpoint.get(_LOADED):  # moments and step are in the ledger already: restore the hyper-parameters
+            for group, saved in zip(self.optimizers[0].param_groups, states[0]["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
+        self.engine.load_optimizer_state_dict(self.optimizers[0], states[0])
 
     # -- teardown ------------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:
@@ -394,6 +434,9 @@ class SlideDPStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+_LOADED = "_slidedp_loaded_into_ledger"
 
 
 def _plan_routes(path: str, param_route: str, grad_route: str, chunk_bytes) -> tuple:

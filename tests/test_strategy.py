@@ -287,8 +287,8 @@ def test_checkpoint_during_fit_and_resume(tmp_path) -> None:
     ref_opt = adamw(ref.parameters())
     cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="ck")
     t = L.Trainer(
-        strategy="slidedp", accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[cb],
+        strategy=SlideDPStrategy(checkpoint_format="full"), accelerator="cpu", devices=1, max_steps=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
     )  # fmt: skip
     t.fit(module, data())
     train_reference(ref, ref_opt, module.batches)
@@ -317,6 +317,42 @@ def test_checkpoint_during_fit_and_resume(tmp_path) -> None:
             p.add_(1.0)
     t2 = trainer(max_steps=4)
     t2.fit(resumed, data(), ckpt_path=str(tmp_path / "ck.ckpt"))
+    assert t2.global_step == 4 and len(resumed.batches) == 2
+    ref_losses = train_reference(ref, ref_opt, resumed.batches)
+    for a, b in zip(resumed.losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    ref_sd = ref.state_dict()
+    for n, p in resumed.model.named_parameters():
+        assert rel_err(p.detach(), ref_sd[n]) <= 1e-5, n
+
+
+def test_distributed_checkpoint_during_fit_resumes_exactly(tmp_path) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from slidedp_lightning.checkpoint import META
+
+    module = TinyLM()
+    ref = copy.deepcopy(module.model)
+    ref_opt = adamw(ref.parameters())
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="ck")
+    t = L.Trainer(
+        strategy="slidedp", accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[cb],
+    )  # fmt: skip
+    t.fit(module, data())
+    train_reference(ref, ref_opt, module.batches)
+    path = tmp_path / "ck.ckpt"
+    assert path.is_dir() and (path / META).is_file() and (path / ".metadata").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directories left behind"
+    meta = torch.load(path / META, weights_only=False)
+    assert meta["global_step"] == 2 and meta["slidedp"]["step"] == 2 and "state_dict" not in meta
+    dist.destroy_process_group()
+    resumed = TinyLM()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.add_(1.0)
+    t2 = trainer(max_steps=4)
+    t2.fit(resumed, data(), ckpt_path=str(path))
     assert t2.global_step == 4 and len(resumed.batches) == 2
     ref_losses = train_reference(ref, ref_opt, resumed.batches)
     for a, b in zip(resumed.losses, ref_losses):

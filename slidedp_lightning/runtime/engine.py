@@ -592,6 +592,46 @@ class SlideDPEngine:
             out[name] = self.master_view(*where).clone() if where is not None else t.detach().clone()
         return out
 
+    def named_slots(self) -> dict[str, tuple[int, int]]:
+        """Each ledger parameter once (a tied one under its first name), keyed as ``root.state_dict()``."""
+        out: dict[str, tuple[int, int]] = {}
+        seen: set[tuple[int, int]] = set()
+        for name, t in self.root.state_dict(keep_vars=True).items():
+            where = self._slot_of.get(id(t))
+            if where is not None and where not in seen:
+                seen.add(where)
+                out[name] = where
+        return out
+
+    def ledger_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Views into the shared ledger for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and
+        ``exp_avg_sq/<name>`` (writing into them writes the ledger)."""
+        slots = self.named_slots()
+        out = {}
+        for name in names:
+            where = slots[name]
+            m, v = self.moments(*where)
+            out[f"model/{name}"], out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = self.master_view(*where), m, v
+        return out
+
+    def buffers_state(self) -> dict[str, torch.Tensor]:
+        """The root's state entries that are not ledger parameters (persistent buffers), as copies."""
+        return {n: t.detach().clone() for n, t in self.root.state_dict(keep_vars=True).items()
+                if id(t) not in self._slot_of}  # fmt: skip
+
+    def restored(self, step: int, buffers: dict[str, torch.Tensor]) -> None:
+        """After every rank wrote its part of a checkpoint into the ledger: BF16 copy, step count, stamps."""
+        own = self.root.state_dict(keep_vars=True)
+        for name, value in buffers.items():
+            if name in own and id(own[name]) not in self._slot_of:
+                own[name].data.copy_(value)
+        self._barrier()
+        if self.local_rank == 0 or self.replicated:
+            self.ledger.refresh_bf16()
+            self.ledger.version[:] = step
+        self._barrier()
+        self.step = step
+
     def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         unit = self.layout.units[unit_index]
         slot = unit.slots[slot_index]

@@ -89,6 +89,8 @@ class TinyLM(L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         per_batch = self.cfg["batch"] * self.cfg["devices"]
         data = Tokens(self.cfg.get("data_batches", self.cfg["steps"]) * per_batch, seed=7)
+        if self.cfg.get("constant_data"):  # every sample the same: batch order and sharding cannot matter
+            data.data = Tokens(1, seed=7).data.expand_as(data.data).clone()
         if "drop_batch" in self.cfg:  # batch k leaves the data; later batches move up (every rank loads all data)
             assert not self.cfg.get("distributed_sampler", True), "Lightning's sampler shuffles: order would change"
             k, per_batch = self.cfg["drop_batch"], self.cfg["batch"]
@@ -118,6 +120,29 @@ class TinyLM(L.LightningModule):
             json.dump(self.losses, f)
 
 
+class SaveAt(L.Callback):
+    """Save a checkpoint after optimizer step ``step``; ``kill_rank`` SIGKILLs itself in the middle of the save
+    (its tensors written, before the checkpoint is complete)."""
+
+    def __init__(self, step: int, path: str, kill_rank: int | None = None) -> None:
+        self.step, self.path, self.kill_rank = step, path, kill_rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != self.step:
+            return
+        if self.kill_rank == trainer.global_rank:
+            from slidedp_lightning import checkpoint
+
+            real = checkpoint.dcp.save
+
+            def save_then_die(*args, **kwargs):
+                real(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            checkpoint.dcp.save = save_then_die
+        trainer.save_checkpoint(self.path)
+
+
 def fit(cfg: dict) -> int:
     """Train one configuration; returns the global rank."""
     if cfg["strategy"] == "slidedp":
@@ -132,6 +157,7 @@ def fit(cfg: dict) -> int:
             activation_policy=cfg.get("activations"),
             memory_budget=cfg.get("memory_budget"),
             update=cfg.get("update", "auto"),
+            checkpoint_format=cfg.get("checkpoint_format", "distributed"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
     else:
@@ -139,7 +165,12 @@ def fit(cfg: dict) -> int:
 
         strategy = DDPStrategy(timeout=timedelta(seconds=cfg.get("pg_timeout", 60))) if cfg["devices"] > 1 else "auto"
     module = TinyLM(cfg)
+    callbacks = []
+    if "save_at" in cfg:
+        path = cfg.get("save_path", os.path.join(cfg["out"], "ck"))
+        callbacks.append(SaveAt(cfg["save_at"], path, cfg.get("kill_in_save")))
     trainer = L.Trainer(
+        callbacks=callbacks,
         strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=cfg.get("precision", "32-true"),
         max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=cfg["out"],
@@ -147,7 +178,7 @@ def fit(cfg: dict) -> int:
         gradient_clip_val=cfg.get("clip"), gradient_clip_algorithm=cfg.get("clip_algorithm", "norm"),
         accumulate_grad_batches=cfg.get("accumulate", 1),
     )  # fmt: skip
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
     if trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()},
                    os.path.join(cfg["out"], "final_state.pt"))  # fmt: skip

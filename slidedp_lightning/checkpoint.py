@@ -1,0 +1,113 @@
+"""Sharded checkpoints of the host ledger through ``torch.distributed.checkpoint``, written atomically.
+
+A checkpoint is a directory: DCP files holding every parameter's FP32 master and both Adam moments (one
+tensor per parameter name, so a checkpoint loads on any number of ranks), and ``meta.pt`` (rank 0: Lightning's
+loops, schedulers, optimizer hyper-parameters, the precision plugin's state, the step count and the module's
+buffers). The ledger is shared by the ranks of a host, so each rank writes (and reads) a balanced share of
+the parameters. Everything is written into a hidden sibling directory first; rank 0 swaps it into place
+only after every rank finished, so an interrupted save leaves the previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+log = logging.getLogger(__name__)
+
+META = "meta.pt"
+FORMAT = 1
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / META).is_file()
+
+
+def share(sizes: dict[str, int], world_size: int) -> list[list[str]]:
+    """Parameters per rank, largest first to the least loaded rank (deterministic, balanced by elements)."""
+    load = [0] * world_size
+    out: list[list[str]] = [[] for _ in range(world_size)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        out[r].append(name)
+        load[r] += sizes[name]
+    return out
+
+
+def _mine(engine) -> list[str]:
+    slots = engine.named_slots()
+    sizes = {n: engine.layout.units[u].slots[s].numel for n, (u, s) in slots.items()}
+    return share(sizes, engine.world_size)[engine.rank]
+
+
+def _barrier(engine) -> None:
+    if engine.world_size > 1:
+        dist.barrier(group=engine.group)
+
+
+def _agree(engine, value: Any) -> Any:
+    if engine.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=engine.group)
+    return box[0]
+
+
+def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write ``checkpoint`` (Lightning's dict, without the tensors the ledger holds) and the ledger to ``path``."""
+    path = Path(_agree(engine, str(path)))
+    tmp = path.with_name(f".{path.name}.tmp-{_agree(engine, uuid.uuid4().hex[:8])}")
+    engine.synchronize()
+    group = engine.group if engine.world_size > 1 else None
+    dcp.save(engine.ledger_tensors(_mine(engine)), checkpoint_id=tmp, process_group=group)
+    if engine.rank == 0:
+        meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        meta["slidedp"] = {"format": FORMAT, "step": engine.step, "world_size": engine.world_size,
+                           "params": sorted(engine.named_slots()), "buffers": engine.buffers_state()}  # fmt: skip
+        torch.save(meta, tmp / META)
+    _barrier(engine)
+    if engine.rank == 0:
+        _swap_in(tmp, path)
+        log.info("SlideDP checkpoint (step %d, %d ranks) written to %s", engine.step, engine.world_size, path)
+    _barrier(engine)
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Put the finished ``tmp`` at ``path``; the previous checkpoint there goes only once it is replaced."""
+    old = None
+    if path.exists() or path.is_symlink():
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def load(engine, path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save` (with any number of ranks) into the ledger; returns Lightning's
+    part of it."""
+    path = Path(_agree(engine, str(path)))
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    info = meta.get("slidedp", {})
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a SlideDP checkpoint of format {FORMAT} (found {info.get('format')!r}).")
+    have = sorted(engine.named_slots())
+    if info["params"] != have:
+        missing, unexpected = sorted(set(have) - set(info["params"])), sorted(set(info["params"]) - set(have))
+        raise KeyError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected "
+                       f"{unexpected[:5]}")  # fmt: skip
+    engine.synchronize()
+    group = engine.group if engine.world_size > 1 else None
+    dcp.load(engine.ledger_tensors(_mine(engine)), checkpoint_id=path, process_group=group)
+    engine.restored(info["step"], info["buffers"])
+    log.info("SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks", path, info["step"],
+             info["world_size"], engine.world_size)  # fmt: skip
+    return meta

@@ -1,0 +1,65 @@
+"""Distributed checkpoints on 2 CPU ranks: exact resume, resharding to 1 rank, no damage from a killed save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.conftest import shm_files
+from tests.integration.test_equivalence import BATCH
+
+STEPS, SAVE_AT = 10, 5
+COMMON = dict(strategy="slidedp", tied=True, batch=BATCH, constant_data=True, grad_route="host_reduce")
+
+
+def _ok(res):
+    assert res.returncode == 0, res.output[-4000:]
+    return res
+
+
+@pytest.fixture(scope="module")
+def straight(job_runner):
+    """10 steps in one go, saving a checkpoint after step 5 on the way."""
+    return _ok(job_runner("ckpt_straight", devices=2, steps=STEPS, save_at=SAVE_AT, **COMMON))
+
+
+@pytest.mark.integration
+def test_save_and_resume_equals_training_straight_through_bit_for_bit(job_runner, straight):
+    ckpt = straight.out / "ck"
+    assert (ckpt / "meta.pt").is_file()
+    resumed = _ok(job_runner("ckpt_resumed", devices=2, steps=STEPS, ckpt_path=str(ckpt), **COMMON))
+    for rank in range(2):
+        assert resumed.losses(rank) == straight.losses(rank)[SAVE_AT:], f"rank {rank}: losses after resume differ"
+    a, b = straight.state(), resumed.state()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+@pytest.mark.integration
+def test_a_two_rank_checkpoint_resumes_on_one_rank(job_runner, straight):
+    one = _ok(job_runner("ckpt_one_rank", devices=1, steps=STEPS, ckpt_path=str(straight.out / "ck"),
+                         distributed_sampler=False, **COMMON))  # fmt: skip
+    ref = straight.losses(0)[SAVE_AT:]
+    got = one.losses(0)
+    assert len(got) == len(ref)
+    assert max(abs(x - y) / abs(y) for x, y in zip(got, ref)) <= 1e-6
+    a, b = straight.state(), one.state()
+    for k in a:
+        assert ((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() <= 1e-5, k
+
+
+@pytest.mark.integration
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(job_runner, straight, tmp_path):
+    """SIGKILL of rank 1 inside the second save: the job ends within the timeout, no shared memory is left,
+    and the checkpoint at that path is still the complete first one."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(straight.out / "ck", ck)  # a complete checkpoint of step 5 already sits at the path
+    killed = job_runner("ckpt_killed", devices=2, steps=STEPS, save_at=7, save_path=str(ck), kill_in_save=1,
+                        pg_timeout=20, **COMMON)  # fmt: skip
+    assert killed.returncode != 0
+    assert not shm_files(), "a shared-memory ledger file was left behind"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and "old" in p.name]
+    resumed = _ok(job_runner("ckpt_after_kill", devices=2, steps=STEPS, ckpt_path=str(ck), **COMMON))
+    assert resumed.losses(0) == straight.losses(0)[SAVE_AT:], "the surviving checkpoint is not the step-5 one"
