@@ -7,6 +7,7 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from slidedp_lightning.callbacks import SaveHuggingFace
 from slidedp_lightning.precision import SlideDPPrecision
 from slidedp_lightning.strategy import SlideDPStrategy
 
@@ -20,5 +21,5 @@ if not logging.getLogger().hasHandlers() and not _logger.handlers:
 if "slidedp" not in StrategyRegistry:
     SlideDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SlideDPPrecision", "SlideDPStrategy"]
+__all__ = ["SaveHuggingFace", "SlideDPPrecision", "SlideDPStrategy"]
 __version__ = "0.1.0"

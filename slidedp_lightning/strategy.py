@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
 from slidedp_lightning import checkpoint as sharded
+from slidedp_lightning import export
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
 from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
@@ -390,6 +391,14 @@ class SlideDPStrategy(ParallelStrategy):
             raise TypeError("SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or "
                             "pass checkpoint_format='full'.")  # fmt: skip
         sharded.save(self.engine, checkpoint, filepath)
+
+    def save_hf(self, directory, dtype: Union[str, torch.dtype] = torch.bfloat16, max_shard_size="5GB") -> None:
+        """Write a Hugging Face ``save_pretrained`` directory (safetensors + config) straight from the ledger, in
+        BF16 or FP32, without materializing the model; call it on every rank (rank 0 writes)."""
+        if self.engine is None:
+            raise RuntimeError("save_hf reads the host ledger, which exists only while the Trainer runs (fit or "
+                               "validate): call it from a callback or use SaveHuggingFace.")  # fmt: skip
+        export.save_hf(self.engine, directory, dtype, max_shard_size)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if self.engine is not None and sharded.is_sharded(checkpoint_path):

@@ -1,0 +1,37 @@
+"""Lightning callbacks for SlideDP runs."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import torch
+
+
+class SaveHuggingFace(pl.Callback):
+    """At the end of training (and every ``every_n_train_steps`` if given), export the model from the host ledger
+    as a Hugging Face ``save_pretrained`` directory (``dirpath``, or ``dirpath/step=<n>`` for periodic exports)."""
+
+    def __init__(self, dirpath: str | os.PathLike, dtype: str | torch.dtype = torch.bfloat16,
+                 every_n_train_steps: int | None = None) -> None:  # fmt: skip
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps must be >= 1 or None, got {every_n_train_steps}.")
+        self.dirpath, self.dtype, self.every = dirpath, dtype, every_n_train_steps
+        self._last = -1
+
+    def _strategy(self, trainer: pl.Trainer):
+        from slidedp_lightning.strategy import SlideDPStrategy
+
+        if not isinstance(trainer.strategy, SlideDPStrategy):
+            raise TypeError(f"SaveHuggingFace exports from SlideDP's ledger; the Trainer runs "
+                            f"{type(trainer.strategy).__name__}. Use save_pretrained on the model instead.")  # fmt: skip
+        return trainer.strategy
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.every and step and step % self.every == 0 and step != self._last:  # once per optimizer step
+            self._last = step
+            self._strategy(trainer).save_hf(os.path.join(self.dirpath, f"step={trainer.global_step}"), self.dtype)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._strategy(trainer).save_hf(self.dirpath, self.dtype)
