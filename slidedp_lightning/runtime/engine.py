@@ -10,7 +10,6 @@ import logging
 import math
 import os
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -28,7 +27,8 @@ from slidedp_lightning.runtime.host_state import (
     LedgerGeometry,
     available_host_bytes,
     check_host_memory,
-    shm_dir,
+    ledger_path,
+    remove_stale_ledgers,
 )
 from slidedp_lightning.runtime.lanes import make_lanes
 from slidedp_lightning.runtime.layout import Layout, build_layout
@@ -191,8 +191,9 @@ class SlideDPEngine:
         copies = self.local_world_size if self.replicated else 1
 
         def create() -> str:
+            remove_stale_ledgers()  # before the preflight: a dead job's ledger may hold the room this one needs
             check_host_memory(geometry, self.layout.num_params, copies)
-            path = os.path.join(shm_dir(), f"slidedp-{uuid.uuid4().hex[:12]}-ledger")
+            path = ledger_path(os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "local")
             ledger = HostLedger(path, geometry, create=True)
             try:
                 self._load_initial_weights(ledger)

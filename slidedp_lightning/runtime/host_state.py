@@ -23,6 +23,55 @@ SHM_ENV = "SLIDEDP_SHM_DIR"  # where ledgers are created (default /dev/shm); any
 
 def shm_dir() -> str:
     return os.environ.get(SHM_ENV, "/dev/shm")
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (with the pid, an identity that survives pid reuse)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def ledger_path(job: str) -> str:
+    """A new ledger name: ``slidedp-<job>-<creator pid>-<its start time>-<random>-ledger``."""
+    import uuid
+
+    pid = os.getpid()
+    safe = "".join(c if c.isalnum() else "_" for c in job)[:40] or "job"
+    return os.path.join(shm_dir(), f"slidedp-{safe}-{pid}-{_start_time(pid)}-{uuid.uuid4().hex[:8]}-ledger")
+
+
+def remove_stale_ledgers(directory: str | None = None) -> list[str]:
+    """Delete ledger files whose creating process is gone (a job killed before its ranks had mapped the file);
+    a ledger whose creator still runs is never touched, nor any file whose name does not parse."""
+    directory = directory or shm_dir()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 6 or parts[0] != "slidedp" or parts[-1] != "ledger":
+            continue
+        try:
+            pid, started = int(parts[-4]), parts[-3]
+        except ValueError:
+            continue
+        if _start_time(pid) == started:
+            continue  # its creator is alive: a running job's ledger
+        path = os.path.join(directory, name)
+        try:
+            size = os.path.getsize(path)
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+        log.warning("SlideDP removed a stale ledger of a dead job (creator pid %d is gone): %s, %.2f GiB", pid, path,
+                    size / (1 << 30))  # fmt: skip
+    return removed
 LEDGER_BYTES_PER_PARAM = 14  # FP32 master 4 + exp_avg 4 + exp_avg_sq 4 + BF16 copy 2
 
 

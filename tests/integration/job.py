@@ -64,9 +64,20 @@ class TinyLM(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if batch_idx == self.cfg.get("raise_at_step", -1):
             raise RuntimeError("deliberate failure in training_step")
-        if batch_idx == self.cfg.get("kill_at_step", -1) and self.global_rank == self.cfg.get("kill_rank", 1):
+        kill = batch_idx == self.cfg.get("kill_at_step", -1) and self.global_rank == self.cfg.get("kill_rank", 1)
+        where = self.cfg.get("kill_in", "forward")
+        if kill and where == "forward":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kill and where == "update":  # on the CPU update lane thread, inside this step's first update
+            from slidedp_lightning.runtime import update
+
+            def die(lane, task):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            update.UpdateLane._apply = die
         loss = self.model(input_ids=batch, labels=batch).loss
+        if kill and where == "backward":  # once backward has started (the loss's gradient exists)
+            loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
         if batch_idx == self.cfg.get("nan_at_step", -1) and self.global_rank == self.cfg.get("nan_rank", 0):
             loss = loss * float("nan")  # a non-finite gradient on this rank only
         self.losses.append(loss.item())

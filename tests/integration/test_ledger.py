@@ -54,12 +54,13 @@ def test_exception_in_training_step_leaves_no_shared_memory(tmp_path):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("grad_route", ["gpu_reduce", "host_reduce"])
-def test_killed_rank_stops_the_job_without_leak_or_hang(tmp_path, grad_route):
+@pytest.mark.parametrize("kill_in", ["forward", "backward", "update"])
+def test_killed_rank_stops_the_job_without_leak_or_hang(tmp_path, grad_route, kill_in):
     before = shm_files()
     started = time.monotonic()
     res = run_job(
         tmp_path, timeout=150, strategy="slidedp", devices=2, tied=True, steps=10, batch=2,
-        grad_route=grad_route, kill_rank=1, kill_at_step=3, pg_timeout=30,
+        grad_route=grad_route, kill_rank=1, kill_at_step=3, kill_in=kill_in, pg_timeout=30,
     )  # fmt: skip
     elapsed = time.monotonic() - started
     assert res.returncode != 0

@@ -177,3 +177,24 @@ def test_check_host_memory_mentions_staging() -> None:
 def test_check_host_memory_small_passes() -> None:
     g = LedgerGeometry(total=4096, num_units=2, world_size=1, staging_slots=2, staging_elems=2048, staging_itemsize=4)
     check_host_memory(g, num_params=4000)
+
+
+def test_stale_ledgers_of_dead_jobs_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from slidedp_lightning.runtime.host_state import SHM_ENV, ledger_path, remove_stale_ledgers
+
+    monkeypatch.setenv(SHM_ENV, str(tmp_path))
+    live = ledger_path("job1")  # this process created it and still runs
+    code = "from slidedp_lightning.runtime.host_state import ledger_path; print(ledger_path('job2'))"
+    dead = subprocess.run([sys.executable, "-c", code], env={**os.environ, SHM_ENV: str(tmp_path)},
+                          capture_output=True, text=True, check=True).stdout.strip()  # its creator has exited
+    reused = os.path.join(str(tmp_path), f"slidedp-job3-{os.getpid()}-1-abcdef12-ledger")  # our pid, other start
+    other = tmp_path / "slidedp-notes.txt"
+    for path in (live, dead, reused, str(other)):
+        open(path, "w").close()
+    assert "job1" in live and f"-{os.getpid()}-" in live
+    removed = remove_stale_ledgers()
+    assert sorted(removed) == sorted([dead, reused])
+    assert os.path.exists(live) and other.exists()
