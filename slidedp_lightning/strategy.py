@@ -144,7 +144,8 @@ class SlideDPStrategy(ParallelStrategy):
         if activation_policy == "auto":
             activation_policy = AutoPolicy(memory_budget=memory_budget)
         elif memory_budget is not None and not isinstance(activation_policy, AutoPolicy):
-            raise ValueError("memory_budget is AutoPolicy's budget: use it with activation_policy='auto'.")
+            raise ValueError(f"memory_budget={memory_budget!r} is AutoPolicy's budget: use it with "
+                             "activation_policy='auto'.")  # fmt: skip
         if isinstance(activation_policy, AutoPolicy):
             self.planner, activation_policy = activation_policy, None
         elif isinstance(activation_policy, str) and activation_policy.endswith(".json"):

@@ -136,6 +136,17 @@ def test_strategy_instance_keeps_options() -> None:
         (dict(update_threads=0), "update_threads"),
         (dict(start_method="bogus"), "start_method"),
         (dict(restore_module="sometimes"), "restore_module"),
+        (dict(chunk_bytes=0), "chunk_bytes"),
+        (dict(chunk_bytes=-4096), "chunk_bytes"),
+        (dict(chunk_bytes="big"), "chunk_bytes"),
+        (dict(update="sometimes"), "update"),
+        (dict(checkpoint_format="zip"), "checkpoint_format"),
+        (dict(activation_policy="segments:012"), "segments"),
+        (dict(activation_policy="full@2"), "offload"),
+        (dict(activation_policy="mostly"), "activation mode"),
+        (dict(memory_budget=10**9), "activation_policy='auto'"),
+        (dict(memory_budget=1.5, activation_policy="auto"), "fraction"),
+        (dict(param_route="replicated", grad_route="host_reduce"), "gpu_reduce"),
     ],
 )
 def test_bad_strategy_config_raises(kw: dict, match: str) -> None:
@@ -156,7 +167,27 @@ def test_unsupported_precision_raises(precision: str) -> None:
 
 def test_precision_plugin_rejects_other_names() -> None:
     with pytest.raises(ValueError, match="bf16-mixed"):
-        SlideDPPrecision("16-mixed")
+        SlideDPPrecision("16-true")
+
+
+def test_policy_files_that_are_missing_or_malformed_are_refused(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SlideDPStrategy(activation_policy=str(tmp_path / "plan.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"activations": {"default": 5}}')
+    with pytest.raises(ValueError, match="activation policy is"):
+        SlideDPStrategy(activation_policy=str(bad))
+    with pytest.raises(TypeError, match="activation_policy must be"):
+        SlideDPStrategy(activation_policy=3.5)
+
+
+def test_a_policy_for_another_model_is_refused_before_training(tmp_path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"activations": {"default": "none", "units": {"layers.7": "full"}}}')
+    module = TinyLM()
+    with pytest.raises(ValueError, match="layers.7"):
+        trainer(strategy=SlideDPStrategy(activation_policy=str(plan))).fit(module, data())
+    assert module.losses == []
 
 
 def test_num_nodes_2_raises() -> None:
@@ -170,14 +201,14 @@ def test_num_nodes_2_raises() -> None:
 
 @pytest.mark.parametrize(
     "kw, flag",
-    [(dict(gradient_clip_val=1.0), "gradient_clip_val"), (dict(accumulate_grad_batches=2), "accumulate_grad_batches")],
+    [(dict(gradient_clip_val=1.0), "gradient_clip_val"), (dict(plugins=[SlideDPPrecision("16-mixed")]), "16-mixed")],
 )
-def test_unsupported_trainer_flags_raise_before_setup(kw: dict, flag: str) -> None:
+def test_immediate_updates_refuse_what_needs_the_global_norm_before_setup(kw: dict, flag: str) -> None:
     shm_before = slidedp_shm()
     module = TinyLM()
     params_before = {n: p for n, p in module.named_parameters()}
     values_before = {n: p.detach().clone() for n, p in params_before.items()}
-    t = trainer(**kw)
+    t = trainer(strategy=SlideDPStrategy(update="immediate"), **kw)
     with pytest.raises(ValueError, match=flag):
         t.fit(module, data())
     assert t.strategy.engine is None

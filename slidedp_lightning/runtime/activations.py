@@ -79,14 +79,23 @@ class UnitPolicy:
             if not bits:
                 raise ValueError(f"segments need a mask of {MASK_BITS} '0'/'1' characters (boundary 0 first), "
                                  f"e.g. 'segments:0101100'; got {text!r}.")  # fmt: skip
-            mask = sum(1 << i for i, kept in enumerate(parse_mask(bits)) if kept)
+            try:
+                kept = parse_mask(bits)
+            except ValueError as err:
+                raise ValueError(f"{err} in activation policy {text!r}: write e.g. 'segments:0101100' (boundary 0 "
+                                 "first, 1 = keep the activations there).") from None  # fmt: skip
+            mask = sum(1 << i for i, k in enumerate(kept) if k)
         elif bits:
             raise ValueError(f"only 'segments' takes a mask; got {text!r}.")
         try:
             offload = float(ratio) if ratio else 0.0
         except ValueError:
             raise ValueError(f"offload ratio after '@' must be a number in [0, 1]; got {text!r}.") from None
-        return cls(mode, mask, offload)
+        try:
+            return cls(mode, mask, offload)
+        except ValueError as err:
+            raise ValueError(f"{err} (in activation policy {text!r}; e.g. 'full', 'selective@0.5', "
+                             "'segments:0101100@1')") from None  # fmt: skip
 
     def __str__(self) -> str:
         text = self.mode
@@ -163,6 +172,7 @@ class ActivationManager:
                  param_storages, planner=None) -> None:  # fmt: skip
         self.blocks = blocks  # unit index -> decoder layer module
         self.names = names
+        self._check_names(policy)
         self.policy = {u: policy.for_unit(names[u]) for u in blocks}
         # planner(unit, args, kwargs) -> ActivationPolicy: chooses the policies at the first training
         # forward of a block, when the real shapes are known (AutoPolicy)
@@ -195,8 +205,20 @@ class ActivationManager:
         log.info("SlideDP activation policy: %s",
                  "; ".join(f"{m} on {len(us)} block(s)" for m, us in modes.items()) or "no blocks")  # fmt: skip
 
+    def _check_names(self, policy: ActivationPolicy) -> None:
+        blocks = {self.names[u] for u in self.blocks}
+        unknown = sorted(set(policy.units) - blocks)
+        if unknown:
+            listed = sorted(blocks, key=lambda n: (len(n), n))
+            raise ValueError(
+                f"the activation policy names unit(s) {unknown} that are not decoder blocks of this model; its blocks "
+                f"are {listed[:3]}{' ... ' + listed[-1] if len(listed) > 3 else ''}. Fix the policy (a plan saved "
+                "for another model or depth cannot be reused)."
+            )
+
     def set_policy(self, policy: ActivationPolicy) -> None:
         """Switch every block to ``policy`` (between steps, or before a block's forward)."""
+        self._check_names(policy)
         new = {u: policy.for_unit(self.names[u]) for u in self.blocks}
         if any(p.mode == "segments" for p in new.values()):
             from slidedp_lightning.models.segments import segments_for

@@ -84,6 +84,8 @@ class Profile:
             "link": self.link_gbps * GB if self.link_gbps else math.inf,
             "cpu": self.update_rate() / r,
             "dram": self.host_dram_gbps * GB / r,
+            # one process updating alone on its 1/R share of the cores (the paper's baseline: rank 0 runs Adam)
+            "updater": self.update_rate(max(1, self.cpu_cores // r)),
         }
         if self.host_is_device:
             cap["cores"] = self.cpu_cores / r

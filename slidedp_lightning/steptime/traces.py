@@ -32,11 +32,16 @@ def read_steps(trace_dir: str | Path, rank: int = 0) -> dict[int, dict[str, floa
 
 
 def measured(trace_dir: str | Path, skip: int = 2, ranks: int = 2) -> dict:
-    """Median step time (slowest rank per step), median lane busy times and the bottleneck label."""
+    """Median step time (slowest rank per step) with its quartiles, median lane busy times, exposed host time and
+    stall (rank 0), and the bottleneck label."""
     per_rank = [read_steps(trace_dir, r) for r in range(ranks)]
     steps = sorted(set.intersection(*(set(s) for s in per_rank)))[skip:]
     if not steps:
         raise ValueError(f"{trace_dir}: no traced steps after skipping {skip}")
-    step_time = statistics.median(max(s[k]["step_time"] for s in per_rank) for k in steps)
+    times = [max(s[k]["step_time"] for s in per_rank) for k in steps]
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
     busy = {lane: statistics.median(per_rank[0][k].get(f"busy_{lane}", 0.0) for k in steps) for lane in LANES}
-    return {"step_time": step_time, "busy": busy, "bottleneck": classify(busy), "steps": len(steps)}
+    exposed = statistics.median(per_rank[0][k].get("exposed_host", 0.0) for k in steps)
+    stall = statistics.median(per_rank[0][k].get("busy_stall", 0.0) for k in steps)
+    return {"step_time": statistics.median(times), "p25": q[0], "p75": q[2], "busy": busy, "exposed_host": exposed,
+            "stall": stall, "bottleneck": classify(busy), "steps": len(steps)}

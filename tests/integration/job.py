@@ -176,13 +176,24 @@ def fit(cfg: dict) -> int:
 
         strategy = DDPStrategy(timeout=timedelta(seconds=cfg.get("pg_timeout", 60))) if cfg["devices"] > 1 else "auto"
     module = TinyLM(cfg)
+    plugins, precision = [], cfg.get("precision", "32-true")
+    if precision == "16-mixed":  # Lightning maps 16-mixed to bf16-mixed on the CPU: ask for fp16 explicitly
+        if cfg["strategy"] == "slidedp":
+            from slidedp_lightning import SlideDPPrecision
+
+            plugins.append(SlideDPPrecision("16-mixed", "cpu"))
+        else:
+            from lightning.pytorch.plugins.precision import MixedPrecision
+
+            plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+        precision = None
     callbacks = []
     if "save_at" in cfg:
         path = cfg.get("save_path", os.path.join(cfg["out"], "ck"))
         callbacks.append(SaveAt(cfg["save_at"], path, cfg.get("kill_in_save")))
     trainer = L.Trainer(
         callbacks=callbacks,
-        strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=cfg.get("precision", "32-true"),
+        strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=precision, plugins=plugins,
         max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=cfg["out"],
         use_distributed_sampler=cfg.get("distributed_sampler", True),

@@ -28,6 +28,17 @@ def test_replicated_baseline_is_flat_from_4_to_8(qwen14):
     assert 0.9 <= t[8] / t[4] <= 1.1
 
 
+@pytest.mark.xfail(strict=True, reason="SlideFormer's multi-GPU form as modelled (full upload per rank on one "
+                   "transfer thread, rank 0 alone sums R gradient copies and runs Adam on C/R cores) also grows ~1.6x "
+                   "from 4 to 8 GPUs; the paper measures it flat at ~43 s (docs/STEPTIME.md)")
+def test_slideformer_baseline_is_flat_from_4_to_8(qwen14):
+    """The paper's replicated baseline is SlideFormer's multi-GPU form, not this runtime's replicated route."""
+    p = load_profile("a800x8_bridge")
+    t = {r: simulate(StepConfig(qwen14, GLOBAL_BATCH // r, SEQ, r, "slideformer", "host_reduce", activation="full"),
+                     p).step_time for r in (4, 8)}  # fmt: skip
+    assert 0.9 <= t[8] / t[4] <= 1.1
+
+
 def margin(qwen14, profile: str, batch: int) -> tuple[str, float]:
     """Winner and its step-time saving 1 - T_winner / T_loser, R=8, gpu_reduce, full recompute."""
     p = load_profile(profile)

@@ -65,3 +65,46 @@ def test_bad_step_configs():
         StepConfig(m, 0, 8, 2)
     with pytest.raises(ValueError, match="cannot model R=8"):
         simulate(StepConfig(m, 1, 8, 8), load_profile("rtx4090x4"))
+
+
+def _sf(r: int, model: str = "qwen3-8b"):
+    cfg = StepConfig(load_config(model), 2, 256, r, "slideformer", "host_reduce", activation="full")
+    return cfg, load_profile("a800x8_bridge")
+
+
+def test_slideformer_structure():
+    """The paper's baseline as modelled: one transfer thread, D2H after the previous unit's update, rank 0 updates."""
+    cfg, p = _sf(4)
+    sim = simulate(cfg, p)
+    xfer = sorted((s.start, s.end) for s in sim.spans if s.lane in ("h2d", "d2h"))
+    assert all(a[1] <= b[0] + 1e-12 for a, b in zip(xfer, xfer[1:]))  # H2D and D2H of a rank never overlap
+    step1 = [s for s in sim.spans if s.step == 1]
+    upd_end = {u: max(s.end for s in step1 if s.lane == "update" and s.unit == u) for u in {s.unit for s in step1}}
+    for s in step1:
+        if s.lane == "d2h" and s.unit + 1 in upd_end:
+            assert s.start >= upd_end[s.unit + 1] - 1e-12  # one gradient buffer
+    first_fetch = min(s.start for s in step1 if s.lane == "h2d")
+    assert first_fetch >= max(s.end for s in sim.spans if s.step == 0 and s.lane == "update") - 1e-12  # drained
+    assert sim.busy["reduce"] == 0.0  # no GPU collective: gradients are summed on the host
+
+
+def test_slideformer_rank0_update_grows_with_r():
+    from slidedp_lightning.steptime.graph import slideformer_reduce_bytes
+
+    assert slideformer_reduce_bytes(8) - slideformer_reduce_bytes(4) == 40  # 4 more BF16 slots summed in FP32
+    p = load_profile("a800x8_bridge")
+    assert p.capacities(8)["updater"] == pytest.approx(p.update_rate(4))  # rank 0 on its C/R = 4 cores
+    a4, a8 = analyze(*_sf(4)), analyze(*_sf(8))
+    # rank 0 alone: more bytes per parameter, fewer cores, the same parameters (not 1/R of them)
+    expect = slideformer_reduce_bytes(8) / slideformer_reduce_bytes(4) * p.update_rate(8) / p.update_rate(4)
+    assert a8.lanes["update"] / a4.lanes["update"] == pytest.approx(expect, rel=1e-6)
+    # every rank uploads every full unit: per-rank H2D bytes do not shrink with R
+    assert a8.bounds["h2d"] == pytest.approx(a4.bounds["h2d"] * p.h2d_per_gpu(4) / p.h2d_per_gpu(8), rel=1e-6)
+
+
+def test_slideformer_config_errors():
+    m = load_config("qwen3-8b")
+    with pytest.raises(ValueError, match="use grad_route 'host_reduce' and precision 'bf16-mixed'"):
+        StepConfig(m, 1, 8, 2, "slideformer")
+    with pytest.raises(ValueError, match="tied embeddings"):
+        simulate(StepConfig(load_config("qwen3-tiny"), 1, 8, 2, "slideformer", "host_reduce"), load_profile("a800x8_bridge"))
