@@ -2,7 +2,12 @@
 
 Runs ``calibrate`` (or reuses ``--profile``), then each configuration below as a traced
 ``slidedp-finetune`` job in a subprocess, and prints predicted vs measured median step time and the
-bottleneck labels (model vs lane traces).
+bottleneck labels (model vs lane traces), with the traces' exposed host time and compute stall.
+
+Two models: the recipe's tiny Qwen3 (compute-bound here) and ``wide``, a random-init Qwen3 with a large
+untied vocabulary and one small block, written with ``save_pretrained`` into the output folder (nothing is
+downloaded): 17 M parameters, almost all in the embedding and head, against 26 tokens per rank, so the host
+lanes (copies, gloo collectives, the update) outweigh the compute.
 
     python experiments/steptime_validate.py [--profile this_machine.json] [--steps 14] [--out DIR]
 """
@@ -24,20 +29,43 @@ from slidedp_lightning.steptime.traces import measured
 from slidedp_lightning.steptime.workload import load_config
 
 SEQ = 26  # the recipe's synthetic task: 2 x 12 symbols + BOS + SEP
-CONFIGS = [  # (per-rank batch, param_route, grad_route)
-    (32, "full", "gpu_reduce"),
-    (8, "full", "host_reduce"),
-    (64, "sharded", "gpu_reduce"),
-    (16, "replicated", "gpu_reduce"),
+CONFIGS = [  # (model, per-rank batch, param_route, grad_route)
+    ("tiny", 32, "full", "gpu_reduce"),
+    ("tiny", 8, "full", "host_reduce"),
+    ("tiny", 64, "sharded", "gpu_reduce"),
+    ("tiny", 16, "replicated", "gpu_reduce"),
+    ("wide", 1, "full", "gpu_reduce"),
+    ("wide", 1, "replicated", "gpu_reduce"),
+    ("wide", 1, "full", "host_reduce"),
 ]
+# The host-bound model: Qwen3 shapes, vocabulary 32768 (untied head), hidden 256, one block.
+WIDE = dict(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=False,
+            use_cache=False, bos_token_id=1, eos_token_id=3, pad_token_id=0)  # fmt: skip
 
 
-def run_job(batch: int, param: str, grad: str, steps: int, trace_dir: str, timeout: float) -> None:
+def write_wide_model(path: Path) -> Path:
+    """Random-init the host-bound model and save it as a local Hugging Face checkpoint directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(Qwen3Config(**WIDE)).save_pretrained(path)
+    return path
+
+
+def run_job(model_dir: str | None, batch: int, param: str, grad: str, steps: int, trace_dir: str,
+            timeout: float) -> None:  # fmt: skip
     exe = Path(sys.executable).with_name("slidedp-finetune")
     cmd = [str(exe), "--devices", "2", "--precision", "32-true", "--max-steps", str(steps), "--batch-size", str(batch),
            "--param-route", param, "--grad-route", grad, "--trace-dir", trace_dir, "--log-dir",
            os.path.join(trace_dir, "logs")]  # fmt: skip
-    subprocess.run(cmd, check=True, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if model_dir:
+        cmd += ["--model", model_dir]
+    done = subprocess.run(cmd, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
 def main() -> int:
@@ -45,7 +73,8 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="profile JSON (default: run calibrate first)")
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--out", default=None, help="folder for the traces (default: a temporary one)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per job")
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds per job")
+    ap.add_argument("--only", default=None, choices=("tiny", "wide"), help="run the configurations of one model only")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="steptime-validate-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -55,21 +84,36 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "slidedp_lightning.steptime", "calibrate", "--out", profile_path], check=True,
                        timeout=args.timeout)  # fmt: skip
     profile = load_profile(profile_path)
-    model = load_config("qwen3-tiny")
+    wide_dir = write_wide_model(out / "wide_model")
+    models = {"tiny": (None, load_config("qwen3-tiny")), "wide": (str(wide_dir), load_config(wide_dir))}
     rows = []
-    for batch, param, grad in CONFIGS:
-        trace = str(out / f"b{batch}_{param}_{grad}")
-        run_job(batch, param, grad, args.steps, trace, args.timeout)
+    for name, batch, param, grad in CONFIGS:
+        if args.only and name != args.only:
+            continue
+        model_dir, shape = models[name]
+        trace = str(out / f"{name}_b{batch}_{param}_{grad}")
+        run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout)
         meas = measured(trace)
-        sim = simulate(StepConfig(model, batch, SEQ, 2, param, grad, precision="32-true"), profile)
+        sim = simulate(StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true"), profile)
         err = (sim.step_time / meas["step_time"] - 1) * 100
-        rows.append(dict(batch=batch, param_route=param, grad_route=grad, predicted_ms=sim.step_time * 1e3,
-                         measured_ms=meas["step_time"] * 1e3, error_pct=err, predicted_label=sim.bottleneck,
-                         traced_label=meas["bottleneck"]))  # fmt: skip
-    print(f"{'batch':>5s} {'params':>10s} {'grads':>11s} {'pred ms':>8s} {'meas ms':>8s} {'err %':>6s}  {'model':18s} traces")
+        rows.append(dict(model=name, batch=batch, param_route=param, grad_route=grad, predicted_ms=sim.step_time * 1e3,
+                         measured_ms=meas["step_time"] * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,
+                         error_pct=err, predicted_label=sim.bottleneck, traced_label=meas["bottleneck"],
+                         predicted_exposed_ms=sum(sim.exposed.values()) * 1e3,
+                         traced_exposed_host_ms=meas["exposed_host"] * 1e3, traced_stall_ms=meas["stall"] * 1e3,
+                         traced_busy_ms={k: v * 1e3 for k, v in meas["busy"].items()},
+                         predicted_busy_ms={k: v * 1e3 for k, v in sim.busy.items()}))  # fmt: skip
+    print(f"{'model':5s} {'batch':>5s} {'params':>10s} {'grads':>11s} {'pred ms':>8s} {'meas ms':>8s} {'p25-p75':>13s} "
+          f"{'err %':>6s}  {'model label':19s} {'traced label':19s} {'exp pred':>8s} {'exp meas':>8s} {'stall':>6s}")
     for r in rows:
-        print(f"{r['batch']:5d} {r['param_route']:>10s} {r['grad_route']:>11s} {r['predicted_ms']:8.1f} "
-              f"{r['measured_ms']:8.1f} {r['error_pct']:+6.1f}  {r['predicted_label']:18s} {r['traced_label']}")
+        print(f"{r['model']:5s} {r['batch']:5d} {r['param_route']:>10s} {r['grad_route']:>11s} {r['predicted_ms']:8.1f} "
+              f"{r['measured_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:6.1f} {r['error_pct']:+6.1f}  "
+              f"{r['predicted_label']:19s} {r['traced_label']:19s} {r['predicted_exposed_ms']:8.1f} "
+              f"{r['traced_exposed_host_ms']:8.1f} {r['traced_stall_ms']:6.1f}")
+    agree = sum(r["predicted_label"] == r["traced_label"] for r in rows)
+    host = [r for r in rows if r["traced_label"] != "gpu-bound"]
+    print(f"labels agree: {agree}/{len(rows)}; host-bound by the traces: {len(host)} "
+          f"(model says host-bound for {sum(r['predicted_label'] != 'gpu-bound' for r in host)} of them)")
     (out / "validation.json").write_text(json.dumps(rows, indent=1))
     return 0
 
