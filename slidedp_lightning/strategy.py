@@ -87,6 +87,8 @@ class SlideDPStrategy(ParallelStrategy):
         checkpoint_format: ``"distributed"``: checkpoints are directories written by every rank through
             ``torch.distributed.checkpoint`` (FP32 weights and moments per parameter, loadable on any number of
             ranks, swapped into place atomically); ``"full"``: one ``torch.save`` file from rank 0.
+        loss_chunk_tokens: compute a transformers causal LM's loss (``model(..., labels=...)``) this many tokens
+            at a time: the head never holds the full ``[batch, seq, vocab]`` logits (long sequences, big vocabularies).
         memory_budget: AutoPolicy's device memory budget: bytes, a fraction of the device's memory (CUDA), or
             None (90 % on CUDA, unlimited on CPU).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
@@ -117,6 +119,7 @@ class SlideDPStrategy(ParallelStrategy):
         memory_budget: Union[int, float, None] = None,
         update: str = "auto",
         checkpoint_format: str = "distributed",
+        loss_chunk_tokens: Optional[int] = None,
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -160,6 +163,7 @@ class SlideDPStrategy(ParallelStrategy):
             chunk_bytes=chunk_bytes,
             activation_policy=ActivationPolicy.coerce(activation_policy),
             update="deferred" if update == "deferred" else "immediate",
+            loss_chunk_tokens=loss_chunk_tokens,
         )
         self.meta_init = meta_init
         self.restore_module = restore_module

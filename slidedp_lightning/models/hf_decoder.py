@@ -1,4 +1,5 @@
-"""Adapter for transformers decoder-only causal LMs: Qwen3, Qwen2, Llama, Mistral.
+"""Adapter for transformers decoder-only causal LMs: Qwen3, Qwen2, Llama, Mistral and Qwen3-MoE (all experts of
+a block live in its unit; they are stored as stacked 3-D parameters, so every expert gets a gradient).
 
 All four share the layout ``model.embed_tokens``, ``model.layers[i]``, ``model.norm``, ``lm_head`` and a
 rotary embedding module with non-persistent frequency buffers.
@@ -11,7 +12,7 @@ from torch import nn
 
 from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError, register_adapter
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")
 
 
 @register_adapter

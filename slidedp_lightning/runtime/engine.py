@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import cpu_ops
-from slidedp_lightning.models import adapter_for
+from slidedp_lightning.models import adapter_for, chunked_loss
 from slidedp_lightning.models.adapter import UnsupportedModelError
 from slidedp_lightning.runtime.activations import ActivationManager, ActivationPolicy
 from slidedp_lightning.runtime.grads import GRAD_ROUTES, GradRoute
@@ -61,6 +61,7 @@ class EngineConfig:
     # are accumulated until the step ends, then checked (non-finite: the step is skipped), clipped and applied
     update: str = "immediate"
     accumulate: int = 1  # backward passes (micro-batches) per optimizer step
+    loss_chunk_tokens: int | None = None  # causal-LM loss in chunks of this many tokens (no full logits)
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
@@ -85,6 +86,10 @@ class EngineConfig:
         if not isinstance(self.activation_policy, ActivationPolicy):
             raise TypeError("EngineConfig.activation_policy must be an ActivationPolicy; use "
                             "ActivationPolicy.coerce(...) for strings, dicts and JSON paths.")  # fmt: skip
+        if self.loss_chunk_tokens is not None and (
+            not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1
+        ):
+            raise ValueError(f"loss_chunk_tokens must be None or an integer >= 1, got {self.loss_chunk_tokens!r}.")
         if self.update not in UPDATE_MODES:
             raise ValueError(f"update must be one of {UPDATE_MODES}, got {self.update!r}.")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
@@ -245,6 +250,8 @@ class SlideDPEngine:
             self.residency.resident_storages, partial(self._planner, self) if self._planner else None,
         )  # fmt: skip
         self.activations.install()
+        if self.config.loss_chunk_tokens:
+            chunked_loss.install(self.model, self.config.loss_chunk_tokens)
         self.routes = GradRoute(
             "all_reduce" if self.replicated else self.config.grad_route, self.layout, self.ledger, self.rank,
             self.world_size, self.group, self.lanes, self.liveness,
@@ -742,6 +749,7 @@ class SlideDPEngine:
             self._handles.clear()
             if hasattr(self, "activations"):
                 self.activations.uninstall()
+            chunked_loss.uninstall(self.model)
             if self.lane is not None:
                 self.lane.close(wait_s=1.0 if self._aborted else 30.0)
             if hasattr(self, "tracer"):

@@ -14,7 +14,7 @@ from datetime import timedelta
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import slidedp_lightning  # noqa: F401  (registers the strategy)
 from slidedp_lightning import SlideDPStrategy
@@ -26,6 +26,15 @@ def tiny_config(tied: bool, layers: int = 2) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ, tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )  # fmt: skip
+
+
+def tiny_moe_config(layers: int = 2) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=SEQ, output_router_logits=True, router_aux_loss_coef=0.01, tie_word_embeddings=False,
         attn_implementation="eager",
     )  # fmt: skip
 
@@ -57,7 +66,10 @@ class TinyLM(L.LightningModule):
         if self.model is not None:
             return
         torch.manual_seed(self.cfg.get("init_seed", 1234))
-        self.model = Qwen3ForCausalLM(tiny_config(self.cfg["tied"], self.cfg.get("layers", 2)))
+        if self.cfg.get("arch") == "moe":
+            self.model = Qwen3MoeForCausalLM(tiny_moe_config(self.cfg.get("layers", 2)))
+        else:
+            self.model = Qwen3ForCausalLM(tiny_config(self.cfg["tied"], self.cfg.get("layers", 2)))
         if self.cfg.get("init_from"):
             self.load_state_dict(torch.load(self.cfg["init_from"]))
 
@@ -169,6 +181,7 @@ def fit(cfg: dict) -> int:
             memory_budget=cfg.get("memory_budget"),
             update=cfg.get("update", "auto"),
             checkpoint_format=cfg.get("checkpoint_format", "distributed"),
+            loss_chunk_tokens=cfg.get("loss_chunk"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
     else:
