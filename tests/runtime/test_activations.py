@@ -102,3 +102,27 @@ def test_policy_round_trips_through_json(tmp_path):
         ActivationPolicy.coerce(str(tmp_path / "missing.json"))
     with pytest.raises(TypeError):
         ActivationPolicy.coerce(3)
+
+
+def test_long_sequence_accounting_grows_linearly_with_chunked_loss_and_offload():
+    """With full checkpointing, half offloaded and the loss in chunks, the device bytes a step retains are
+    proportional to the sequence length (no term in seq^2 or seq x vocab stays on the device)."""
+    from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+    from tests.runtime.test_engine import CPU, VOCAB
+
+    retained = {}
+    for seq in (8, 16, 32):
+        model = tiny_model(True)
+        config = EngineConfig(activation_policy=ActivationPolicy.coerce("full@0.5"), loss_chunk_tokens=8)
+        engine = SlideDPEngine(model, config, device=CPU, compute_dtype=torch.float32)
+        try:
+            engine.attach_optimizer(adamw_groups(model))
+            x = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seq))
+            loss_of(model, x).backward()
+            assert engine.end_step()
+            memory = engine.device_memory()
+            retained[seq] = (memory["retained_activation_bytes"], memory["offloaded_activation_bytes"])
+        finally:
+            engine.close()
+    assert retained[16] == tuple(2 * b for b in retained[8]) and retained[32] == tuple(4 * b for b in retained[8])
+    assert retained[8][0] == retained[8][1] > 0
