@@ -4,7 +4,8 @@ A checkpoint is a directory: DCP files holding every parameter's FP32 master and
 tensor per parameter name, so a checkpoint loads on any number of ranks), and ``meta.pt`` (rank 0: Lightning's
 loops, schedulers, optimizer hyper-parameters, the precision plugin's state, the step count and the module's
 buffers). The ledger is shared by the ranks of a host, so each rank writes (and reads) a balanced share of
-the parameters. Everything is written into a hidden sibling directory first; rank 0 swaps it into place
+the parameters (with several hosts, each host's ranks split them again: every host's ledger is complete and
+the checkpoint keeps one copy). Everything is written into a hidden sibling directory first; rank 0 swaps it into place
 only after every rank finished, so an interrupted save leaves the previous checkpoint whole.
 """
 
@@ -48,16 +49,23 @@ def _mine(engine) -> list[str]:
     return share(sizes, engine.world_size)[engine.rank]
 
 
+def _job_group(engine):
+    """Every rank of the job (several hosts: each host's ledger is complete, its ranks split the work)."""
+    if engine.hosts.count > 1:
+        return engine.hosts.world
+    return engine.group if engine.world_size > 1 else None
+
+
 def _barrier(engine) -> None:
-    if engine.world_size > 1:
-        dist.barrier(group=engine.group)
+    if engine.world_size * engine.hosts.count > 1:
+        dist.barrier(group=_job_group(engine))
 
 
 def _agree(engine, value: Any) -> Any:
-    if engine.world_size == 1:
+    if engine.world_size * engine.hosts.count == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=engine.group)
+    dist.broadcast_object_list(box, src=0, group=_job_group(engine))
     return box[0]
 
 
@@ -66,15 +74,14 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     path = Path(_agree(engine, str(path)))
     tmp = path.with_name(f".{path.name}.tmp-{_agree(engine, uuid.uuid4().hex[:8])}")
     engine.synchronize()
-    group = engine.group if engine.world_size > 1 else None
-    dcp.save(engine.ledger_tensors(_mine(engine)), checkpoint_id=tmp, process_group=group)
-    if engine.rank == 0:
+    dcp.save(engine.ledger_tensors(_mine(engine)), checkpoint_id=tmp, process_group=_job_group(engine))
+    if engine.global_rank == 0:
         meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        meta["slidedp"] = {"format": FORMAT, "step": engine.step, "world_size": engine.world_size,
+        meta["slidedp"] = {"format": FORMAT, "step": engine.step, "world_size": engine.world_size * engine.hosts.count,
                            "params": sorted(engine.named_slots()), "buffers": engine.buffers_state()}  # fmt: skip
         torch.save(meta, tmp / META)
     _barrier(engine)
-    if engine.rank == 0:
+    if engine.global_rank == 0:
         _swap_in(tmp, path)
         log.info("SlideDP checkpoint (step %d, %d ranks) written to %s", engine.step, engine.world_size, path)
     _barrier(engine)
@@ -105,8 +112,7 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
         raise KeyError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected "
                        f"{unexpected[:5]}")  # fmt: skip
     engine.synchronize()
-    group = engine.group if engine.world_size > 1 else None
-    dcp.load(engine.ledger_tensors(_mine(engine)), checkpoint_id=path, process_group=group)
+    dcp.load(engine.ledger_tensors(_mine(engine)), checkpoint_id=path, process_group=_job_group(engine))
     engine.restored(info["step"], info["buffers"])
     log.info("SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks", path, info["step"],
              info["world_size"], engine.world_size)  # fmt: skip

@@ -44,7 +44,7 @@ def save_hf(engine, directory: str | os.PathLike, dtype: str | torch.dtype = tor
     if not hasattr(engine.model, "config") or not hasattr(engine.model.config, "save_pretrained"):
         raise TypeError(f"{type(engine.model).__name__} has no Hugging Face config to export with.")
     engine.synchronize()
-    if engine.rank == 0:
+    if engine.global_rank == 0:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = _tensors(engine)
@@ -72,5 +72,7 @@ def save_hf(engine, directory: str | os.PathLike, dtype: str | torch.dtype = tor
             generation.save_pretrained(directory)
         log.info("SlideDP: Hugging Face export (%s, %d file(s)) written to %s", dtype, len(split.filename_to_tensors),
                  directory)  # fmt: skip
-    if engine.world_size > 1:
+    if engine.hosts.count > 1:
+        dist.barrier(group=engine.hosts.world)
+    elif engine.world_size > 1:
         dist.barrier(group=engine.group)

@@ -34,7 +34,7 @@ from slidedp_lightning import export
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
 from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
-from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.engine import EngineConfig, HostGroups, SlideDPEngine
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -194,10 +194,14 @@ class SlideDPStrategy(ParallelStrategy):
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        if num_nodes != 1:
+        cfg = self.engine_config
+        if num_nodes > 1 and (cfg.grad_route != "gpu_reduce" or "auto" in (cfg.param_route, cfg.chunk_bytes)
+                              or cfg.param_route == "replicated"):  # fmt: skip
             raise ValueError(
-                f"SlideDP keeps one ledger per host and supports num_nodes=1 for now (got {num_nodes}); "
-                "run one job per host."
+                f"Across {num_nodes} nodes SlideDP keeps a full ledger on every host and all-reduces each reduced "
+                "gradient shard between the hosts: use grad_route='gpu_reduce' and an explicit param_route "
+                f"('full' or 'sharded') and chunk_bytes (got {cfg.grad_route!r}, {cfg.param_route!r}, "
+                f"{cfg.chunk_bytes!r})."
             )
         self._num_nodes = num_nodes
 
@@ -293,7 +297,7 @@ class SlideDPStrategy(ParallelStrategy):
             local_world_size=self.num_processes,
             group=_group.WORLD if self.world_size > 1 else None,
             planner=self.planner if self.planner is not None and self.planner.plan is None else None,
-        )
+        ) if self.num_nodes == 1 else self._host_engine()
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -303,6 +307,21 @@ class SlideDPStrategy(ParallelStrategy):
                 )
             self.engine.attach_optimizer(self.optimizers[0])
         self.setup_precision_plugin()
+
+    def _host_engine(self) -> SlideDPEngine:
+        """Several nodes: an engine over this host's ranks (its own ledger), joined to the other hosts."""
+        n, size = self.num_nodes, self.num_processes
+        locals_ = [dist.new_group(list(range(h * size, (h + 1) * size))) for h in range(n)]
+        cross = [dist.new_group([h * size + r for h in range(n)]) for r in range(size)]
+        leaders = dist.new_group([h * size for h in range(n)])
+        hosts = HostGroups(n, self.node_rank, self.global_rank, cross[self.local_rank],
+                           leaders if self.local_rank == 0 else None, _group.WORLD)  # fmt: skip
+        return SlideDPEngine(
+            self.model, self.engine_config, device=self.root_device, compute_dtype=self.precision_plugin.compute_dtype,
+            rank=self.local_rank, world_size=size, local_rank=self.local_rank, local_world_size=size,
+            group=locals_[self.node_rank] if size > 1 else None,
+            planner=self.planner if self.planner is not None and self.planner.plan is None else None, hosts=hosts,
+        )  # fmt: skip
 
     def model_to_device(self) -> None:
         """Move buffers only: parameters are views into the engine's streamed device buffers."""

@@ -103,7 +103,7 @@ class AutoPolicy:
                              "chunk_bytes": engine.config.chunk_bytes}, report)  # fmt: skip
         if group is not None:  # every rank runs rank 0's plan, whatever rounding did elsewhere
             box = [plan.to_dict()]
-            dist.broadcast_object_list(box, src=0, group=group)
+            dist.broadcast_object_list(box, group=group, group_src=0)
             plan = Plan(ActivationPolicy.from_dict(box[0]["activations"]), box[0]["routes"], box[0]["report"])
         self.plan = plan
         if engine.rank == 0:

@@ -92,7 +92,8 @@ def solve(blocks: list[str], options: list[Option], fixed: Fixed, budget: float)
     if math.isfinite(fixed.d2h_rate):
         prob += t >= fixed.d2h + picked(lambda o: o.offloaded_bytes / fixed.d2h_rate)
     prob += t >= fixed.host
-    prob += picked(lambda o: o.retained_bytes) <= budget
+    if math.isfinite(budget):  # no budget (a CPU run without one): nothing to constrain
+        prob += picked(lambda o: o.retained_bytes) <= budget
     with warnings.catch_warnings():  # the CBC bundled with PuLP 3 announces its move to an extra
         warnings.simplefilter("ignore", DeprecationWarning)
         status = prob.solve(pulp.PULP_CBC_CMD(msg=False))

@@ -98,6 +98,22 @@ class EngineConfig:
             raise ValueError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}.")
 
 
+@dataclass(frozen=True)
+class HostGroups:
+    """Where one host's engine sits among several hosts (one ledger per host, full state on each).
+
+    ``cross``: the ranks with this local rank on every host (reduced gradient shards are all-reduced there);
+    ``leaders``: local rank 0 of every host (initial weights); ``world``: all ranks (checkpoints, agreement).
+    """
+
+    count: int = 1
+    index: int = 0
+    global_rank: int = 0
+    cross: object = None
+    leaders: object = None
+    world: object = None
+
+
 def find_streamed_model(root: nn.Module) -> nn.Module:
     """The first submodule of ``root`` (itself included) that an architecture adapter understands."""
     last_error: UnsupportedModelError | None = None
@@ -127,6 +143,7 @@ class SlideDPEngine:
         local_world_size: int = 1,
         group=None,
         planner=None,
+        hosts: HostGroups | None = None,
     ) -> None:
         if local_world_size != world_size:
             raise ValueError(
@@ -140,6 +157,10 @@ class SlideDPEngine:
         self.rank, self.world_size = rank, world_size
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.group = group
+        # several hosts: this engine works within its host (rank/world_size/group are host-local) and joins
+        # the other hosts' engines through these groups
+        self.hosts = hosts or HostGroups()
+        self.global_rank = self.hosts.global_rank if hosts else rank
         self._planner = planner  # chooses the activation policy at the first training forward (AutoPolicy)
         self.skipped = False  # the last end_step skipped a step with a non-finite gradient
         self.last_grad_norm: float | None = None  # deferred mode: the last step's global gradient norm
@@ -162,7 +183,7 @@ class SlideDPEngine:
             except Exception as exc:  # re-raised on every rank below
                 result[0] = ("error", exc)
         if self.world_size > 1:
-            dist.broadcast_object_list(result, src=0, group=self.group)
+            dist.broadcast_object_list(result, group=self.group, group_src=0)
         status, value = result[0]
         if status == "error":
             raise value
@@ -198,10 +219,14 @@ class SlideDPEngine:
         def create() -> str:
             remove_stale_ledgers()  # before the preflight: a dead job's ledger may hold the room this one needs
             check_host_memory(geometry, self.layout.num_params, copies)
-            path = ledger_path(os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "local")
+            job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "local"
+            path = ledger_path(f"{job}-host{self.hosts.index}")
             ledger = HostLedger(path, geometry, create=True)
             try:
                 self._load_initial_weights(ledger)
+                if self.hosts.leaders is not None:  # every host starts from global rank 0's weights
+                    dist.broadcast(ledger.master, src=0, group=self.hosts.leaders)
+                    ledger.refresh_bf16()
             except BaseException:
                 ledger.close()
                 raise
@@ -212,7 +237,7 @@ class SlideDPEngine:
             self._collective_check(lambda: check_host_memory(geometry, self.layout.num_params, copies))
             create()
             self.ledger.unlink()
-            dist.broadcast(self.ledger.master, src=0, group=self.group)  # DDP's rule: rank 0's weights
+            dist.broadcast(self.ledger.master, group=self.group, group_src=0)  # DDP's rule: rank 0's weights
             self.ledger.refresh_bf16()
             self.ledger.pids[0] = os.getpid()
         else:
@@ -229,7 +254,7 @@ class SlideDPEngine:
             timeout_s=self.config.timeout_s,
             own_error=self._lane_error,
         )
-        self.tracer = Tracer(self.config.trace_dir, self.rank)
+        self.tracer = Tracer(self.config.trace_dir, self.global_rank)
         self.lanes = make_lanes(self.device, self.tracer)
         set_lane_delay(self.config.lane_delay_ms)
         if self.config.lane_delay_ms:
@@ -238,7 +263,7 @@ class SlideDPEngine:
         # group's collectives in one deterministic order
         route = "sharded" if self.config.param_route == "sharded" and self.world_size > 1 else "full"
         if route == "sharded" and self._param_group is None:
-            self._param_group = dist.new_group(list(range(self.world_size)))
+            self._param_group = self._new_host_group()
         param_group = self._param_group
         self.residency = UnitResidency(
             self.layout, self.ledger, self.lanes, self.compute_dtype, self.config.prefetch_window, self.liveness,
@@ -256,6 +281,7 @@ class SlideDPEngine:
             "all_reduce" if self.replicated else self.config.grad_route, self.layout, self.ledger, self.rank,
             self.world_size, self.group, self.lanes, self.liveness,
             self.config.chunk_bytes // 4 // 16 * 16 if self.config.chunk_bytes else None,
+            cross_group=self.hosts.cross, reduce_world=self.world_size * self.hosts.count,
         )  # fmt: skip
         threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
         torch_threads = torch.get_num_threads()
@@ -294,7 +320,7 @@ class SlideDPEngine:
             log.info("SlideDP auto routes: one rank, nothing to choose: full / gpu_reduce / one chunk per unit")
             return
         if want[0]:
-            self._param_group = dist.new_group(list(range(self.world_size)))
+            self._param_group = self._new_host_group()
         pin = self.device.type == "cuda"
         scratch = torch.zeros(self.layout.max_unit, dtype=self.compute_dtype, pin_memory=pin)
         probe = probe_routes(
@@ -327,6 +353,14 @@ class SlideDPEngine:
     def _stamp(self):
         """Tracing: a timestamp on the compute lane (None when tracing is off)."""
         return self.lanes.stamp("compute") if self.tracer.enabled else None
+
+    def _new_host_group(self):
+        """A new process group of this host's ranks (every rank of every host creates every host's group)."""
+        if self.hosts.count == 1:
+            return dist.new_group(list(range(self.world_size)))
+        size = self.world_size
+        groups = [dist.new_group(list(range(h * size, (h + 1) * size))) for h in range(self.hosts.count)]
+        return groups[self.hosts.index]
 
     def _barrier(self) -> None:
         if self.world_size > 1:

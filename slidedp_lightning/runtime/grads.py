@@ -120,6 +120,8 @@ class GradRoute:
         lanes: Lanes,
         liveness: Liveness,
         chunk_elems: int | None = None,
+        cross_group=None,
+        reduce_world: int | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {route!r}")
@@ -134,6 +136,12 @@ class GradRoute:
         self.liveness = liveness
         self.tracer = lanes.tracer
         self.chunk_elems = chunk_elems  # gpu_reduce/all_reduce: elements per chunk of this rank's range; None: one
+        # several hosts: the host-reduced shard is all-reduced over the same shard's owners on the other hosts
+        self.cross_group = cross_group
+        self.reduce_world = reduce_world or world_size  # DDP divides by every rank of the job
+        if cross_group is not None and route == "host_reduce":
+            raise ValueError("grad_route='host_reduce' sums gradients inside one host's update; across several hosts "
+                             "use grad_route='gpu_reduce'.")  # fmt: skip
         if route == "host_reduce" and layout.max_unit >= WATERMARK:
             raise ValueError(f"grad_route='host_reduce' supports units of fewer than 2**32 elements; the largest "
                              f"unit has {layout.max_unit:,}. Use grad_route='gpu_reduce'.")  # fmt: skip
@@ -167,8 +175,8 @@ class GradRoute:
         r = self.world_size
         whole = r == 1 or self.route == "all_reduce"  # this rank's ledger range is the whole unit
         n = unit.padded if whole else unit.shard_numel
-        if r > 1:
-            flat.div_(r)  # pre-divided, as DDP does
+        if self.reduce_world > 1:
+            flat.div_(self.reduce_world)  # pre-divided, as DDP does
         out = []
         for k, (a, b) in enumerate(self._chunks(n)):
             work = None
@@ -181,6 +189,10 @@ class GradRoute:
                 inp = flat if (a, b) == (0, n) else flat.view(r, n)[:, a:b].contiguous().view(-1)
                 piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
                 work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
+            if self.cross_group is not None:  # then across hosts (gloo: after the host's reduction has landed)
+                if work is not None:
+                    work.wait()
+                work = dist.all_reduce(piece, group=self.cross_group, async_op=True)
             host, marker, work = self.lanes.to_host(piece, work)
             out.append((a, b, ReducedShard(self.lanes, host, marker, work, (flat, piece), step, u, k)))
         return out

@@ -105,8 +105,9 @@ def test_an_impossible_budget_stops_the_first_step_naming_the_smallest_feasible_
     assert planner.plan.report["retained_bytes"] <= planner.plan.report["budget_bytes"]
 
 
-def test_ample_memory_keeps_everything_on_the_device_without_recompute():
-    planner = AutoPolicy(memory_budget=10**9)
+@pytest.mark.parametrize("budget", [10**9, None], ids=["ample", "none-on-cpu"])
+def test_ample_memory_keeps_everything_on_the_device_without_recompute(budget):
+    planner = AutoPolicy(memory_budget=budget)
     run(planner)
     assert set(planner.plan.report["plan"].values()) == {"none@0"}
 

@@ -68,3 +68,8 @@ def test_a_tight_budget_with_busy_links_picks_full_checkpointing_with_offload():
     tight = solve(blocks, options, busy, budget=8 * 4_096)
     assert {o.policy.split("@")[0] for o in tight} == {"full"}
     assert sum(o.offloaded_bytes for o in tight) > 0 and sum(o.retained_bytes for o in tight) <= 8 * 4_096
+
+
+def test_no_budget_means_no_memory_constraint():
+    options = [Option("none@0", 1.0, 10**12, 0), Option("full@0", 1.5, 10, 0)]
+    assert [o.policy for o in solve(["layers.0"], options, Fixed(), budget=float("inf"))] == ["none@0"]

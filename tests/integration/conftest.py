@@ -62,6 +62,46 @@ def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, 
     return JobResult(proc.returncode, output, tmp, ranks)
 
 
+def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
+    """One job over ``nodes`` "hosts" on this machine: a launcher per node (its own NODE_RANK, so its own ledger),
+    ``cfg["devices"]`` ranks each, one rendezvous."""
+    import socket
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    cfg.setdefault("out", str(tmp))
+    cfg["num_nodes"] = nodes
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, str(JOB), str(tmp / "config.json")], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env={**base, "NODE_RANK": str(n)})
+        for n in range(nodes)
+    ]  # fmt: skip
+    outputs, codes = [], []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outputs.append(out)
+        codes.append(p.returncode)
+    ranks = nodes * int(cfg["devices"])
+    output = "\n".join(f"--- node {n} ---\n{o}" for n, o in enumerate(outputs))
+    finished = all((tmp / f"done_rank{r}").exists() for r in range(ranks))
+    code = next((c for c in codes if c != 0), 0)
+    if code == -signal.SIGABRT and finished and all(o.rstrip().endswith(EXIT_ABORT) or c == 0
+                                                    for o, c in zip(outputs, codes)):  # fmt: skip
+        warnings.warn(f"job {tmp.name} finished on every rank, then aborted at interpreter exit ({EXIT_ABORT!r})")
+        code = 0
+    return JobResult(code, output, tmp, ranks)
+
+
 @pytest.fixture(scope="session")
 def job_runner(tmp_path_factory):
     """``job_runner(name, **cfg)``: run one job once per session (results are cached by name)."""

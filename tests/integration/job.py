@@ -110,7 +110,7 @@ class TinyLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        per_batch = self.cfg["batch"] * self.cfg["devices"]
+        per_batch = self.cfg["batch"] * self.cfg["devices"] * self.cfg.get("num_nodes", 1)
         data = Tokens(self.cfg.get("data_batches", self.cfg["steps"]) * per_batch, seed=7)
         if self.cfg.get("constant_data"):  # every sample the same: batch order and sharding cannot matter
             data.data = Tokens(1, seed=7).data.expand_as(data.data).clone()
@@ -207,6 +207,7 @@ def fit(cfg: dict) -> int:
     trainer = L.Trainer(
         callbacks=callbacks,
         strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=precision, plugins=plugins,
+        num_nodes=cfg.get("num_nodes", 1),
         max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=cfg["out"],
         use_distributed_sampler=cfg.get("distributed_sampler", True),

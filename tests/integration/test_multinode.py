@@ -1,0 +1,33 @@
+"""Two "hosts" x 2 ranks on this machine (one launcher and one ledger per node rank, gloo): SlideDP keeps a
+full ledger on each host and equals DDP + AdamW over all 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import run_nodes, shm_files
+from tests.integration.test_equivalence import BATCH, STEPS, _compare
+
+
+@pytest.fixture(scope="module")
+def reference(job_runner):
+    ref = job_runner("ref_ddp_4ranks", strategy="ddp", devices=4, tied=True, steps=STEPS, batch=BATCH)
+    assert ref.returncode == 0, ref.output[-3000:]
+    return ref
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("param_route", ["full", "sharded"])
+def test_two_nodes_of_two_ranks_equal_ddp_on_four(tmp_path, reference, param_route):
+    res = run_nodes(tmp_path / "job", nodes=2, strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH,
+                    param_route=param_route, chunk_bytes=4096 if param_route == "sharded" else None)  # fmt: skip
+    assert res.returncode == 0, res.output[-5000:]
+    _compare(reference, res, ranks=4)
+    # one ledger per host, mapped by that host's two ranks, each holding the whole state (1x per host)
+    mapped = [{name for _, name in res.ledger(r)["mapped"]} for r in range(4)]
+    assert mapped[0] == mapped[1] and mapped[2] == mapped[3] and not mapped[0] & mapped[2]
+    assert all(len(m) == 1 for m in mapped)
+    assert "_host0-" in next(iter(mapped[0])) and "_host1-" in next(iter(mapped[2]))
+    info = res.ledger(0)
+    assert info["nbytes"] >= 14 * info["num_params"]
+    assert not shm_files(), "a shared-memory ledger file was left behind"
