@@ -2,7 +2,8 @@
 
 Options: ``--benchmark`` (run them), ``--bench-results DIR`` (where tables, JSON and TensorBoard runs go;
 default ``results/bench-<UTC time>``), ``--bench-sizes 4 16 64 256`` (millions of parameters),
-``--bench-rounds N`` (measured interleaved rounds after one warm-up round).
+``--bench-rounds N`` (measured interleaved rounds after one warm-up round), ``--scale cpu|gpu`` and
+``--bench-ranks R`` (the systems suite: CPU scale by default; ``gpu`` needs CUDA and uses Qwen3-4B/8B/14B shapes).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--bench-sizes", type=int, nargs="+", default=[4, 16, 64, 256],
                     help="parameter counts in millions for the CPU update benchmark")  # fmt: skip
     group.addoption("--bench-rounds", type=int, default=5, help="measured interleaved rounds per configuration")
+    group.addoption("--scale", choices=("cpu", "gpu"), default="cpu", help="systems suite scale (gpu needs CUDA)")
+    group.addoption("--bench-ranks", type=int, default=None, help="ranks of the systems suite (cpu: 2, gpu: 4)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -63,3 +66,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 @pytest.fixture(scope="session")
 def bench_rounds(request: pytest.FixtureRequest) -> int:
     return request.config.getoption("--bench-rounds")
+
+
+@pytest.fixture(scope="session")
+def bench_scale(request: pytest.FixtureRequest):
+    from bench.configs import scale
+
+    name = request.config.getoption("--scale")
+    if name == "gpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("--scale gpu needs CUDA")
+    return scale(name, request.config.getoption("--bench-ranks"))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import platform
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,10 +53,37 @@ class Ratio:
         return self.value >= self.target
 
 
+@dataclass(frozen=True)
+class Table:
+    """A result table: markdown in report.md, ``csv/<suite>-<title>.csv``; notes are printed under it."""
+
+    suite: str
+    title: str
+    headers: list[str]
+    rows: list[list[object]]
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        cell = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+        lines = [f"#### {self.title}", "", "| " + " | ".join(self.headers) + " |", "|" + "---|" * len(self.headers)]
+        lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in self.rows]
+        return "\n".join(lines + [""] + [f"- {n}" for n in self.notes])
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^A-Za-z0-9]+", "-", f"{self.suite}-{self.title}").strip("-").lower()
+
+
 def machine() -> dict[str, object]:
     import torch
 
     cpu = platform.processor() or platform.machine()
+    mem = 0
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line.split()[1] for line in f if line.startswith("MemTotal:"))) * 1024
+    except (OSError, StopIteration):
+        pass
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
@@ -63,6 +92,7 @@ def machine() -> dict[str, object]:
     return {
         "cpu": cpu,
         "logical_cpus": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -75,6 +105,9 @@ class BenchReport:
     measurements: list[Measurement] = field(default_factory=list)
     ratios: list[Ratio] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    tables: list[Table] = field(default_factory=list)
+    scalars: list[tuple[str, float, int]] = field(default_factory=list)  # TensorBoard: (tag, value, step)
+    runs: dict[str, dict] = field(default_factory=dict)  # run name -> its summary (results.json)
 
     def add(self, m: Measurement) -> None:
         self.measurements.append(m)
@@ -86,8 +119,18 @@ class BenchReport:
         if text not in self.notes[suite]:
             self.notes[suite].append(text)
 
+    def table(self, t: Table) -> None:
+        self.tables.append(t)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.append((tag, float(value), int(step)))
+
     def markdown_sections(self) -> list[str]:
         out = []
+        for suite in dict.fromkeys(t.suite for t in self.tables):
+            body = "\n\n".join(t.markdown() for t in self.tables if t.suite == suite)
+            notes = "".join(f"\n- {n}" for n in self.notes.get(suite, []))
+            out.append(f"### {suite}\n\n{body}{notes}")
         for suite in dict.fromkeys(m.suite for m in self.measurements):
             ms = [m for m in self.measurements if m.suite == suite]
             configs = sorted({(m.size_m, m.threads) for m in ms})
@@ -124,7 +167,17 @@ class BenchReport:
             "measurements": [asdict(m) | {"gparam_s": m.gparam_s, "gb_s": m.gb_s} for m in self.measurements],
             "ratios": [asdict(r) | {"ok": r.ok} for r in self.ratios],
             "notes": dict(self.notes),
-        }, indent=1))  # fmt: skip
+            "tables": [asdict(t) for t in self.tables],
+            "runs": self.runs,
+        }, indent=1, default=str))  # fmt: skip
+        csv_dir = self.out / "csv"
+        if self.tables:
+            csv_dir.mkdir(exist_ok=True)
+        for t in self.tables:
+            with open(csv_dir / f"{t.slug}.csv", "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(t.headers)
+                w.writerows(t.rows)
         from torch.utils.tensorboard import SummaryWriter
 
         tb = self.out / "tensorboard"
@@ -133,4 +186,6 @@ class BenchReport:
                 writer.add_scalar(f"{m.suite}/{m.case}/gparam_s/{m.threads}T", m.gparam_s, global_step=m.size_m)
             for r in self.ratios:
                 writer.add_scalar(f"{r.suite}/ratio/{r.label}/{r.threads}T", r.value, global_step=r.size_m)
-        return [md, js, tb]
+            for tag, value, step in self.scalars:
+                writer.add_scalar(tag, value, global_step=step)
+        return [md, js, tb] + ([csv_dir] if self.tables else [])

@@ -1,0 +1,103 @@
+"""Host memory of a job's process tree, sampled from ``/proc`` in the parent process.
+
+Counted: the sum over every process of the job of ``Pss`` from ``/proc/<pid>/smaps_rollup`` (proportional set
+size). A page mapped by k processes counts 1/k in each, so the shared ledger in ``/dev/shm`` is counted once in
+total however many ranks map it, a private ledger per rank is counted per rank, and shared library pages count
+only the job's share. ``Pss_Shmem`` (shared-memory part) and the plain ``Rss`` sum (which counts shared pages
+once per process) are kept beside it. Peaks are the maximum of samples taken every ``interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FIELDS = ("Rss", "Pss", "Pss_Shmem", "Pss_Anon")
+
+
+@dataclass(frozen=True)
+class Sample:
+    wall: float
+    pss: int
+    rss: int
+    pss_shmem: int
+    procs: int
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and all its descendants (from ``/proc/<pid>/task/<tid>/children``)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def rollup(pid: int) -> dict[str, int]:
+    """Bytes of the ``FIELDS`` of one process (empty if it is gone)."""
+    got: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in FIELDS:
+                    got[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        return {}
+    return got
+
+
+def sample(root: int) -> Sample:
+    pss = rss = shm = n = 0
+    for pid in tree(root):
+        r = rollup(pid)
+        if r:
+            n += 1
+            pss, rss, shm = pss + r.get("Pss", 0), rss + r.get("Rss", 0), shm + r.get("Pss_Shmem", 0)
+    return Sample(time.time(), pss, rss, shm, n)
+
+
+class Sampler(threading.Thread):
+    """Samples the tree under ``root`` until stopped; calls ``on_limit`` once if PSS exceeds ``limit`` bytes."""
+
+    def __init__(self, root: int, interval: float = 0.25, limit: int | None = None,
+                 on_limit: Callable[[Sample], None] | None = None) -> None:  # fmt: skip
+        super().__init__(daemon=True)
+        self.root, self.interval, self.limit, self.on_limit = root, interval, limit, on_limit
+        self.samples: list[Sample] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            s = sample(self.root)
+            self.samples.append(s)
+            if self.limit and s.pss > self.limit and self.on_limit is not None:
+                self.on_limit(s)
+                self.on_limit = None
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def peak(self, start: float = 0.0, end: float = float("inf")) -> Sample | None:
+        """The sample with the largest PSS between two ``time.time()`` instants."""
+        inside = [s for s in self.samples if start <= s.wall <= end]
+        return max(inside, key=lambda s: s.pss) if inside else None
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0

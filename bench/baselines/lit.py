@@ -1,0 +1,63 @@
+"""The LightningModule and Trainer run shared by the Lightning systems (SlideDP, its replicated mode, DDP)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from bench.baselines.record import Recorder
+from bench.baselines.workload import JobSpec, adamw_groups, build_model, rank_loader
+
+
+class BenchLM(L.LightningModule):
+    """Causal-LM loss on the workload's tokens; records step starts and per-step loss."""
+
+    def __init__(self, spec: JobSpec, rec: Recorder, hf_checkpointing: bool, fused_adamw: bool) -> None:
+        super().__init__()
+        self.spec, self.rec = spec, rec
+        self.hf_checkpointing, self.fused_adamw = hf_checkpointing, fused_adamw
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_model(self.spec)
+            self.model.config.use_cache = False
+            if self.hf_checkpointing:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self.rec.step_start()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.rec.batch(batch)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.rec.loss(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        h = self.spec.hyper
+        kw = {"fused": True} if self.fused_adamw else {}
+        return torch.optim.AdamW(adamw_groups(self, h), lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"], **kw)
+
+    def train_dataloader(self):
+        return rank_loader(self.spec, self.global_rank)
+
+    def on_train_end(self) -> None:
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if engine is not None:
+            self.rec.extra["device_memory"] = engine.device_memory()
+            self.rec.extra["ledger_bytes"] = engine.ledger.geometry.nbytes
+
+
+def fit(spec: JobSpec, strategy, out: str, hf_checkpointing: bool, fused_adamw: bool) -> tuple[L.Trainer, BenchLM]:
+    """One Lightning fit of ``spec``; the data split is the workload's own (``rank_loader``), as in every system."""
+    rec = Recorder(out, rank=0)
+    module = BenchLM(spec, rec, hf_checkpointing, fused_adamw)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator=spec.accelerator, devices=spec.ranks, precision=spec.precision,
+        max_steps=spec.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out, use_distributed_sampler=False,
+    )  # fmt: skip
+    rec.rank = trainer.global_rank
+    trainer.fit(module)
+    return trainer, module

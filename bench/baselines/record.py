@@ -1,0 +1,52 @@
+"""Per-rank record of one run: step start times, per-step loss, device memory; written as ``result_rank{r}.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+class Recorder:
+    """Times every step from its start (``perf_counter`` for durations, ``time.time`` to line up with the
+    host-memory samples of the parent process) and keeps this rank's loss of every step."""
+
+    def __init__(self, out: str | Path, rank: int) -> None:
+        self.out, self.rank = Path(out), rank
+        self.starts: list[float] = []
+        self.walls: list[float] = []
+        self.losses: list[float] = []
+        self.tokens: list[int] = []  # per step: the sum of this rank's token ids (a fingerprint of its data)
+        self.extra: dict = {}
+
+    def step_start(self) -> None:
+        self.starts.append(time.perf_counter())
+        self.walls.append(time.time())
+
+    def batch(self, ids: torch.Tensor) -> None:
+        self.tokens.append(int(ids.sum()))
+
+    def loss(self, value: float) -> None:
+        self.losses.append(float(value))
+
+    def write(self, device_memory: dict | None, device_note: str = "") -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        data = {
+            "rank": self.rank, "starts": self.starts, "walls": self.walls, "end": time.perf_counter(),
+            "end_wall": time.time(), "losses": self.losses, "tokens": self.tokens, "device_memory": device_memory,
+            "device_note": device_note, "pid": os.getpid(), **self.extra,
+        }  # fmt: skip
+        (self.out / f"result_rank{self.rank}.json").write_text(json.dumps(data))
+
+
+def cuda_peak() -> dict | None:
+    """The CUDA caching allocator's peak (None on CPU: there is no device allocator to ask)."""
+    if not torch.cuda.is_available():
+        return None
+    return {"max_allocated_bytes": torch.cuda.max_memory_allocated(), "max_reserved_bytes": torch.cuda.max_memory_reserved()}
+
+
+NO_DEVICE_ALLOCATOR = "no device allocator on CPU: the device is host memory, its bytes are in the host column"

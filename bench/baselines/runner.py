@@ -1,0 +1,190 @@
+"""Parent side of a benchmark job: preflight, subprocess with a timeout, host-memory sampling, results.
+
+A job that cannot run is reported, never dropped: ``infeasible`` (the preflight estimate exceeds the memory
+there is; the estimate and the limit are in the reason), ``oom`` (sampled host memory crossed the limit and the
+job was stopped), ``timeout``, ``failed`` (the last lines of its output are the reason).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.baselines.hostmem import Sampler, mem_available
+from bench.baselines.workload import JobSpec
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
+# Interpreter shutdown of a finished gloo job sometimes aborts (shared/notes/baselines.md): such a run counts as
+# finished only with this signature and every rank's done marker, and the result says so.
+EXIT_ABORT = "terminate called without an active exception"
+GB = 1e9
+# Fixed glibc mmap threshold for every system: large buffers are mmapped and go back to the OS when freed
+# (glibc's dynamic threshold would otherwise keep freed tensors of up to 32 MiB in the heap, run-dependently).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+@dataclass
+class RunResult:
+    """One system on one configuration."""
+
+    name: str
+    spec: JobSpec
+    status: str = "ok"
+    reason: str = ""
+    step_s: list[float] = field(default_factory=list)  # measured steps (after warm-up): max over ranks
+    losses: list[float] = field(default_factory=list)  # every step: mean over ranks of the local loss
+    host_peak: int = 0  # PSS sum over the job's processes, peak during the training steps
+    host_peak_run: int = 0  # the same over the whole job (start-up, model build and load included)
+    host_peak_shmem: int = 0  # Pss_Shmem part of the training-step peak sample
+    rss_sum_peak: int = 0  # plain RSS sum at the training-step peak sample (shared pages once per process)
+    device: dict | None = None  # rank 0's device accounting (CUDA allocator, or SlideDP's runtime on CPU)
+    device_note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def step_median(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.spec.tokens_per_step / self.step_median
+
+    def summary(self) -> dict:
+        d = {k: getattr(self, k) for k in ("name", "status", "reason", "step_s", "losses", "host_peak",
+                                            "host_peak_run", "host_peak_shmem", "rss_sum_peak", "device",
+                                            "device_note", "extra")}  # fmt: skip
+        d["spec"] = json.loads(self.spec.to_json())
+        if self.ok:
+            d |= {"step_median_s": self.step_median, "tokens_per_s": self.tokens_per_s}
+        return d
+
+
+def estimate_host_bytes(spec: JobSpec) -> int:
+    """A coarse upper estimate of the job's peak host memory (for the preflight only, never reported as a
+    measurement): bytes/param of the states each system keeps on the host at once, plus ~1.5 GB per rank."""
+    n, r = spec.model.num_params, spec.ranks
+    model = 4 * n * r  # every rank builds the FP32 model and loads the initial weights (mmapped file)
+    per_system = {"slidedp": 14 * n, "replicated": 14 * n * r, "ddp": 12 * n * r, "fsdp2": 16 * n,
+                  "fsdp2_offload": 16 * n, "zero_offload": 4 * n * r + 16 * n}  # fmt: skip
+    if spec.accelerator == "cuda":
+        model = 4 * n * r if spec.system in ("slidedp", "replicated") else 4 * n * r
+        per_system["ddp"] = per_system["fsdp2"] = 0
+    return model + per_system[spec.system] + int(1.5 * GB) * r
+
+
+def _launch_env(spec: JobSpec) -> dict[str, str]:
+    cores = os.cpu_count() or 1
+    env = {**os.environ, **MALLOC_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(max(1, cores // spec.ranks)),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}  # fmt: skip
+    if spec.system == "zero_offload" and spec.accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def run_job(runs: list[tuple[str, JobSpec]], out: Path, mem_limit: int | None = None,
+            interval: float = 0.1) -> list[RunResult]:  # fmt: skip
+    """Run ``runs`` (one system, one after the other in the same R processes) and collect their results."""
+    out.mkdir(parents=True, exist_ok=True)
+    first = runs[0][1]
+    limit = mem_limit if mem_limit is not None else int(mem_available() * 0.9)
+    need = max(estimate_host_bytes(s) for _, s in runs)
+    if need > limit:
+        why = (f"infeasible: the preflight estimate of host memory is {need / GB:.1f} GB "
+               f"(states and per-rank models of {first.model.num_params / 1e6:.0f} M params x {first.ranks} ranks), "
+               f"the limit is {limit / GB:.1f} GB (90 % of MemAvailable)")  # fmt: skip
+        return [RunResult(name, spec, "infeasible", why) for name, spec in runs]
+    cfg = out / "config.json"
+    cfg.write_text(json.dumps({"out": str(out), "runs": [{"name": n, "spec": json.loads(s.to_json())} for n, s in runs]}))
+    logf = open(out / "output.log", "w")  # noqa: SIM115
+    t0 = time.time()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.baselines.job", str(cfg)], cwd=REPO, env=_launch_env(first),
+                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    killed: list[str] = []
+
+    def kill(why: str) -> None:
+        killed.append(why)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    sampler = Sampler(proc.pid, interval, limit,
+                      lambda s: kill(f"oom: the job's host memory (PSS sum) reached {s.pss / GB:.2f} GB, over the "
+                                     f"limit of {limit / GB:.1f} GB; stopped"))  # fmt: skip
+    sampler.start()
+    timeout = sum(s.timeout_s for _, s in runs)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill(f"timeout: still running after {timeout:.0f} s; stopped")
+        proc.wait()
+    finally:
+        sampler.stop()
+        logf.close()
+    wall = time.time() - t0
+    output = (out / "output.log").read_text(errors="replace")
+    ranks = first.ranks
+    finished = all((out / f"done_rank{r}").exists() for r in range(ranks))
+    status, reason = "ok", ""
+    if killed:
+        status, reason = killed[0].split(":", 1)[0], killed[0]
+    elif proc.returncode != 0:
+        if finished and proc.returncode == -signal.SIGABRT and output.rstrip().endswith(EXIT_ABORT):
+            reason = f"finished on every rank, then aborted at interpreter exit ({EXIT_ABORT!r})"
+        else:
+            status = "failed"
+            reason = f"exit code {proc.returncode}: " + " | ".join(output.strip().splitlines()[-6:])[-1500:]
+    results = []
+    for name, spec in runs:
+        res = RunResult(name, spec, status, reason)
+        res.extra["job_wall_s"] = wall
+        if status == "ok":
+            _collect(res, out / name, sampler)
+        elif status == "failed" and (out / name / "result_rank0.json").exists():
+            _collect(res, out / name, sampler)  # this run finished on every rank before the job failed
+            if res.step_s:
+                res.status, res.reason = "ok", f"completed; a later run of the same job failed ({reason[:200]})"
+
+        results.append(res)
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / "summary.json").write_text(json.dumps(res.summary(), indent=1))
+    return results
+
+
+def _collect(res: RunResult, folder: Path, sampler: Sampler) -> None:
+    spec = res.spec
+    files = [folder / f"result_rank{r}.json" for r in range(spec.ranks)]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        res.status, res.reason = "failed", f"no result from {missing}"
+        return
+    per = [json.loads(f.read_text()) for f in files]
+    n = spec.steps
+    if any(len(p["starts"]) != n or len(p["losses"]) != n or len(p["tokens"]) != n for p in per):
+        res.status, res.reason = "failed", f"ranks recorded {[len(p['starts']) for p in per]} steps, expected {n}"
+        return
+    # step i lasts from its start to the next step's start; the last step has no successor and is not measured
+    res.step_s = [max(p["starts"][i + 1] - p["starts"][i] for p in per) for i in range(spec.warmup, n - 1)]
+    res.losses = [sum(p["losses"][i] for p in per) / len(per) for i in range(n)]
+    res.extra["tokens"] = [[p["tokens"][i] for p in per] for i in range(n)]
+    start, end = min(p["walls"][0] for p in per), max(p["end_wall"] for p in per)
+    train, whole = sampler.peak(start, end), sampler.peak()
+    if train is not None:
+        res.host_peak, res.host_peak_shmem, res.rss_sum_peak = train.pss, train.pss_shmem, train.rss
+    res.host_peak_run = whole.pss if whole is not None else 0
+    res.device, res.device_note = per[0]["device_memory"], per[0]["device_note"]
+    res.extra.update({k: v for k, v in per[0].items() if k in ("adamw", "optimizer", "ledger_bytes")})
+    res.extra["train_wall_s"] = end - start

@@ -1,0 +1,25 @@
+"""SlideDP (shared ledger) and its replicated SlideFormer-style mode (``param_route="replicated"``)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from bench.baselines import lit
+from bench.baselines.workload import JobSpec
+
+DEFAULT_KNOBS = {"grad_route": "gpu_reduce", "param_route": "full", "chunk_bytes": None, "prefetch_window": 2}
+
+
+def run(spec: JobSpec, out: str) -> int:
+    """Train ``spec``; returns the global rank."""
+    from slidedp_lightning import SlideDPStrategy
+
+    knobs = {**DEFAULT_KNOBS, **spec.knobs}
+    if spec.system == "replicated":
+        knobs.update(param_route="replicated", grad_route="gpu_reduce")
+    activations = knobs.pop("activation_policy", "full" if spec.checkpointing else None)
+    strategy = SlideDPStrategy(**knobs, activation_policy=activations, timeout=timedelta(seconds=spec.timeout_s))
+    trainer, module = lit.fit(spec, strategy, out, hf_checkpointing=False, fused_adamw=False)
+    device = module.rec.extra.pop("device_memory", None)
+    module.rec.write(device, "SlideDP runtime accounting (resident unit parameters + retained activations)")
+    return trainer.global_rank
