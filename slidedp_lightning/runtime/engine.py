@@ -29,6 +29,7 @@ from slidedp_lightning.runtime.host_state import (
     check_host_memory,
     ledger_path,
     remove_stale_ledgers,
+    trim_host_heap,
 )
 from slidedp_lightning.runtime.lanes import make_lanes
 from slidedp_lightning.runtime.layout import Layout, build_layout
@@ -62,6 +63,7 @@ class EngineConfig:
     update: str = "immediate"
     accumulate: int = 1  # backward passes (micro-batches) per optimizer step
     loss_chunk_tokens: int | None = None  # causal-LM loss in chunks of this many tokens (no full logits)
+    max_units_in_flight: int = 4  # units whose gradient may wait for the CPU update before backward waits
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
@@ -90,6 +92,8 @@ class EngineConfig:
             not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1
         ):
             raise ValueError(f"loss_chunk_tokens must be None or an integer >= 1, got {self.loss_chunk_tokens!r}.")
+        if not isinstance(self.max_units_in_flight, int) or self.max_units_in_flight < 1:
+            raise ValueError(f"max_units_in_flight must be an integer >= 1, got {self.max_units_in_flight!r}.")
         if self.update not in UPDATE_MODES:
             raise ValueError(f"update must be one of {UPDATE_MODES}, got {self.update!r}.")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
@@ -290,6 +294,7 @@ class SlideDPEngine:
         self.lane = UpdateLane(self.ledger, self.layout, self.owner_rank, threads, self.tracer, (self.world_size,))
         self._install_hooks()
         jit_s = self.lane.wait_ready()
+        trim_host_heap()  # the model's original parameters are gone: return their memory to the OS
         if torch.get_num_threads() != torch_threads:
             raise RuntimeError(f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
                                f"{torch.get_num_threads()}); a CPU kernel ran on the training thread")
@@ -513,6 +518,9 @@ class SlideDPEngine:
             raise RuntimeError("SlideDP got gradients but no optimizer is attached; call attach_optimizer first.")
         if self._hyper is None:
             self._hyper = read_hyper(self._optimizer)
+        if self.lane._units_in_flight >= self.config.max_units_in_flight:
+            with self.tracer.span("stall", "wait update lane", self.step, u):
+                self.lane.wait_units_below(self.config.max_units_in_flight, self.liveness)
         with self.tracer.span("reduce", "issue", self.step, u):
             chunks = self.routes.dispatch(u, grads, self.step)
         action = self._action()
@@ -569,6 +577,8 @@ class SlideDPEngine:
                                "update='immediate')")  # fmt: skip
         if applied:
             self.step += 1
+            if self.step == 1:  # the first step's one-off allocations (JIT, warm-up) are done
+                trim_host_heap()
         self._reset_step_grads()
         return applied
 

@@ -130,6 +130,7 @@ class UpdateLane:
         self._queue: queue.Queue[UpdateTask | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
+        self._units_in_flight = 0  # units whose last chunk is queued or running
         self.error: BaseException | None = None
         self._sum_rows = sum_rows
         self._ready = threading.Event()
@@ -180,7 +181,19 @@ class UpdateLane:
         self.raise_if_failed()
         with self._idle:
             self._outstanding += 1
+            if getattr(task, "last", False):
+                self._units_in_flight += 1
         self._queue.put(task)
+
+    def wait_units_below(self, limit: int, liveness=None) -> None:
+        """Block while ``limit`` or more units' gradients wait for (or are in) the update: backpressure that
+        bounds the gradient memory held for the update lane, however far it falls behind backward."""
+        with self._idle:
+            while self._units_in_flight >= limit and self.error is None:
+                self._idle.wait(0.05)
+                if liveness is not None:
+                    liveness.check("the CPU update to catch up", float("inf"))
+        self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
@@ -228,6 +241,8 @@ class UpdateLane:
             finally:
                 with self._idle:
                     self._outstanding -= 1
+                    if getattr(task, "last", False):
+                        self._units_in_flight -= 1
                     self._idle.notify_all()
 
     def _apply(self, task: UpdateTask) -> None:

@@ -729,3 +729,25 @@ def test_load_state_dict_strict_reports_mismatch(engines) -> None:
     bad["model.norm.weight"] = torch.zeros(3)
     with pytest.raises(ValueError, match="shape"):
         engine.load_state_dict(bad)
+
+
+def test_backward_waits_for_the_update_lane_beyond_max_units_in_flight(engines, monkeypatch) -> None:
+    """Backpressure: however slow the CPU update, at most max_units_in_flight units' gradients wait for it."""
+    from slidedp_lightning.runtime import sync, update
+
+    model = tiny_model(tied=False)
+    ref = copy.deepcopy(model)
+    engine = engines(model, max_units_in_flight=1)
+    opt, ref_opt = adamw_groups(model), adamw_groups(ref)
+    engine.attach_optimizer(opt)
+    seen, apply = [], update.UpdateLane._apply
+
+    def slow_apply(lane, task):
+        seen.append(lane._units_in_flight)
+        sync.time.sleep(0.01)
+        apply(lane, task)
+
+    monkeypatch.setattr(update.UpdateLane, "_apply", slow_apply)
+    losses, ref_losses = train_pair(model, engine, ref, opt, ref_opt, steps=3)
+    assert seen and max(seen) <= 1
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses))
