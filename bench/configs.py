@@ -55,6 +55,16 @@ class Scale:
     loss_steps: int
     chunk_bytes: int
     timeout_s: float
+    moe_shape: ModelShape | None = None  # MoE table: every system on a Qwen3-MoE shape
+    long_seq: int = 0  # long-sequence table: SlideDP (chunked loss + offload) vs the others at this length
+
+
+def _moe(name: str, hidden: int, layers: int, experts: int, top: int, moe_inter: int, vocab: int) -> ModelShape:
+    """A Qwen3-MoE shape (4 query heads per KV head, head_dim 64 on the CPU scale, 128 beyond)."""
+    head_dim = 64 if hidden <= 512 else 128
+    heads = hidden // head_dim
+    return ModelShape(name, hidden, layers, moe_inter, heads, max(1, heads // 4), head_dim, vocab, tied=False,
+                      experts=experts, experts_per_tok=top, moe_intermediate=moe_inter)  # fmt: skip
 
 
 def scale(name: str, ranks: int | None = None) -> Scale:
@@ -62,7 +72,8 @@ def scale(name: str, ranks: int | None = None) -> Scale:
         slope = tuple(_shape(f"h512-L{n}", 512, n, 1408, 8, 4, 4096) for n in (2, 8, 14))
         return Scale("cpu", "cpu", ranks or 2, slope, batch=2, seq=32, steps=7, warmup=2, precision="bf16-mixed",
                      loss_shape=_shape("h128-L2", 128, 2, 384, 4, 2, 512, head_dim=32), loss_batch=8, loss_seq=32,
-                     loss_steps=200, chunk_bytes=1 << 20, timeout_s=240)  # fmt: skip
+                     loss_steps=200, chunk_bytes=1 << 20, timeout_s=240,
+                     moe_shape=_moe("moe-h256-E8", 256, 2, 8, 2, 256, 4096), long_seq=512)  # fmt: skip
     if name == "gpu":
         v = 151936
         slope = (
@@ -73,7 +84,8 @@ def scale(name: str, ranks: int | None = None) -> Scale:
         r = ranks or 4
         return Scale("gpu", "cuda", r, slope, batch=16 * r, seq=1024, steps=12, warmup=3, precision="bf16-mixed",
                      loss_shape=_shape("qwen3-0.6b", 1024, 28, 3072, 16, 8, v, tied=True, head_dim=128),
-                     loss_batch=8 * r, loss_seq=512, loss_steps=200, chunk_bytes=32 << 20, timeout_s=3600)  # fmt: skip
+                     loss_batch=8 * r, loss_seq=512, loss_steps=200, chunk_bytes=32 << 20, timeout_s=3600,
+                     moe_shape=_moe("qwen3-30b-a3b", 2048, 48, 128, 8, 768, v), long_seq=32768)  # fmt: skip
     raise ValueError(f"unknown scale {name!r}; one of {SCALES}")
 
 
@@ -127,6 +139,16 @@ def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
             one.runs.append(Run(f"scaling/R1-{kind}/{system}", spec(system, small, ranks=1, global_batch=batch),
                                 f"scaling/R1-{kind}"))  # fmt: skip
     jobs.append(one)
+    if sc.moe_shape is not None:
+        for system in SYSTEMS:
+            name = f"moe/{system}"
+            jobs.append(Job(name, [Run(name, spec(system, sc.moe_shape), "moe")]))
+    if sc.long_seq:  # per-rank batch 1 at the long length; SlideDP adds the chunked loss and half offload
+        for system in ("slidedp", "ddp", "fsdp2"):
+            knobs = {"loss_chunk_tokens": 256, "activation_policy": "full@0.5"} if system == "slidedp" else {}
+            name = f"long/{system}"
+            s = spec(system, small, global_batch=sc.ranks, seq=sc.long_seq, knobs=knobs)
+            jobs.append(Job(name, [Run(name, s, "long")], memory=True))
     for system in ("slidedp", "fsdp2"):
         job = Job(f"loss/{system}")
         for precision in ("32-true", "bf16-mixed"):

@@ -217,3 +217,36 @@ def loss_equivalence(res: dict[str, RunResult]) -> tuple[Table, dict[str, float]
              "autocast, as SlideDP's bf16-mixed", "paper: 200 steps vs FSDP2, max abs difference 0.00063"] + _why(runs)
     return Table(SUITE, "Loss equivalence: SlideDP vs FSDP2", ["precision", "steps", "max abs diff", "mean abs diff",
                  "loss step 0", "SlideDP final", "FSDP2 final", "bound"], rows, notes), diffs  # fmt: skip
+
+
+def moe(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+    """Every system on the Qwen3-MoE shape at the systems table's batch."""
+    base = res["moe/slidedp"]
+    rows = _pair_rows([(s, res[f"moe/{s}"]) for s in SYSTEMS], base)
+    for row, s in zip(rows, SYSTEMS):
+        r = res[f"moe/{s}"]
+        row[3] = round(r.step_median / base.step_median, 3) if r.ok and base.ok else "-"  # SlideDP speed-up
+    shape = sc.moe_shape
+    notes = [f"{shape.name}: {shape.experts} experts of width {shape.moe_intermediate}, top-{shape.experts_per_tok}, "
+             f"{shape.num_params / 1e6:.1f} M params; router auxiliary loss on",
+             "speed-up = system step time / SlideDP step time; paper (Qwen3.6-35B-A3B, Gemma4-26B-A4B): 1.98x-3.21x vs "
+             "ZeRO-Offload"] + _why([res[f"moe/{s}"] for s in SYSTEMS])  # fmt: skip
+    return [Table(SUITE, "MoE throughput", ["system", "step ms", "tokens/s", "SlideDP speed-up"], rows, notes)]
+
+
+def long_context(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+    """One long sequence per rank: SlideDP with the chunked loss and half the activations offloaded."""
+    runs = [(s, res[f"long/{s}"]) for s in ("slidedp", "ddp", "fsdp2")]
+    rows = _pair_rows(runs, runs[0][1])
+    for row, (_, r) in zip(rows, runs):
+        row.append(round(r.host_peak / GB, 3) if r.ok and r.host_peak else r.status)
+        row.append(_device(r))
+    notes = [f"sequence {sc.long_seq}, batch 1 per rank; SlideDP: loss in 256-token chunks (no full logits), full "
+             "checkpointing with half of each retained tensor offloaded; DDP/FSDP2: full-layer checkpointing",
+             "the longest trainable sequence at a device budget: experiments/long_context.py; paper: SlideDP trains "
+             "Qwen3-14B at 256 K tokens on 4x H100 where FSDP2 and Megatron run out of memory at 64 K"]
+    if sc.accelerator == "cpu":
+        notes.append("on CPU, offload moves activations from host memory to host memory: the host peak includes "
+                     "both; the device column is SlideDP's runtime accounting")  # fmt: skip
+    return [Table(SUITE, "Long sequence", ["system", "step ms", "tokens/s", "speed vs SlideDP", "host peak GB",
+                                           "device memory"], rows, notes + _why([r for _, r in runs]))]  # fmt: skip

@@ -98,6 +98,18 @@ def test_autopolicy(results, bench_scale, bench_report):
     _add(bench_report, tables.autopolicy(results.need("autopolicy/"), bench_scale))
 
 
+def test_moe(results, bench_scale, bench_report):
+    res = results.need("moe/")
+    _add(bench_report, tables.moe(res, bench_scale))
+    _every_system_accounted(list(res.values()))
+
+
+def test_long_context(results, bench_scale, bench_report):
+    res = results.need("long/")
+    _add(bench_report, tables.long_context(res, bench_scale))
+    assert res["long/slidedp"].ok, f"SlideDP must train the long sequence: {res['long/slidedp'].reason}"
+
+
 def test_routes(results, bench_scale, bench_report):
     _add(bench_report, tables.routes(results.need("variants/", "routes/"), bench_scale))
 

@@ -20,7 +20,7 @@ HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen3 decoder's shape (random init from a seed; no download)."""
+    """A Qwen3 decoder's shape, dense or Mixture-of-Experts (``experts > 0``: Qwen3-MoE); random init from a seed."""
 
     name: str
     hidden: int
@@ -31,23 +31,31 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied: bool = True
+    experts: int = 0  # MoE: experts per block (each of width moe_intermediate), top experts_per_tok routed
+    experts_per_tok: int = 2
+    moe_intermediate: int = 0
 
     def hf_config(self, max_positions: int):
-        from transformers import Qwen3Config
+        from transformers import Qwen3Config, Qwen3MoeConfig
 
-        return Qwen3Config(
+        common = dict(
             vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
             head_dim=self.head_dim, max_position_embeddings=max_positions, tie_word_embeddings=self.tied,
             attn_implementation="sdpa",
         )  # fmt: skip
+        if self.experts:
+            return Qwen3MoeConfig(**common, num_experts=self.experts, num_experts_per_tok=self.experts_per_tok,
+                                  moe_intermediate_size=self.moe_intermediate, output_router_logits=True)  # fmt: skip
+        return Qwen3Config(**common)
 
     @property
     def num_params(self) -> int:
-        """Parameters of ``Qwen3ForCausalLM`` with this shape (norms included)."""
+        """Parameters of the causal LM with this shape (norms and MoE routers included)."""
         h, d = self.hidden, self.head_dim
         attn = h * self.heads * d * 2 + h * self.kv_heads * d * 2 + 2 * d
-        block = attn + 3 * h * self.intermediate + 2 * h
+        mlp = self.experts * (h + 3 * h * self.moe_intermediate) if self.experts else 3 * h * self.intermediate
+        block = attn + mlp + 2 * h
         return self.vocab * h * (1 if self.tied else 2) + self.layers * block + h
 
 
@@ -116,10 +124,10 @@ def init_file_for(shape: ModelShape, seq: int, root: Path, seed: int = 1234) -> 
     key = hashlib.sha1(json.dumps([asdict(shape), seq, seed]).encode()).hexdigest()[:12]
     path = root / f"init-{shape.name}-{key}.pt"
     if not path.exists():
-        from transformers import Qwen3ForCausalLM
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(shape.hf_config(seq))
+        model = AutoModelForCausalLM.from_config(shape.hf_config(seq))
         root.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         torch.save(model.state_dict(), tmp)
@@ -129,10 +137,10 @@ def init_file_for(shape: ModelShape, seq: int, root: Path, seed: int = 1234) -> 
 
 def build_model(spec: JobSpec, device: str | torch.device = "cpu"):
     """The model with the spec's initial weights (loaded from ``init_file``)."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device(device):
-        model = Qwen3ForCausalLM(spec.model.hf_config(spec.seq))
+        model = AutoModelForCausalLM.from_config(spec.model.hf_config(spec.seq))
     state = torch.load(spec.init_file, mmap=True, weights_only=True)
     model.load_state_dict(state)
     del state

@@ -67,12 +67,13 @@ def test_loss_equivalence_runs_200_steps_in_both_precisions(jobs):
         assert all(r.spec.steps == 200 for r in runs)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_shape_param_count_matches_the_model(tied: bool):
+@pytest.mark.parametrize("kind", ["tied", "untied", "moe"])
+def test_shape_param_count_matches_the_model(kind: str):
     from dataclasses import replace
 
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    shape = replace(scale("cpu").loss_shape, tied=tied)
-    model = Qwen3ForCausalLM(shape.hf_config(32))
+    sc = scale("cpu")
+    shape = sc.moe_shape if kind == "moe" else replace(sc.loss_shape, tied=kind == "tied")
+    model = AutoModelForCausalLM.from_config(shape.hf_config(32))
     assert sum(p.numel() for p in model.parameters()) == shape.num_params
