@@ -1,4 +1,4 @@
-"""``python -m slidedp_lightning.steptime {predict,calibrate,profiles}``."""
+"""``python -m slidedp_lightning.steptime {predict,scaling,calibrate,profiles}``."""
 
 from __future__ import annotations
 
@@ -8,21 +8,45 @@ import logging
 import sys
 from typing import Sequence
 
-from slidedp_lightning.steptime.analytic import analyze
-from slidedp_lightning.steptime.graph import GRAD_ROUTES, LANES, PARAM_ROUTES, PRECISIONS, StepConfig
-from slidedp_lightning.steptime.profiles import load_profile, shipped_profiles
+from slidedp_lightning.steptime.analytic import Analytic, analyze
+from slidedp_lightning.steptime.graph import (GRAD_ROUTES, HOST_LAYOUTS, LANES, PARAM_ROUTES, PRECISIONS, StepConfig,
+                                              host_ledger_bytes, host_update_bytes)
+from slidedp_lightning.steptime.profiles import Profile, load_profile, shipped_networks, shipped_profiles
 from slidedp_lightning.steptime.simulate import simulate
 from slidedp_lightning.steptime.workload import ACTIVATION_POLICIES, load_config
 
 
-def predict_table(cfg: StepConfig, profile_name: str) -> str:
+# what limits a step, by the resource with the largest lower bound
+LIMITS = {"gpu": "GPU-bound", "net": "network-bound", "cpu": "host-update-bound", "updater": "host-update-bound",
+          "dram": "host-DRAM-bound", "h2d": "PCIe-bound (h2d)", "d2h": "PCIe-bound (d2h)", "link": "GPU-link-bound",
+          "cores": "CPU-cores-bound"}  # fmt: skip
+SCALING_GPUS = (16, 32, 64, 128)
+
+
+def limit(ana: Analytic) -> str:
+    """The resource whose lower bound is largest, in words (``network-bound``, ``host-update-bound``, ...)."""
+    res = max(ana.bounds, key=lambda k: ana.bounds[k])
+    return LIMITS.get(res, res)
+
+
+def resolve_profile(hardware: str | Profile, network: str | None = None) -> Profile:
+    profile = hardware if isinstance(hardware, Profile) else load_profile(hardware)
+    return profile.with_network(network) if network else profile
+
+
+def predict_table(cfg: StepConfig, profile_name: str | Profile, network: str | None = None) -> str:
     """The breakdown of one step as a text table (simulator, with the analytic bounds beside it)."""
-    profile = load_profile(profile_name)
+    profile = resolve_profile(profile_name, network)
     sim, ana = simulate(cfg, profile), analyze(cfg, profile)
     lines = [
         f"model {cfg.model.name} ({cfg.model.total_params / 1e9:.2f} B params) | hardware {profile.name} | R={cfg.gpus} "
         f"| batch {cfg.batch}/GPU x seq {cfg.seq} | routes {cfg.param_route}/{cfg.grad_route} | chunk {cfg.chunk_bytes} "
         f"| window {cfg.prefetch_window} | activations {cfg.activation if isinstance(cfg.activation, str) else 'custom'}",
+    ]
+    if cfg.hosts > 1:
+        lines.append(f"hosts N={cfg.hosts} ({cfg.hosts * cfg.gpus} GPUs) | layout {cfg.host_layout} | network "
+                     f"{profile.net_gbps:g} GB/s per host, {profile.net_latency_s * 1e6:g} us per step")  # fmt: skip
+    lines += [
         f"{'':22s}{'simulator':>12s}{'analytic':>12s}",
         f"{'step time (s)':22s}{sim.step_time:12.4f}{ana.step_time:12.4f}",
         f"{'tokens/s':22s}{sim.tokens_per_s:12.1f}{ana.tokens_per_s:12.1f}",
@@ -34,6 +58,70 @@ def predict_table(cfg: StepConfig, profile_name: str) -> str:
     lines += ["", f"{'resource':10s}{'lower bound (s)':>16s}"]
     lines += [f"{res:10s}{t:16.4f}" for res, t in sorted(ana.bounds.items(), key=lambda kv: -kv[1])]
     lines.append(f"dependency exposure (analytic): {ana.exposure:.4f} s")
+    lines.append(f"limit: {limit(ana)}")
+    if cfg.param_route not in ("replicated", "slideformer"):
+        lines.append(f"per host: ledger {host_ledger_bytes(cfg) / 1e9:.1f} GB, CPU update "
+                     f"{host_update_bytes(cfg) / 1e9:.1f} GB per step")  # fmt: skip
+    return "\n".join(lines)
+
+
+def scaling_rows(base: StepConfig, profile: Profile, gpus: tuple[int, ...] = SCALING_GPUS) -> list[dict]:
+    """Both host layouts at each total GPU count (``base.gpus`` per host): step time, tokens/s, limit, winner.
+
+    The replicated layout keeps ``base.param_route``; the host-sharded layout gathers parameters (route sharded)."""
+    rows = []
+    for total in gpus:
+        if total % base.gpus:
+            raise ValueError(f"{total} GPUs is not a multiple of {base.gpus} per host")
+        n = total // base.gpus
+        row: dict = {"gpus": total, "hosts": n}
+        for layout in HOST_LAYOUTS:
+            route = base.param_route if layout == "replicated" else "sharded"
+            cfg = StepConfig(base.model, base.batch, base.seq, base.gpus, route, base.grad_route, base.chunk_bytes,
+                             base.prefetch_window, base.activation, base.precision, n, layout)  # fmt: skip
+            sim, ana = simulate(cfg, profile), analyze(cfg, profile)
+            row[layout] = {"step_time": sim.step_time, "tokens_per_s": sim.tokens_per_s, "limit": limit(ana),
+                           "bounds": ana.bounds, "ledger_gb": host_ledger_bytes(cfg) / 1e9, "label": sim.bottleneck}
+        rep, sh = row["replicated"], row["sharded"]
+        win = "replicated" if rep["step_time"] <= sh["step_time"] else "sharded"
+        row["winner"] = win
+        row["why"] = _why(win, rep, sh)
+        rows.append(row)
+    return rows
+
+
+def _why(win: str, rep: dict, sh: dict) -> str:
+    """Why the winner wins, from the two layouts' limits and network bounds."""
+    me, lose = (rep, sh) if win == "replicated" else (sh, rep)
+    gain = lose["step_time"] / me["step_time"] - 1
+    if gain < 0.02:
+        return f"tie within 2 %: both {me['limit']}"
+    net = lose["bounds"].get("net", 0.0) / max(me["bounds"].get("net", 0.0), 1e-30)
+    if win == "sharded":
+        if rep["limit"] == "host-update-bound":
+            return f"+{gain:.0%}: replicated is host-update-bound; host-sharded updates 1/N per host"
+        if rep["limit"] == "network-bound" and sh["limit"] == "network-bound":
+            return (f"+{gain:.0%}: both network-bound, replicated needs {net:.2f}x the network time; host-sharded's "
+                    "gathers use the network during the forward too")  # fmt: skip
+        return f"+{gain:.0%}: replicated is {rep['limit']}; host-sharded moves 1/N of the host work"
+    if sh["limit"] == "network-bound":
+        return f"+{gain:.0%}: host-sharded is network-bound and needs {net:.2f}x the network time (gathers every fetch)"
+    return f"+{gain:.0%}: host-sharded is {sh['limit']}"
+
+
+def scaling_table(base: StepConfig, profile: Profile, gpus: tuple[int, ...] = SCALING_GPUS) -> str:
+    rows = scaling_rows(base, profile, gpus)
+    head = (f"model {base.model.name} | hardware {profile.name} ({base.gpus} GPUs per host; network "
+            f"{profile.net_gbps:g} GB/s per host) | batch {base.batch}/GPU x seq {base.seq} | precision "
+            f"{base.precision} | activations {base.activation if isinstance(base.activation, str) else 'custom'} | "
+            f"replicated layout: param route {base.param_route}; host-sharded: sharded")  # fmt: skip
+    lines = [head, f"{'GPUs':>5s}{'N':>4s} | {'replicated: step s':>18s}{'tokens/s':>10s} {'limit':18s}{'ledger GB':>10s} | "
+             f"{'host-sharded: step s':>20s}{'tokens/s':>10s} {'limit':18s}{'ledger GB':>10s} | winner (why)"]
+    for r in rows:
+        a, b = r["replicated"], r["sharded"]
+        lines.append(f"{r['gpus']:5d}{r['hosts']:4d} | {a['step_time']:18.2f}{a['tokens_per_s']:10.0f} {a['limit']:18s}"
+                     f"{a['ledger_gb']:10.1f} | {b['step_time']:20.2f}{b['tokens_per_s']:10.0f} {b['limit']:18s}"
+                     f"{b['ledger_gb']:10.1f} | {r['winner']} ({r['why']})")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -52,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--prefetch-window", type=int, default=2, help="units resident ahead")
     pr.add_argument("--activation", default="none", choices=ACTIVATION_POLICIES, help="activation checkpointing")
     pr.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    pr.add_argument("--hosts", type=int, default=1, help="N, hosts of --gpus ranks each (default 1)")
+    pr.add_argument("--host-layout", default="replicated", choices=HOST_LAYOUTS,
+                    help="replicated: a full ledger per host; sharded: each host owns 1/N (model only)")
+    pr.add_argument("--network", default=None, help=f"inter-host network, one of {shipped_networks()} or a JSON file "
+                    "(default: the profile's)")  # fmt: skip
+    sc = sub.add_parser("scaling", help="both host layouts at 16, 32, 64, 128 GPUs (--gpus per host)")
+    for a in pr._actions:
+        if a.dest not in ("help", "hosts", "host_layout", "gpus", "param_route"):
+            sc._add_action(a)
+    sc.add_argument("--gpus", type=int, default=8, help="GPUs per host (default 8)")
+    sc.add_argument("--param-route", default="sharded", choices=("full", "sharded"),
+                    help="parameter route of the replicated layout (host-sharded always gathers)")
+    sc.add_argument("--total-gpus", default=",".join(map(str, SCALING_GPUS)), help="comma-separated GPU counts")
     ca = sub.add_parser("calibrate", help="measure this machine and write its profile JSON")
     ca.add_argument("--out", default="this_machine.json", help="profile JSON to write")
     ca.add_argument("--ranks", type=int, default=2, help="CPU ranks measured at once")
@@ -71,8 +172,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{name:18s} {load_profile(name).description}")
         elif args.cmd == "predict":
             cfg = StepConfig(load_config(args.model), args.batch, args.seq, args.gpus, args.param_route,
-                             args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision)
-            print(predict_table(cfg, args.hardware))
+                             args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision,
+                             args.hosts, args.host_layout)  # fmt: skip
+            print(predict_table(cfg, args.hardware, args.network))
+        elif args.cmd == "scaling":
+            try:
+                totals = tuple(int(x) for x in args.total_gpus.split(","))
+            except ValueError:
+                raise ValueError(f"--total-gpus must be comma-separated integers, got {args.total_gpus!r}") from None
+            if any(t < 1 for t in totals):
+                raise ValueError(f"--total-gpus must be positive, got {args.total_gpus!r}")
+            profile = resolve_profile(args.hardware, args.network)
+            base = StepConfig(load_config(args.model), args.batch, args.seq, args.gpus, args.param_route,
+                              args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision)
+            print(scaling_table(base, profile, totals))
         else:
             from slidedp_lightning.steptime.calibrate import build_profile, measure
 

@@ -38,7 +38,7 @@ def pipeline(stages: list[list[float]]) -> float:
 
 def analyze(cfg: StepConfig, profile: Profile) -> Analytic:
     """Lower bounds, lane service times, exposure and the step-time estimate of one steady-state step."""
-    cap = profile.capacities(cfg.gpus)
+    cap = profile.capacities(cfg.gpus, cfg.hosts)
     ops = [op for op in build_ops(cfg, profile, steps=2) if op.step == 1]
     bounds = {res: 0.0 for res in cap}
     lanes = {lane: 0.0 for lane in LANES}
@@ -50,11 +50,14 @@ def analyze(cfg: StepConfig, profile: Profile) -> Analytic:
                 bounds[res] += v / cap[res]
         if "cores" in cap:
             bounds["cores"] += t / cap["cores"]
-    tail = [op for op in ops if op.unit == 0 and op.lane in ("reduce", "d2h", "update")]
+    tail = [op for op in ops if op.unit == 0 and op.lane in ("reduce", "net", "d2h", "update")]
     chunks = sorted({op.chunk for op in tail})
     stages = [[standalone(op, cap) + op.fixed for op in tail if op.chunk == k] for k in chunks]
-    first_fetch = next(op for op in build_ops(cfg, profile, steps=2) if op.step == 1 and op.lane == "h2d")
-    exposure = pipeline(stages) + standalone(first_fetch, cap) + first_fetch.fixed
+    i = next(k for k, op in enumerate(ops) if op.lane == "h2d")
+    first_fetch = ops[i]
+    # host-sharded: the first fetch also waits for its gather between hosts (the op after it on the h2d lane)
+    gather = [op for op in ops[i + 1:i + 2] if op.name == "all_gather_net fwd"]
+    exposure = pipeline(stages) + sum(standalone(op, cap) + op.fixed for op in [first_fetch, *gather])
     service = max(max(bounds.values()), max(lanes.values()))
     step = service + exposure
-    return Analytic(bounds, lanes, exposure, step, cfg.tokens * cfg.gpus / step, classify(lanes))
+    return Analytic(bounds, lanes, exposure, step, cfg.tokens * cfg.gpus * cfg.hosts / step, classify(lanes))

@@ -2,7 +2,17 @@
 
 Ranks are symmetric, so one rank is modelled and shared resources get a 1/R share (``Profile.capacities``).
 Resources: ``gpu`` (FLOPs), ``h2d``/``d2h`` (PCIe bytes), ``link`` (GPU interconnect bytes), ``cpu`` (update
-bytes), ``dram`` (host memory bytes), and ``cores`` (core-seconds) where the host is the device.
+bytes), ``dram`` (host memory bytes), ``net`` (inter-host network bytes, with several hosts) and ``cores``
+(core-seconds) where the host is the device.
+
+Several hosts (``hosts`` = N, R ranks each), two layouts of the host state:
+- ``replicated``: every host holds the whole ledger; a unit's gradient is reduce-scattered within the host, then
+  each rank's reduced 1/R shard is all-reduced between the N ranks of the same local index (``net`` lane), and
+  every host updates its shard in its own ledger (per-host update work and ledger as on one host);
+- ``sharded``: each host owns 1/N of every unit: the in-host reduce-scatter is followed by a reduce-scatter
+  between hosts (each rank keeps 1/(N R)); each host updates only its 1/N; parameters come back by a fetch of
+  the rank's 1/(N R) shard, an all-gather between hosts ((N-1)/N of the rank's 1/R crosses the network) and the
+  in-host all-gather.
 """
 
 from __future__ import annotations
@@ -19,7 +29,11 @@ from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, unit
 PARAM_ROUTES = ("full", "sharded", "replicated", "slideformer")
 GRAD_ROUTES = ("gpu_reduce", "host_reduce")
 PRECISIONS = ("bf16-mixed", "32-true")
-LANES = ("h2d", "offload", "compute", "reduce", "d2h", "update")
+LANES = ("h2d", "offload", "compute", "reduce", "net", "d2h", "update")
+HOST_LAYOUTS = ("replicated", "sharded")
+# Host memory of the ledger per parameter: FP32 master + two FP32 Adam moments (12 B) + the BF16 transfer copy (2 B)
+# (SLIDEDP.md §4: "FP32 master + two FP32 moments = 12 B/param; a BF16 transfer copy adds 2 B/param").
+LEDGER_BYTES_PER_PARAM = 14
 
 
 @dataclass
@@ -36,6 +50,8 @@ class StepConfig:
     prefetch_window: int = 2
     activation: str | UnitActivation | list[UnitActivation] = "none"
     precision: str = "bf16-mixed"
+    hosts: int = 1
+    host_layout: str = "replicated"
 
     def __post_init__(self) -> None:
         if self.param_route not in PARAM_ROUTES:
@@ -53,6 +69,20 @@ class StepConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.hosts, int) or isinstance(self.hosts, bool) or self.hosts < 1:
+            raise ValueError(f"hosts must be an integer >= 1, got {self.hosts!r}")
+        if self.host_layout not in HOST_LAYOUTS:
+            raise ValueError(f"unknown host_layout {self.host_layout!r}; choose one of {HOST_LAYOUTS}")
+        if self.hosts > 1:
+            if self.param_route not in ("full", "sharded"):
+                raise ValueError(f"hosts > 1: param_route {self.param_route!r} is a single-host route; use 'full' or "
+                                 "'sharded'")  # fmt: skip
+            if self.grad_route != "gpu_reduce":
+                raise ValueError("hosts > 1: gradients are reduced on the devices, then between hosts: use grad_route "
+                                 "'gpu_reduce'")  # fmt: skip
+            if self.host_layout == "sharded" and self.param_route != "sharded":
+                raise ValueError("host_layout 'sharded' gathers every unit from its 1/(hosts x gpus) shards: use "
+                                 "param_route 'sharded'")  # fmt: skip
         if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1):
             raise ValueError(f"chunk_bytes must be None or an integer >= 1, got {self.chunk_bytes!r}")
 
@@ -60,6 +90,47 @@ class StepConfig:
     def tokens(self) -> int:
         """Tokens per rank per step."""
         return self.batch * self.seq
+
+    @property
+    def host_sharded(self) -> bool:
+        """Each host owns 1/N of the state (N > 1, layout ``sharded``)."""
+        return self.hosts > 1 and self.host_layout == "sharded"
+
+    @property
+    def state_share(self) -> float:
+        """Share of every unit's ledger (and of its update) one host holds: 1/N host-sharded, else 1."""
+        return 1 / self.hosts if self.host_sharded else 1.0
+
+
+def host_ledger_bytes(cfg: StepConfig) -> float:
+    """Host memory of the ledger on each host (bytes): 14 B/param, divided by N when host-sharded."""
+    return LEDGER_BYTES_PER_PARAM * cfg.model.total_params * cfg.state_share
+
+
+def host_update_bytes(cfg: StepConfig) -> float:
+    """CPU update bytes per host per step (all of that host's ranks): the host's share of every parameter."""
+    per = update_bytes_per_param(4, rows=1, bf16_out=cfg.precision == "bf16-mixed")
+    if cfg.grad_route == "host_reduce":
+        per = update_bytes_per_param(2 if cfg.precision == "bf16-mixed" else 4, rows=cfg.gpus,
+                                     bf16_out=cfg.precision == "bf16-mixed")  # fmt: skip
+    if cfg.param_route in ("replicated", "slideformer"):
+        raise ValueError(f"host_update_bytes: param_route {cfg.param_route!r} is not a shared-ledger route")
+    return cfg.model.total_params * cfg.state_share * per
+
+
+def net_collective(kind: str, nbytes_per_rank: float, hosts: int, latency: float) -> tuple[dict[str, float], float]:
+    """Per-rank network demand and latency of a ring collective between ``hosts`` hosts on a message of
+    ``nbytes_per_rank`` (the rank's shard): all-reduce moves 2(N-1)/N of it over the network in 2(N-1) steps;
+    reduce-scatter and all-gather move (N-1)/N in N-1 steps. The ranks of a host share its network (capacity
+    ``net`` = host bandwidth / R)."""
+    if hosts < 2:
+        return {}, 0.0
+    n = hosts
+    if kind == "all_reduce":
+        return {"net": 2 * (n - 1) / n * nbytes_per_rank}, 2 * (n - 1) * latency
+    if kind in ("reduce_scatter", "all_gather"):
+        return {"net": (n - 1) / n * nbytes_per_rank}, (n - 1) * latency
+    raise ValueError(f"unknown collective {kind!r}")
 
 
 @dataclass
@@ -97,6 +168,7 @@ def _collective(kind: str, nbytes: float, steps: int, latency: float) -> tuple[d
 def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
     """The ops of ``steps`` consecutive steps of one rank, in lane order (list order = order within a lane)."""
     profile.check_gpus(cfg.gpus)
+    profile.check_hosts(cfg.hosts)
     if cfg.param_route == "slideformer":
         return _slideformer_ops(cfg, profile, steps)
     r = cfg.gpus
@@ -119,7 +191,11 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         tag = "bwd" if backward else "fwd"
         sharded = cfg.param_route == "sharded" and r > 1
         nbytes = p * pb / r if sharded else p * pb
+        nbytes *= cfg.state_share  # host-sharded: the rank's 1/(N R) shard
         ids = [b.add(Op(f"h2d {tag}", "h2d", step, u, {"h2d": nbytes, "dram": nbytes}, profile.copy_latency_s, deps))]
+        if cfg.host_sharded:  # the rank's 1/R of the unit from the N hosts
+            demand, fixed = net_collective("all_gather", p * pb / r, cfg.hosts, profile.net_latency_s)
+            ids.append(b.add(Op(f"all_gather_net {tag}", "h2d", step, u, demand, fixed, [ids[-1]])))
         if sharded:
             demand, fixed = _collective(kind, p * pb * (r - 1) / r, r - 1, lat)
             ids.append(b.add(Op(f"all_gather {tag}", "h2d", step, u, demand, fixed, [ids[-1]])))
@@ -169,8 +245,9 @@ def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int,
         nbytes = p / r * update_bytes_per_param(pb, rows=r, bf16_out=cfg.precision == "bf16-mixed")
         return [b.add(Op("update", "update", step, u, {"cpu": nbytes, "dram": nbytes}, 0.0, [d2h]))]
     replicated = cfg.param_route == "replicated"
-    share = p if replicated else p / r  # parameters this rank receives and updates
-    n_chunks = max(1, math.ceil(share * 4 / cfg.chunk_bytes)) if cfg.chunk_bytes else 1
+    reduced = p if replicated else p / r  # parameters this rank holds after the in-host reduction
+    share = reduced * cfg.state_share  # parameters this rank receives and updates
+    n_chunks = max(1, math.ceil(reduced * 4 / cfg.chunk_bytes)) if cfg.chunk_bytes else 1
     per_upd = update_bytes_per_param(4, rows=1, bf16_out=cfg.precision == "bf16-mixed")
     out = []
     for k in range(n_chunks):
@@ -181,6 +258,10 @@ def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int,
             red = b.add(Op("all_reduce" if replicated else "reduce_scatter", "reduce", step, u, demand, fixed, [done], k))
         else:
             red = done
+        if cfg.hosts > 1:  # then between the hosts, on the rank's reduced shard
+            coll = "reduce_scatter" if cfg.host_sharded else "all_reduce"
+            demand, fixed = net_collective(coll, reduced * 4 * frac, cfg.hosts, profile.net_latency_s)
+            red = b.add(Op(f"{coll}_net", "net", step, u, demand, fixed, [red], k))
         nbytes = share * 4 * frac
         d2h = b.add(Op("d2h", "d2h", step, u, {"d2h": nbytes, "dram": nbytes}, profile.copy_latency_s, [red], k))
         upd = share * frac * per_upd

@@ -22,6 +22,9 @@ REQUIRED = (
     "h2d_gbps", "d2h_gbps", "copy_latency_s", "link_kind", "link_gbps", "link_latency_s",
     "host_dram_gbps", "cpu_cores", "update_gbps", "host_is_device",
 )  # fmt: skip
+# The inter-host network (optional: a profile without it models one host). ``net_gbps``: GB/s per direction per
+# host, shared by the host's ranks; ``net_latency_s``: latency of one step of a ring collective between hosts.
+NETWORK_KEYS = ("net_gbps", "net_latency_s")
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,22 @@ class Profile:
             return v1 / c1 * cores * GB
         return GB / (inv_a / cores + inv_b)
 
-    def capacities(self, r: int) -> dict[str, float]:
-        """Per-rank service capacity of each resource when all ``r`` ranks run the same step at once."""
+    def check_hosts(self, hosts: int) -> None:
+        if not isinstance(hosts, int) or isinstance(hosts, bool) or hosts < 1:
+            raise ValueError(f"hosts must be an integer >= 1, got {hosts!r}")
+        if hosts > 1:
+            missing = [k for k in NETWORK_KEYS if k not in self.values]
+            if missing:
+                raise ValueError(f"profile {self.name!r} has no inter-host network ({', '.join(missing)}); give "
+                                 f"--network (one of {shipped_networks()}) or add the constants")  # fmt: skip
+            if not self.net_gbps > 0 or self.net_latency_s < 0:
+                raise ValueError(f"profile {self.name!r}: net_gbps must be > 0 and net_latency_s >= 0")
+
+    def capacities(self, r: int, hosts: int = 1) -> dict[str, float]:
+        """Per-rank service capacity of each resource when all ``r`` ranks of each of ``hosts`` hosts run the same
+        step at once (every host has its own CPU, DRAM and PCIe; its ``r`` ranks share its network bandwidth)."""
         self.check_gpus(r)
+        self.check_hosts(hosts)
         cap = {
             "gpu": self.gpu_flops * self.gpu_efficiency,
             "h2d": self.h2d_per_gpu(r),
@@ -89,7 +105,18 @@ class Profile:
         }
         if self.host_is_device:
             cap["cores"] = self.cpu_cores / r
+        if hosts > 1:
+            cap["net"] = self.net_gbps * GB / r
         return cap
+
+    def with_network(self, name_or_path: str | Path) -> "Profile":
+        """This profile with its inter-host network replaced by a shipped network (:func:`shipped_networks`) or
+        a JSON file of ``{"net_gbps": {"value", "source"}, "net_latency_s": {...}}``."""
+        net = load_network(name_or_path)
+        values, sources = dict(self.values), dict(self.sources)
+        for key in NETWORK_KEYS:
+            values[key], sources[key] = net["constants"][key]["value"], net["constants"][key]["source"]
+        return Profile(f"{self.name}+{net['name']}", values, sources, f"{self.description}; {net['description']}")
 
     # -- io --------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -112,6 +139,9 @@ class Profile:
             if not src.startswith(SOURCE_KINDS):
                 raise ValueError(f"{where}: constant {key!r} has source {src!r}; it must start with one of {SOURCE_KINDS}")
             values[key], sources[key] = entry["value"], src
+        partial = [k for k in NETWORK_KEYS if k in values]
+        if partial and len(partial) != len(NETWORK_KEYS):
+            raise ValueError(f"{where}: the inter-host network needs all of {NETWORK_KEYS}, got only {partial}")
         if values["link_kind"] not in LINK_KINDS:
             raise ValueError(f"{where}: link_kind {values['link_kind']!r} not in {LINK_KINDS}")
         return cls(str(data.get("name", where)), values, sources, str(data.get("description", "")))
@@ -134,3 +164,74 @@ def load_profile(name_or_path: str | Path) -> Profile:
         return Profile.from_json(json.loads(path.read_text()), str(path))
     raise ValueError(f"unknown hardware profile {key!r}: give one of {shipped_profiles()} or a profile JSON file "
                      "(python -m slidedp_lightning.steptime calibrate writes one)")  # fmt: skip
+
+
+# Shipped inter-host networks (``--network``): per-host bandwidth per direction and per-step latency, sourced.
+NETWORKS: dict[str, dict] = {'ib_ndr400x8': {'description': '8x 400 Gb/s NDR InfiniBand per host (one NIC per GPU, DGX H100 style)',
+                 'constants': {'net_gbps': {'value': 400.0,
+                                            'source': 'datasheet: NDR InfiniBand 400 Gb/s = 50 GB/s per direction '
+                                                      'per port; DGX H100 has 8 ConnectX-7 ports for the compute '
+                                                      'fabric (line rate; protocol efficiency not modelled)'},
+                               'net_latency_s': {'value': 5e-06,
+                                                 'source': 'assumed: ~5 us per collective step (NDR switch + HCA '
+                                                           '~1-2 us, plus NCCL protocol)'}}},
+ 'ib_hdr200x4': {'description': '4x 200 Gb/s HDR InfiniBand per host',
+                 'constants': {'net_gbps': {'value': 100.0,
+                                            'source': 'datasheet: HDR InfiniBand 200 Gb/s = 25 GB/s per direction '
+                                                      'per port; assumed: 4 ports per 8-GPU host (line rate)'},
+                               'net_latency_s': {'value': 5e-06,
+                                                 'source': 'assumed: ~5 us per collective step (HDR switch + HCA '
+                                                           '~1-2 us, plus NCCL protocol)'}}},
+ 'ib_ndr400': {'description': 'one 400 Gb/s NDR InfiniBand port per host',
+               'constants': {'net_gbps': {'value': 50.0,
+                                          'source': 'datasheet: NDR InfiniBand 400 Gb/s = 50 GB/s per direction '
+                                                    '(line rate)'},
+                             'net_latency_s': {'value': 5e-06,
+                                               'source': 'assumed: ~5 us per collective step (switch + HCA ~1-2 us, '
+                                                         'plus NCCL protocol)'}}},
+ 'roce100': {'description': 'one 100 Gb/s RoCE port per host',
+             'constants': {'net_gbps': {'value': 12.5,
+                                        'source': 'datasheet: 100 GbE = 12.5 GB/s per direction (line rate)'},
+                           'net_latency_s': {'value': 1e-05,
+                                             'source': 'assumed: ~10 us per collective step (RoCE v2 through an '
+                                                       'Ethernet switch, plus NCCL protocol)'}}},
+ 'eth25': {'description': 'one 25 GbE port per host (TCP sockets)',
+           'constants': {'net_gbps': {'value': 3.125,
+                                      'source': 'datasheet: 25 GbE = 3.125 GB/s per direction (line rate)'},
+                         'net_latency_s': {'value': 3e-05,
+                                           'source': 'assumed: ~30 us per collective step (TCP through the kernel '
+                                                     'and a switch)'}}}}
+
+
+def _networks() -> dict:
+    return NETWORKS
+
+
+def shipped_networks() -> list[str]:
+    """Names of the inter-host networks shipped with the package (``NETWORKS``)."""
+    return sorted(_networks())
+
+
+def load_network(name_or_path: str | Path) -> dict:
+    """A shipped network by name or a network JSON file: ``{"name", "description", "constants": {net_gbps,
+    net_latency_s}}``, every constant with a source."""
+    key = str(name_or_path)
+    nets = _networks()
+    if key in nets:
+        data = {"name": key, **nets[key]}
+    elif Path(key).suffix == ".json" and Path(key).is_file():
+        data = json.loads(Path(key).read_text())
+        data.setdefault("name", Path(key).stem)
+    else:
+        raise ValueError(f"unknown network {key!r}: give one of {shipped_networks()} or a network JSON file")
+    consts = data.get("constants", {})
+    for k in NETWORK_KEYS:
+        entry = consts.get(k)
+        if not isinstance(entry, dict) or "value" not in entry:
+            raise ValueError(f"network {key!r}: constant {k!r} must be {{'value': ..., 'source': ...}}")
+        if not str(entry.get("source", "")).startswith(SOURCE_KINDS):
+            raise ValueError(f"network {key!r}: constant {k!r} needs a source starting with one of {SOURCE_KINDS}")
+    if not consts["net_gbps"]["value"] > 0 or consts["net_latency_s"]["value"] < 0:
+        raise ValueError(f"network {key!r}: net_gbps must be > 0 and net_latency_s >= 0")
+    data.setdefault("description", "")
+    return data

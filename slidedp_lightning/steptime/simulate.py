@@ -149,7 +149,7 @@ def classify(busy: dict[str, float]) -> str:
 def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
     """Simulate two steps and report the second (steady state: its fetches wait on the first step's updates)."""
     ops = build_ops(cfg, profile, steps=2)
-    times = run(ops, profile.capacities(cfg.gpus))
+    times = run(ops, profile.capacities(cfg.gpus, cfg.hosts))
     spans = [Span(op.lane, op.name, op.step, op.unit, a, b) for op, (a, b) in zip(ops, times)]
     ends = [max(s.end for s in spans if s.lane == "compute" and s.step == k) for k in (0, 1)]
     lo, hi = ends
@@ -172,5 +172,5 @@ def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
                 exposed[k] += (x - prev) / len(live)
         prev = max(prev, x)
         count[lane] += delta
-    tokens = cfg.tokens * cfg.gpus
+    tokens = cfg.tokens * cfg.gpus * cfg.hosts  # every rank of every host
     return SimResult(step_time, tokens / step_time if step_time > 0 else math.inf, busy, exposed, classify(busy), spans)
