@@ -89,6 +89,8 @@ class SlideDPStrategy(ParallelStrategy):
             ranks, swapped into place atomically); ``"full"``: one ``torch.save`` file from rank 0.
         loss_chunk_tokens: compute a transformers causal LM's loss (``model(..., labels=...)``) this many tokens
             at a time: the head never holds the full ``[batch, seq, vocab]`` logits (long sequences, big vocabularies).
+        max_units_in_flight: backward waits while this many units' gradients wait for the CPU update (bounds the
+            gradient memory held for it, on the device under gpu_reduce).
         memory_budget: AutoPolicy's device memory budget: bytes, a fraction of the device's memory (CUDA), or
             None (90 % on CUDA, unlimited on CPU).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
@@ -120,6 +122,7 @@ class SlideDPStrategy(ParallelStrategy):
         update: str = "auto",
         checkpoint_format: str = "distributed",
         loss_chunk_tokens: Optional[int] = None,
+        max_units_in_flight: int = 4,
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -164,6 +167,7 @@ class SlideDPStrategy(ParallelStrategy):
             activation_policy=ActivationPolicy.coerce(activation_policy),
             update="deferred" if update == "deferred" else "immediate",
             loss_chunk_tokens=loss_chunk_tokens,
+            max_units_in_flight=max_units_in_flight,
         )
         self.meta_init = meta_init
         self.restore_module = restore_module

@@ -147,6 +147,8 @@ def test_strategy_instance_keeps_options() -> None:
         (dict(memory_budget=10**9), "activation_policy='auto'"),
         (dict(memory_budget=1.5, activation_policy="auto"), "fraction"),
         (dict(param_route="replicated", grad_route="host_reduce"), "gpu_reduce"),
+        (dict(max_units_in_flight=0), "max_units_in_flight"),
+        (dict(loss_chunk_tokens=-1), "loss_chunk_tokens"),
     ],
 )
 def test_bad_strategy_config_raises(kw: dict, match: str) -> None:
