@@ -43,6 +43,7 @@ def save_hf(engine, directory: str | os.PathLike, dtype: str | torch.dtype = tor
         raise ValueError(f"export dtype must be bfloat16 or float32, got {dtype!r}.")
     if not hasattr(engine.model, "config") or not hasattr(engine.model.config, "save_pretrained"):
         raise TypeError(f"{type(engine.model).__name__} has no Hugging Face config to export with.")
+    engine._refuse_host_sharded("save_hf")
     engine.synchronize()
     if engine.global_rank == 0:
         directory = Path(directory)

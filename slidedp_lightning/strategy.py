@@ -91,6 +91,10 @@ class SlideDPStrategy(ParallelStrategy):
             at a time: the head never holds the full ``[batch, seq, vocab]`` logits (long sequences, big vocabularies).
         max_units_in_flight: backward waits while this many units' gradients wait for the CPU update (bounds the
             gradient memory held for it, on the device under gpu_reduce).
+        host_layout: with ``num_nodes > 1``: ``"replicated"`` (every host a full ledger, reduced gradient shards
+            all-reduced between hosts) or ``"sharded"`` (every host 1/N of each unit's state: gradients
+            reduce-scattered and parameters all-gathered over all ranks; needs ``param_route="sharded"``; no
+            checkpoints or export yet).
         memory_budget: AutoPolicy's device memory budget: bytes, a fraction of the device's memory (CUDA), or
             None (90 % on CUDA, unlimited on CPU).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
@@ -122,7 +126,8 @@ class SlideDPStrategy(ParallelStrategy):
         update: str = "auto",
         checkpoint_format: str = "distributed",
         loss_chunk_tokens: Optional[int] = None,
-        max_units_in_flight: int = 4,
+        max_units_in_flight: int = 2,
+        host_layout: str = "replicated",
         start_method: str = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -142,6 +147,12 @@ class SlideDPStrategy(ParallelStrategy):
         if update not in ("auto", "immediate", "deferred"):
             raise ValueError(f"update must be 'auto', 'immediate' or 'deferred', got {update!r}.")
         self._update = update
+        if host_layout not in ("replicated", "sharded"):
+            raise ValueError(f"host_layout must be 'replicated' or 'sharded', got {host_layout!r}.")
+        if host_layout == "sharded" and param_route != "sharded":
+            raise ValueError(f"host_layout='sharded' gathers every unit from all hosts: use param_route='sharded' "
+                             f"(got {param_route!r}).")  # fmt: skip
+        self.host_layout = host_layout
         if checkpoint_format not in ("distributed", "full"):
             raise ValueError(f"checkpoint_format must be 'distributed' or 'full', got {checkpoint_format!r}.")
         self.checkpoint_format = checkpoint_format
@@ -318,6 +329,15 @@ class SlideDPStrategy(ParallelStrategy):
         locals_ = [dist.new_group(list(range(h * size, (h + 1) * size))) for h in range(n)]
         cross = [dist.new_group([h * size + r for h in range(n)]) for r in range(size)]
         leaders = dist.new_group([h * size for h in range(n)])
+        if self.host_layout == "sharded":
+            hosts = HostGroups(n, self.node_rank, self.global_rank, None, leaders if self.local_rank == 0 else None,
+                               _group.WORLD, sharded=True, local=locals_[self.node_rank])  # fmt: skip
+            return SlideDPEngine(
+                self.model, self.engine_config, device=self.root_device,
+                compute_dtype=self.precision_plugin.compute_dtype, rank=self.global_rank, world_size=self.world_size,
+                local_rank=self.local_rank, local_world_size=size, group=_group.WORLD,
+                planner=self.planner if self.planner is not None and self.planner.plan is None else None, hosts=hosts,
+            )  # fmt: skip
         hosts = HostGroups(n, self.node_rank, self.global_rank, cross[self.local_rank],
                            leaders if self.local_rank == 0 else None, _group.WORLD)  # fmt: skip
         return SlideDPEngine(

@@ -192,10 +192,19 @@ def test_a_policy_for_another_model_is_refused_before_training(tmp_path) -> None
     assert module.losses == []
 
 
-def test_num_nodes_2_raises() -> None:
-    with pytest.raises(ValueError, match="num_nodes"):
-        L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, num_nodes=2, logger=False)
+@pytest.mark.parametrize("kw", [dict(grad_route="host_reduce"), dict(param_route="auto"), dict(chunk_bytes="auto")])
+def test_several_nodes_refuse_what_a_host_cannot_agree_on(kw) -> None:
+    with pytest.raises(ValueError, match="nodes") as info:
+        L.Trainer(strategy=SlideDPStrategy(**kw), accelerator="cpu", devices=1, num_nodes=2, logger=False)
+    assert "gpu_reduce" in str(info.value)
     assert not dist.is_initialized()
+
+
+def test_host_sharded_layout_needs_the_sharded_parameter_route() -> None:
+    with pytest.raises(ValueError, match="param_route='sharded'"):
+        SlideDPStrategy(host_layout="sharded")
+    with pytest.raises(ValueError, match="host_layout"):
+        SlideDPStrategy(host_layout="diagonal")
 
 
 # -- fit-time checks --------------------------------------------------------------------------------------

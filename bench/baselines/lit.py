@@ -43,6 +43,9 @@ class BenchLM(L.LightningModule):
         return rank_loader(self.spec, self.global_rank)
 
     def on_train_end(self) -> None:
+        # the steps end here, before the strategy's teardown (where SlideDP gives the module FP32 copies of the
+        # master weights while the ledger is still mapped): the plain systems also stop the window at their loop
+        self.rec.steps_done()
         engine = getattr(self.trainer.strategy, "engine", None)
         if engine is not None:
             self.rec.extra["device_memory"] = engine.device_memory()

@@ -21,6 +21,13 @@ class Recorder:
         self.losses: list[float] = []
         self.tokens: list[int] = []  # per step: the sum of this rank's token ids (a fingerprint of its data)
         self.extra: dict = {}
+        self.end: float | None = None  # when the training steps ended (None: when ``write`` is called)
+        self.end_wall: float | None = None
+
+    def steps_done(self) -> None:
+        """The training steps are over; what follows (the trainer's teardown, writing results) is outside the
+        window whose host-memory peak is reported."""
+        self.end, self.end_wall = time.perf_counter(), time.time()
 
     def step_start(self) -> None:
         self.starts.append(time.perf_counter())
@@ -35,9 +42,9 @@ class Recorder:
     def write(self, device_memory: dict | None, device_note: str = "") -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         data = {
-            "rank": self.rank, "starts": self.starts, "walls": self.walls, "end": time.perf_counter(),
-            "end_wall": time.time(), "losses": self.losses, "tokens": self.tokens, "device_memory": device_memory,
-            "device_note": device_note, "pid": os.getpid(), **self.extra,
+            "rank": self.rank, "starts": self.starts, "walls": self.walls, "end": self.end or time.perf_counter(),
+            "end_wall": self.end_wall or time.time(), "losses": self.losses, "tokens": self.tokens,
+            "device_memory": device_memory, "device_note": device_note, "pid": os.getpid(), **self.extra,
         }  # fmt: skip
         (self.out / f"result_rank{self.rank}.json").write_text(json.dumps(data))
 

@@ -63,7 +63,7 @@ class EngineConfig:
     update: str = "immediate"
     accumulate: int = 1  # backward passes (micro-batches) per optimizer step
     loss_chunk_tokens: int | None = None  # causal-LM loss in chunks of this many tokens (no full logits)
-    max_units_in_flight: int = 4  # units whose gradient may wait for the CPU update before backward waits
+    max_units_in_flight: int = 2  # units whose gradient may wait for the CPU update before backward waits
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=lambda: float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0")))
 
@@ -116,6 +116,8 @@ class HostGroups:
     cross: object = None
     leaders: object = None
     world: object = None
+    sharded: bool = False  # host-sharded ledgers: the engine spans all hosts, each host's ledger holds 1/N
+    local: object = None  # host-sharded: this host's ranks (ledger creation)
 
 
 def find_streamed_model(root: nn.Module) -> nn.Module:
@@ -149,7 +151,7 @@ class SlideDPEngine:
         planner=None,
         hosts: HostGroups | None = None,
     ) -> None:
-        if local_world_size != world_size:
+        if local_world_size != world_size and not (hosts is not None and hosts.sharded):
             raise ValueError(
                 "SlideDP keeps one ledger per host and runs on a single host for now: "
                 f"world size {world_size} spans more than this host's {local_world_size} ranks."
@@ -181,13 +183,14 @@ class SlideDPEngine:
     def _collective_check(self, fn) -> object:
         """Run ``fn`` on rank 0; every rank receives its result or raises its error (no rank hangs)."""
         result: list = [None]
-        if self.rank == 0:
+        if self.local_rank == 0:
             try:
                 result[0] = ("ok", fn())
             except Exception as exc:  # re-raised on every rank below
                 result[0] = ("error", exc)
-        if self.world_size > 1:
-            dist.broadcast_object_list(result, group=self.group, group_src=0)
+        group = self.hosts.local if self.hosts.sharded else self.group
+        if self.local_world_size > 1:
+            dist.broadcast_object_list(result, group=group, group_src=0)
         status, value = result[0]
         if status == "error":
             raise value
@@ -204,6 +207,14 @@ class SlideDPEngine:
         specs = self.adapter.units(model)
         self.layout: Layout = build_layout(self.root, specs, self.world_size, owners)
         self._blocks = {i: spec.modules[0] for i, spec in enumerate(specs) if spec.block}
+        # host-sharded ledgers: this host owns (and its ledger holds) a contiguous 1/N of every unit
+        self.host_sharded = self.hosts.sharded
+        size = self.local_world_size
+        self._owners = slice(self.hosts.index * size, (self.hosts.index + 1) * size) if self.host_sharded else slice(None)
+        self._host_ranges = [
+            (u.offset + self._owners.start * u.shard_numel, u.offset + self._owners.stop * u.shard_numel)
+            for u in self.layout.units
+        ] if self.host_sharded else None  # fmt: skip
         self._param_group = None
         self.route_probe: RouteProbe | None = None
         self._resolve_auto()
@@ -218,7 +229,7 @@ class SlideDPEngine:
             staging_itemsize=grad_bytes,
         )
         self.adapter.materialize_buffers(model)
-        copies = self.local_world_size if self.replicated else 1
+        copies = self.local_world_size if self.replicated else (1 / self.hosts.count if self.host_sharded else 1)
 
         def create() -> str:
             remove_stale_ledgers()  # before the preflight: a dead job's ledger may hold the room this one needs
@@ -228,7 +239,7 @@ class SlideDPEngine:
             ledger = HostLedger(path, geometry, create=True)
             try:
                 self._load_initial_weights(ledger)
-                if self.hosts.leaders is not None:  # every host starts from global rank 0's weights
+                if self.hosts.leaders is not None and not self.host_sharded:  # every host: global rank 0's weights
                     dist.broadcast(ledger.master, src=0, group=self.hosts.leaders)
                     ledger.refresh_bf16()
             except BaseException:
@@ -285,7 +296,8 @@ class SlideDPEngine:
             "all_reduce" if self.replicated else self.config.grad_route, self.layout, self.ledger, self.rank,
             self.world_size, self.group, self.lanes, self.liveness,
             self.config.chunk_bytes // 4 // 16 * 16 if self.config.chunk_bytes else None,
-            cross_group=self.hosts.cross, reduce_world=self.world_size * self.hosts.count,
+            cross_group=self.hosts.cross,
+            reduce_world=self.world_size * (1 if self.host_sharded else self.hosts.count),
         )  # fmt: skip
         threads = cpu_ops.thread_budget(self.local_world_size, self.config.update_threads)
         torch_threads = torch.get_num_threads()
@@ -360,8 +372,9 @@ class SlideDPEngine:
         return self.lanes.stamp("compute") if self.tracer.enabled else None
 
     def _new_host_group(self):
-        """A new process group of this host's ranks (every rank of every host creates every host's group)."""
-        if self.hosts.count == 1:
+        """A new process group of this host's ranks (every rank of every host creates every host's group); with
+        host-sharded ledgers, of all ranks (every rank gathers every unit from all hosts)."""
+        if self.hosts.count == 1 or self.host_sharded:
             return dist.new_group(list(range(self.world_size)))
         size = self.world_size
         groups = [dist.new_group(list(range(h * size, (h + 1) * size))) for h in range(self.hosts.count)]
@@ -372,10 +385,10 @@ class SlideDPEngine:
             dist.barrier(group=self.group)
 
     def _load_initial_weights(self, ledger: HostLedger) -> None:
-        """Copy the model's weights (materializing meta units one at a time) into a new ledger."""
-        ledger.master.zero_()
-        ledger.exp_avg.zero_()
-        ledger.exp_avg_sq.zero_()
+        """Copy the model's weights (materializing meta units one at a time) into a new ledger (a new file reads
+        as zeros: moments, gaps and padding need no writing)."""
+        if self.host_sharded:
+            return self._load_host_slices(ledger)
         for unit in self.layout.units:
             materialized = []
             for slot in unit.slots:
@@ -388,6 +401,31 @@ class SlideDPEngine:
             for module in materialized:  # the unit lives in the ledger now: hand its memory back at once
                 module.to_empty(device="meta", recurse=True)
         ledger.refresh_bf16()
+
+    def _load_host_slices(self, ledger: HostLedger) -> None:
+        """Host-sharded: global rank 0's weights, unit by unit, of which this host keeps only its slice."""
+        for unit, (a, b) in zip(self.layout.units, self._host_ranges):
+            flat = torch.zeros(unit.padded)
+            materialized = []
+            for slot in unit.slots:
+                module, attr = slot.locations[0]
+                if getattr(module, attr).is_meta:
+                    self._materialize(module)
+                    materialized.append(module)
+                flat[slot.offset : slot.end].copy_(getattr(module, attr).detach().reshape(-1))
+            for module in materialized:
+                module.to_empty(device="meta", recurse=True)
+            if self.hosts.leaders is not None:
+                dist.broadcast(flat, src=0, group=self.hosts.leaders)
+            ledger.master[a:b].copy_(flat[a - unit.offset : b - unit.offset])
+        ledger.refresh_bf16(self._host_ranges)
+
+    def _refuse_host_sharded(self, what: str) -> None:
+        if self.host_sharded:
+            raise NotImplementedError(
+                f"{what} reads whole parameters, and with host-sharded ledgers each host holds 1/N of them; it is "
+                "not supported for this layout yet: train with host_layout='replicated' to checkpoint or export."
+            )
 
     def _materialize(self, module: nn.Module) -> None:
         module.to_empty(device="cpu", recurse=True)
@@ -615,7 +653,7 @@ class SlideDPEngine:
     def synchronize(self) -> None:
         """Wait until every rank's updates of every dispatched step are in the ledger."""
         self.lane.wait_idle(self.liveness)
-        version = self.ledger.version
+        version = self.ledger.version[:, self._owners]  # the owners whose shards this host's ledger holds
         wait_until(lambda: bool((version >= self.step).all()), self.liveness, "all ranks' updates")
 
     def device_memory(self) -> dict[str, int]:
@@ -636,6 +674,7 @@ class SlideDPEngine:
         return self.ledger.master[start : start + slot.numel].view(slot.shape)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        self._refuse_host_sharded("state_dict")
         """The root module's state dict with FP32 master weights (copies), keyed as ``root.state_dict()``."""
         self.synchronize()
         out = {}
@@ -656,6 +695,7 @@ class SlideDPEngine:
         return out
 
     def ledger_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        self._refuse_host_sharded("A checkpoint")
         """Views into the shared ledger for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and
         ``exp_avg_sq/<name>`` (writing into them writes the ledger)."""
         slots = self.named_slots()
@@ -692,6 +732,7 @@ class SlideDPEngine:
         return self.ledger.exp_avg[sl].view(slot.shape), self.ledger.exp_avg_sq[sl].view(slot.shape)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        self._refuse_host_sharded("optimizer_state_dict")
         """``optimizer.state_dict()`` as torch's Adam/AdamW would return it, with the moments from the ledger."""
         self.synchronize()
         groups = optimizer.state_dict()["param_groups"]
@@ -717,6 +758,7 @@ class SlideDPEngine:
         getattr(self.ledger, target)[start : start + slot.numel].copy_(value.reshape(-1))
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        self._refuse_host_sharded("load_state_dict")
         """Write weights (keyed as ``root.state_dict()``) into the FP32 master and its BF16 copy."""
         self.synchronize()
         own = self.root.state_dict(keep_vars=True)
@@ -736,6 +778,7 @@ class SlideDPEngine:
         self._barrier()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        self._refuse_host_sharded("load_optimizer_state_dict")
         """Restore moments, step count and group hyper-parameters saved by :meth:`optimizer_state_dict`."""
         self.synchronize()
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -760,6 +803,9 @@ class SlideDPEngine:
 
     # -- teardown ------------------------------------------------------------------------------------
     def _restore_fits(self) -> bool:
+        if self.host_sharded:  # no host holds whole parameters
+            log.warning("SlideDP: host-sharded ledgers: the module's parameters are left on the meta device.")
+            return False
         """Whether FP32 copies of the model on every local rank fit comfortably in the host's free memory."""
         need = self.layout.num_params * 4 * self.local_world_size
         available = available_host_bytes()[0]
@@ -782,7 +828,7 @@ class SlideDPEngine:
         if self._closed:
             return
         self._closed = True
-        if restore == "auto":
+        if restore == "auto" or self.host_sharded:
             restore = self._restore_fits()
         try:
             if self.lane is not None and self.lane.error is None and not self._aborted:

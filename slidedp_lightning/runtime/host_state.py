@@ -151,16 +151,18 @@ def available_host_bytes() -> tuple[int, int]:
     return mem, st.f_bavail * st.f_frsize
 
 
-def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: int = 1) -> None:
-    """Fail fast, before anything is allocated, when ``copies`` ledgers cannot fit in host shared memory."""
-    need = geometry.nbytes * copies
+def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float = 1) -> None:
+    """Fail fast, before anything is allocated, when ``copies`` ledgers (a fraction for a host-sharded ledger,
+    which only ever touches its share of the file) cannot fit in host shared memory."""
+    need = int(geometry.nbytes * copies)
     mem, shm = available_host_bytes()
     have = min(mem, shm)
     if need > have:
         gib = 1 << 30
         raise HostMemoryError(
             f"SlideDP needs {need / gib:.2f} GiB of host shared memory for "
-            + (f"{copies} ledgers (param_route='replicated': one per rank) " if copies > 1 else "the ledger ")
+            + (f"{copies} ledgers (param_route='replicated': one per rank) " if copies > 1 else
+               "the ledger " if copies == 1 else f"this host's {copies:.3g} of the ledger ")
             + f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
             + (f" + {geometry.staging_bytes / gib:.2f} GiB host_reduce staging" if geometry.staging_bytes else "")
             + f"), but only {have / gib:.2f} GiB is available (MemAvailable {mem / gib:.2f} GiB, "
@@ -194,6 +196,7 @@ class HostLedger:
             finally:
                 os.close(fd)
         self._raw = torch.from_file(path, shared=True, size=geometry.nbytes, dtype=torch.uint8)
+        self._fd = os.open(path, os.O_RDONLY)  # the file's allocated size stays readable after the name goes
         self._linked = create
         off = geometry.offsets
         g = geometry
@@ -252,10 +255,19 @@ class HostLedger:
             torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr())
             self._pinned = False
 
-    def refresh_bf16(self) -> None:
+    def refresh_bf16(self, ranges: list[tuple[int, int]] | None = None) -> None:
         """Rewrite the BF16 transfer copy from the master (torch's conversion: round-to-nearest-even, the same
-        bits as the update kernel's; runs on the calling thread with torch's threads, no Numba)."""
-        self.bf16.copy_(self.master)
+        bits as the update kernel's; runs on the calling thread with torch's threads, no Numba), everywhere or
+        in ``ranges`` only (a host-sharded ledger never touches the pages it does not own)."""
+        if ranges is None:
+            self.bf16.copy_(self.master)
+            return
+        for a, b in ranges:
+            self.bf16[a:b].copy_(self.master[a:b])
+
+    def allocated_bytes(self) -> int:
+        """Bytes of memory the ledger file holds now (a page is allocated when first written)."""
+        return os.fstat(self._fd).st_blocks * 512
 
     def unlink(self) -> None:
         """Remove the file name (the mapping stays valid for every process that has it)."""
@@ -270,5 +282,8 @@ class HostLedger:
     def close(self) -> None:
         self.unlink()
         self.unpin()
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
         for name in ("master", "exp_avg", "exp_avg_sq", "bf16", "staging", "_raw"):
             setattr(self, name, None)

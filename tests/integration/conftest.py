@@ -44,11 +44,22 @@ def shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/slidedp-*"))
 
 
+# set by an in-process Lightning fit earlier in the same pytest process: a job started with them would believe
+# its ranks are launched externally and wait for ranks that never come
+LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return {**base, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
+
+
 def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, **cfg) -> JobResult:
     tmp.mkdir(parents=True, exist_ok=True)
     cfg.setdefault("out", str(tmp))
     (tmp / "config.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **(env or {})}
+    env = clean_env(**(env or {}))
     proc = subprocess.run(
         [sys.executable, str(JOB), str(tmp / "config.json")],
         capture_output=True, text=True, timeout=timeout, env=env,
@@ -74,8 +85,7 @@ def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port)}  # fmt: skip
+    base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     procs = [
         subprocess.Popen([sys.executable, str(JOB), str(tmp / "config.json")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, env={**base, "NODE_RANK": str(n)})

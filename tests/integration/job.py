@@ -139,6 +139,10 @@ class TinyLM(L.LightningModule):
 
     def on_train_end(self) -> None:
         out = self.cfg["out"]
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if engine is not None:  # memory the ledger file holds after training (pages are allocated when written)
+            with open(os.path.join(out, f"allocated_rank{self.global_rank}.json"), "w") as f:
+                json.dump({"allocated": engine.ledger.allocated_bytes(), "nbytes": engine.ledger.geometry.nbytes}, f)
         with open(os.path.join(out, f"losses_rank{self.global_rank}.json"), "w") as f:
             json.dump(self.losses, f)
 
@@ -182,6 +186,7 @@ def fit(cfg: dict) -> int:
             update=cfg.get("update", "auto"),
             checkpoint_format=cfg.get("checkpoint_format", "distributed"),
             loss_chunk_tokens=cfg.get("loss_chunk"),
+            host_layout=cfg.get("host_layout", "replicated"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
     else:

@@ -571,7 +571,8 @@ def test_forward_leaves_nothing_in_flight(engines, tied: bool, window: int, grad
 def test_forward_before_end_step_does_not_leave_stale_weights(engines, tied: bool) -> None:
     model = tiny_model(tied)
     ref = copy.deepcopy(model)
-    engine = engines(model)
+    # every unit's update may wait behind the gate (backpressure would otherwise hold backward until it opens)
+    engine = engines(model, max_units_in_flight=16)
     engine.attach_optimizer(adamw_groups(model))
     ref_opt = adamw_groups(ref)
     x, y = batches(2)
