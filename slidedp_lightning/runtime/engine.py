@@ -102,6 +102,10 @@ class EngineConfig:
             raise ValueError(f"staging_slots must be an integer >= 1, got {self.staging_slots!r}.")
 
 
+class UnsupportedLayoutError(RuntimeError):
+    """An operation that needs whole parameters on a host, asked of host-sharded ledgers."""
+
+
 @dataclass(frozen=True)
 class HostGroups:
     """Where one host's engine sits among several hosts (one ledger per host, full state on each).
@@ -422,7 +426,7 @@ class SlideDPEngine:
 
     def _refuse_host_sharded(self, what: str) -> None:
         if self.host_sharded:
-            raise NotImplementedError(
+            raise UnsupportedLayoutError(
                 f"{what} reads whole parameters, and with host-sharded ledgers each host holds 1/N of them; it is "
                 "not supported for this layout yet: train with host_layout='replicated' to checkpoint or export."
             )

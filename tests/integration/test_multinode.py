@@ -52,3 +52,12 @@ def test_two_nodes_of_two_ranks_equal_ddp_on_four(tmp_path, reference, layout):
     info = res.ledger(0)
     assert info["nbytes"] >= 14 * info["num_params"]
     assert not shm_files(), "a shared-memory ledger file was left behind"
+
+
+@pytest.mark.integration
+def test_host_sharded_ledgers_refuse_a_checkpoint_with_a_clear_error(tmp_path):
+    res = run_nodes(tmp_path / "job", nodes=2, strategy="slidedp", devices=1, tied=True, steps=3, batch=BATCH,
+                    param_route="sharded", host_layout="sharded", save_at=2)  # fmt: skip
+    assert res.returncode != 0
+    assert "UnsupportedLayoutError" in res.output and "host_layout='replicated'" in res.output
+    assert not shm_files(), "a shared-memory ledger file was left behind"
