@@ -213,8 +213,8 @@ class SlideDPStrategy(ParallelStrategy):
         if num_nodes > 1 and (cfg.grad_route != "gpu_reduce" or "auto" in (cfg.param_route, cfg.chunk_bytes)
                               or cfg.param_route == "replicated"):  # fmt: skip
             raise ValueError(
-                f"Across {num_nodes} nodes SlideDP keeps a full ledger on every host and all-reduces each reduced "
-                "gradient shard between the hosts: use grad_route='gpu_reduce' and an explicit param_route "
+                f"Across {num_nodes} nodes SlideDP reduces gradients on the devices and between the hosts, and every "
+                "host must make the same choices: use grad_route='gpu_reduce' and an explicit param_route "
                 f"('full' or 'sharded') and chunk_bytes (got {cfg.grad_route!r}, {cfg.param_route!r}, "
                 f"{cfg.chunk_bytes!r})."
             )
