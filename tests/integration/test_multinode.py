@@ -61,3 +61,19 @@ def test_host_sharded_ledgers_refuse_a_checkpoint_with_a_clear_error(tmp_path):
     assert res.returncode != 0
     assert "UnsupportedLayoutError" in res.output and "host_layout='replicated'" in res.output
     assert not shm_files(), "a shared-memory ledger file was left behind"
+
+
+@pytest.mark.integration
+def test_replicated_ledgers_checkpoint_and_resume_on_one_host(tmp_path):
+    """Saved by 2 hosts x 1 rank (DCP over the whole job, one copy per parameter), resumed by one host of 2
+    ranks: the resumed losses continue the straight run's."""
+    common = dict(strategy="slidedp", tied=True, batch=BATCH, constant_data=True, param_route="full")
+    straight = run_nodes(tmp_path / "straight", nodes=2, devices=1, steps=6, save_at=3, **common)
+    assert straight.returncode == 0, straight.output[-4000:]
+    from tests.integration.conftest import run_job
+
+    resumed = run_job(tmp_path / "resumed", devices=2, steps=6, ckpt_path=str(straight.out / "ck"), **common)
+    assert resumed.returncode == 0, resumed.output[-4000:]
+    ref, got = straight.losses(0)[3:], resumed.losses(0)
+    assert len(got) == len(ref) == 3
+    assert max(abs(x - y) / abs(y) for x, y in zip(got, ref)) <= 1e-6
