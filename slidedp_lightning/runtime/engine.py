@@ -394,35 +394,30 @@ class SlideDPEngine:
         if self.host_sharded:
             return self._load_host_slices(ledger)
         for unit in self.layout.units:
-            materialized = []
-            for slot in unit.slots:
-                module, attr = slot.locations[0]
-                if getattr(module, attr).is_meta:
-                    self._materialize(module)
-                    materialized.append(module)
-                start = unit.offset + slot.offset
-                ledger.master[start : start + slot.numel].copy_(getattr(module, attr).detach().reshape(-1))
-            for module in materialized:  # the unit lives in the ledger now: hand its memory back at once
-                module.to_empty(device="meta", recurse=True)
+            self._copy_unit_weights(unit, ledger.master[unit.offset : unit.offset + unit.padded])
         ledger.refresh_bf16()
 
     def _load_host_slices(self, ledger: HostLedger) -> None:
         """Host-sharded: global rank 0's weights, unit by unit, of which this host keeps only its slice."""
         for unit, (a, b) in zip(self.layout.units, self._host_ranges):
             flat = torch.zeros(unit.padded)
-            materialized = []
-            for slot in unit.slots:
-                module, attr = slot.locations[0]
-                if getattr(module, attr).is_meta:
-                    self._materialize(module)
-                    materialized.append(module)
-                flat[slot.offset : slot.end].copy_(getattr(module, attr).detach().reshape(-1))
-            for module in materialized:
-                module.to_empty(device="meta", recurse=True)
+            self._copy_unit_weights(unit, flat)
             if self.hosts.leaders is not None:
                 dist.broadcast(flat, src=0, group=self.hosts.leaders)
             ledger.master[a:b].copy_(flat[a - unit.offset : b - unit.offset])
         ledger.refresh_bf16(self._host_ranges)
+
+    def _copy_unit_weights(self, unit, flat: torch.Tensor) -> None:
+        """Write ``unit``'s weights into its flat layout ``flat`` (meta modules materialized for the copy only)."""
+        materialized = []
+        for slot in unit.slots:
+            module, attr = slot.locations[0]
+            if getattr(module, attr).is_meta:
+                self._materialize(module)
+                materialized.append(module)
+            flat[slot.offset : slot.end].copy_(getattr(module, attr).detach().reshape(-1))
+        for module in materialized:  # the unit lives in the ledger now: hand its memory back at once
+            module.to_empty(device="meta", recurse=True)
 
     def _refuse_host_sharded(self, what: str) -> None:
         if self.host_sharded:

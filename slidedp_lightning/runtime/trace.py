@@ -37,7 +37,8 @@ class Span:
     end: float
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``[start, end)`` intervals as sorted, disjoint intervals."""
     out: list[list[float]] = []
     for a, b in sorted(intervals):
         if out and a <= out[-1][1]:
@@ -68,9 +69,9 @@ def step_metrics(spans: list[Span], start: float, end: float) -> dict[str, float
     lanes = defaultdict(list)
     for s in spans:
         lanes[s.lane].append((s.start, s.end))
-    busy = {lane: _union(iv) for lane, iv in lanes.items()}
+    busy = {lane: merge_intervals(iv) for lane, iv in lanes.items()}
     compute = busy.get("compute", [])
-    host = _union([iv for lane, ivs in busy.items() if lane not in ("compute", "stall") for iv in ivs])
+    host = merge_intervals([iv for lane, ivs in busy.items() if lane not in ("compute", "stall") for iv in ivs])
     host_busy = _length(host)
     step_time = end - start
     out = {f"busy_{lane}": _length(busy.get(lane, [])) for lane in ROWS}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from slidedp_lightning.runtime.trace import merge_intervals
 from slidedp_lightning.steptime.graph import LANES, Op, StepConfig, build_ops
 from slidedp_lightning.steptime.profiles import Profile
 
@@ -128,16 +129,6 @@ def run(ops: list[Op], cap: dict[str, float]) -> list[tuple[float, float]]:
     return times
 
 
-def _union(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
 def classify(busy: dict[str, float]) -> str:
     """``gpu-bound`` when compute is the busiest lane, else ``host-bound (<busiest lane>)`` (SLIDEDP.md §3.5)."""
     lane = max((k for k in busy if k != "compute"), key=lambda k: busy[k], default=None)
@@ -155,7 +146,8 @@ def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
     lo, hi = ends
     step_time = hi - lo
     this = [s for s in spans if s.step == 1]
-    busy = {lane: sum(b - a for a, b in _union([(s.start, s.end) for s in this if s.lane == lane])) for lane in LANES}
+    busy = {lane: sum(b - a for a, b in merge_intervals([(s.start, s.end) for s in this if s.lane == lane]))
+            for lane in LANES}  # fmt: skip
     # compute-idle time in the step window, shared among the lanes busy meanwhile (a sweep over span edges)
     edges = []
     for s in spans:
