@@ -93,8 +93,8 @@ class SlideDPStrategy(ParallelStrategy):
             gradient memory held for it, on the device under gpu_reduce).
         host_layout: with ``num_nodes > 1``: ``"replicated"`` (every host a full ledger, reduced gradient shards
             all-reduced between hosts) or ``"sharded"`` (every host 1/N of each unit's state: gradients
-            reduce-scattered and parameters all-gathered over all ranks; needs ``param_route="sharded"``; no
-            checkpoints or export yet).
+            reduce-scattered and parameters all-gathered over all ranks; needs ``param_route="sharded"`` and
+            distributed checkpoints, which resume with either layout; no whole-parameter export).
         memory_budget: AutoPolicy's device memory budget: bytes, a fraction of the device's memory (CUDA), or
             None (90 % on CUDA, unlimited on CPU).
         trace_dir: record every lane operation; writes per-rank TensorBoard scalars (busy time per lane, exposed
@@ -155,6 +155,10 @@ class SlideDPStrategy(ParallelStrategy):
         self.host_layout = host_layout
         if checkpoint_format not in ("distributed", "full"):
             raise ValueError(f"checkpoint_format must be 'distributed' or 'full', got {checkpoint_format!r}.")
+        if host_layout == "sharded" and checkpoint_format == "full":
+            raise ValueError("checkpoint_format='full' writes whole parameters from rank 0, and with "
+                             "host_layout='sharded' no host holds them: use checkpoint_format='distributed' (each "
+                             "host writes its share; it resumes with either layout).")  # fmt: skip
         self.checkpoint_format = checkpoint_format
         self._clip: tuple = (None, None)
         self.planner: Optional[AutoPolicy] = None

@@ -207,6 +207,11 @@ def test_host_sharded_layout_needs_the_sharded_parameter_route() -> None:
         SlideDPStrategy(host_layout="diagonal")
 
 
+def test_host_sharded_layout_refuses_whole_parameter_checkpoints() -> None:
+    with pytest.raises(ValueError, match="checkpoint_format='distributed'"):
+        SlideDPStrategy(param_route="sharded", host_layout="sharded", checkpoint_format="full")
+
+
 # -- fit-time checks --------------------------------------------------------------------------------------
 
 

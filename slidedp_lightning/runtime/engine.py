@@ -422,8 +422,9 @@ class SlideDPEngine:
     def _refuse_host_sharded(self, what: str) -> None:
         if self.host_sharded:
             raise UnsupportedLayoutError(
-                f"{what} reads whole parameters, and with host-sharded ledgers each host holds 1/N of them; it is "
-                "not supported for this layout yet: train with host_layout='replicated' to checkpoint or export."
+                f"{what} reads whole parameters, and with host-sharded ledgers each host holds 1/N of them. Save "
+                "distributed checkpoints (checkpoint_format='distributed', the default): they resume with either "
+                "host layout; load one with host_layout='replicated' to read or export whole parameters."
             )
 
     def _materialize(self, module: nn.Module) -> None:
@@ -694,9 +695,9 @@ class SlideDPEngine:
         return out
 
     def ledger_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
-        self._refuse_host_sharded("A checkpoint")
         """Views into the shared ledger for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and
-        ``exp_avg_sq/<name>`` (writing into them writes the ledger)."""
+        ``exp_avg_sq/<name>`` (writing into them writes the ledger). With host-sharded ledgers only this host's
+        elements of each view (:meth:`host_parts`) are valid."""
         slots = self.named_slots()
         out = {}
         for name in names:
@@ -704,6 +705,21 @@ class SlideDPEngine:
             m, v = self.moments(*where)
             out[f"model/{name}"], out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = self.master_view(*where), m, v
         return out
+
+    def host_parts(self, where: tuple[int, int]) -> list[tuple[int, int]]:
+        """Each host's elements ``[lo, hi)`` of a parameter, counted from its first element (``lo == hi``: none).
+        One host holding everything unless the ledgers are host-sharded."""
+        unit = self.layout.units[where[0]]
+        slot = unit.slots[where[1]]
+        if not self.host_sharded:
+            return [(0, slot.numel)]
+        per_host = self.local_world_size * unit.shard_numel
+        parts = []
+        for h in range(self.hosts.count):
+            lo = min(max(h * per_host, slot.offset), slot.offset + slot.numel)
+            hi = max(min((h + 1) * per_host, slot.offset + slot.numel), lo)
+            parts.append((lo - slot.offset, hi - slot.offset))
+        return parts
 
     def buffers_state(self) -> dict[str, torch.Tensor]:
         """The root's state entries that are not ledger parameters (persistent buffers), as copies."""
@@ -718,7 +734,7 @@ class SlideDPEngine:
                 own[name].data.copy_(value)
         self._barrier()
         if self.local_rank == 0 or self.replicated:
-            self.ledger.refresh_bf16()
+            self.ledger.refresh_bf16(self._host_ranges)
             self.ledger.version[:] = step
         self._barrier()
         self.step = step

@@ -54,12 +54,33 @@ def test_two_nodes_of_two_ranks_equal_ddp_on_four(tmp_path, reference, layout):
     assert not shm_files(), "a shared-memory ledger file was left behind"
 
 
+def _continues(straight, resumed, start: int) -> None:
+    ref, got = straight.losses(0)[start:], resumed.losses(0)
+    assert len(got) == len(ref) > 0
+    assert max(abs(x - y) / abs(y) for x, y in zip(got, ref)) <= 1e-6, (got, ref)
+
+
 @pytest.mark.integration
-def test_host_sharded_ledgers_refuse_a_checkpoint_with_a_clear_error(tmp_path):
-    res = run_nodes(tmp_path / "job", nodes=2, strategy="slidedp", devices=1, tied=True, steps=3, batch=BATCH,
-                    param_route="sharded", host_layout="sharded", save_at=2)  # fmt: skip
-    assert res.returncode != 0
-    assert "UnsupportedLayoutError" in res.output and "host_layout='replicated'" in res.output
+def test_checkpoints_resume_across_host_layouts(tmp_path):
+    """Host-sharded 2 x 2 saves at step 3 (each host writes its 1/N of every parameter as chunks); that checkpoint
+    resumes on host-sharded 2 x 1 (other host boundaries) and on one host of 2 ranks; the one-host run saves at
+    step 4 and host-sharded 2 x 2 resumes from it. Every resumed run continues the straight run's losses."""
+    from tests.integration.conftest import run_job
+
+    common = dict(strategy="slidedp", tied=True, batch=BATCH, constant_data=True, steps=6)
+    sharded = dict(param_route="sharded", host_layout="sharded")
+    straight = run_nodes(tmp_path / "straight", nodes=2, devices=2, save_at=3, **sharded, **common)
+    assert straight.returncode == 0, straight.output[-4000:]
+    ck = str(straight.out / "ck")
+    fewer = run_nodes(tmp_path / "fewer", nodes=2, devices=1, ckpt_path=ck, **sharded, **common)
+    assert fewer.returncode == 0, fewer.output[-4000:]
+    _continues(straight, fewer, 3)
+    one = run_job(tmp_path / "one", devices=2, ckpt_path=ck, save_at=4, param_route="full", **common)
+    assert one.returncode == 0, one.output[-4000:]
+    _continues(straight, one, 3)
+    back = run_nodes(tmp_path / "back", nodes=2, devices=2, ckpt_path=str(one.out / "ck"), **sharded, **common)
+    assert back.returncode == 0, back.output[-4000:]
+    _continues(straight, back, 4)
     assert not shm_files(), "a shared-memory ledger file was left behind"
 
 
@@ -74,6 +95,4 @@ def test_replicated_ledgers_checkpoint_and_resume_on_one_host(tmp_path):
 
     resumed = run_job(tmp_path / "resumed", devices=2, steps=6, ckpt_path=str(straight.out / "ck"), **common)
     assert resumed.returncode == 0, resumed.output[-4000:]
-    ref, got = straight.losses(0)[3:], resumed.losses(0)
-    assert len(got) == len(ref) == 3
-    assert max(abs(x - y) / abs(y) for x, y in zip(got, ref)) <= 1e-6
+    _continues(straight, resumed, 3)
