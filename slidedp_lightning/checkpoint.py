@@ -155,13 +155,24 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     if engine.global_rank == 0:
         meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         meta["slidedp"] = {"format": FORMAT, "step": engine.step, "world_size": _job_size(engine),
-                           "params": sorted(engine.named_slots()), "buffers": engine.buffers_state()}  # fmt: skip
+                           "params": sorted(engine.named_slots()), "buffers": engine.buffers_state(),
+                           **_hf_configs(engine.model)}  # fmt: skip
         torch.save(meta, tmp / META)
     _barrier(engine)
     if engine.global_rank == 0:
         _swap_in(tmp, path)
         log.info("SlideDP checkpoint (step %d, %d ranks) written to %s", engine.step, _job_size(engine), path)
     _barrier(engine)
+
+
+def _hf_configs(model) -> dict[str, dict]:
+    """A transformers model's config and generation config, so that the checkpoint exports on its own."""
+    out = {}
+    for key, attr in (("hf_config", "config"), ("generation_config", "generation_config")):
+        value = getattr(model, attr, None)
+        if hasattr(value, "to_dict"):
+            out[key] = value.to_dict()
+    return out
 
 
 def _swap_in(tmp: Path, path: Path) -> None:

@@ -68,3 +68,35 @@ def test_export_outside_a_run_and_with_another_strategy_is_refused(tmp_path):
         trainer(strategy="auto", max_steps=1, callbacks=[SaveHuggingFace(tmp_path)]).fit(TinyLM(), data())
     with pytest.raises(ValueError, match="every_n_train_steps"):
         SaveHuggingFace(tmp_path, every_n_train_steps=0)
+
+
+@pytest.mark.parametrize("module_cls", [TinyLM, UntiedLM], ids=["tied", "untied"])
+def test_offline_export_of_a_distributed_checkpoint_equals_the_live_export(tmp_path, module_cls):
+    """``python -m slidedp_lightning.export`` writes, from the checkpoint alone, the files the running strategy
+    writes from its ledger at the same step."""
+    import lightning as L
+    from safetensors.torch import load_file
+
+    from slidedp_lightning.export import main
+
+    class SaveBoth(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "ck")
+            trainer.strategy.save_hf(tmp_path / "live", "fp32")
+
+    trainer(max_steps=3, callbacks=[SaveBoth()]).fit(module_cls(), data())
+    assert main([str(tmp_path / "ck"), str(tmp_path / "offline"), "--dtype", "fp32"]) == 0
+    live, offline = load_file(tmp_path / "live" / "model.safetensors"), load_file(tmp_path / "offline" / "model.safetensors")
+    assert sorted(live) == sorted(offline)
+    assert all(torch.equal(live[n], offline[n]) for n in live)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "offline", dtype=torch.float32, attn_implementation="eager")
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "live", dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=X).logits, expected(input_ids=X).logits)
+
+
+def test_offline_export_refuses_what_is_not_a_checkpoint(tmp_path):
+    from slidedp_lightning.export import export_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="not a SlideDP distributed checkpoint"):
+        export_checkpoint(tmp_path, tmp_path / "out")
