@@ -424,7 +424,7 @@ class SlideDPEngine:
             raise UnsupportedLayoutError(
                 f"{what} reads whole parameters, and with host-sharded ledgers each host holds 1/N of them. Save "
                 "distributed checkpoints (checkpoint_format='distributed', the default): they resume with either "
-                "host layout; load one with host_layout='replicated' to read or export whole parameters."
+                "host layout, and `python -m slidedp_lightning.export CHECKPOINT OUT` exports one offline."
             )
 
     def _materialize(self, module: nn.Module) -> None:
