@@ -8,6 +8,7 @@ sums the R slots of its shard inside the update pass (host traffic x R, no devic
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from slidedp_lightning.runtime.comm import reduce_scatter_into
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.lanes import Lanes
 from slidedp_lightning.runtime.layout import Layout, Unit
-from slidedp_lightning.runtime.sync import Liveness, lane_delay, wait_until
+from slidedp_lightning.runtime.sync import Liveness, PeerFailure, lane_delay, wait_until
 from slidedp_lightning.runtime.trace import Tracer
 
 GRAD_ROUTES = ("gpu_reduce", "host_reduce")
@@ -46,31 +47,66 @@ def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: in
 
 @dataclass
 class ReducedShard:
-    """gpu_reduce: this rank's reduced shard on the host, once its marker (D2H copy) and work are done."""
+    """gpu_reduce: this rank's reduced shard on the host, once its marker (D2H copy) and work are done.
+
+    The shard lands once: the collective is waited for, the buffers it kept alive (``keep``: the flat gradient
+    and the device piece under device streams; the work's own buffers) are dropped and, when ``copy_out``, the
+    shard (a slice of an all-reduced buffer) is copied out so that the buffer goes. Whichever thread sees it
+    first lands it: the D2H lane as the collective completes, the compute thread at the next dispatch
+    (:meth:`GradRoute.reap`) or the update lane (:meth:`get`); :meth:`release` drops the shard itself."""
 
     lanes: Lanes
-    shard: torch.Tensor
+    shard: torch.Tensor | None
     marker: object
     work: object | None
     keep: tuple = ()
     step: int = -1
     unit: int = -1
     chunk: int = -1
+    copy_out: bool = False
     issued: float = field(default_factory=time.perf_counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def _land(self) -> None:
+        """With ``_lock`` held: wait for the collective (raising its error), then free what it kept alive."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.copy_out:
+            self.shard = self.shard.clone()
+            self.copy_out = False
+        self.keep = ()
 
     def get(self) -> np.ndarray:
         lane_delay()
         self.lanes.host_wait(self.marker)
-        if self.work is not None:
-            self.work.wait()
+        with self._lock:
+            self._land()
         tracer = self.lanes.tracer
         if tracer.enabled:  # from issue until the update lane has it (collective and D2H)
             tracer.record("reduce", "reduce + return", self.step, self.issued, time.perf_counter(), self.unit,
                           self.chunk)  # fmt: skip
         return self.shard.numpy()
 
+    def landed(self) -> bool:
+        """Never blocks: land the shard if its collective has completed; True once it has landed."""
+        work = self.work
+        if not self.lanes.done(self.marker) or (work is not None and not work.is_completed()):
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False  # another thread is landing it
+        try:
+            if self.shard is not None:
+                self._land()
+            return True
+        except Exception:  # noqa: BLE001 - the collective failed: get() on the update lane raises it
+            return False
+        finally:
+            self._lock.release()
+
     def release(self) -> None:
-        self.keep = ()
+        with self._lock:
+            self.work, self.keep, self.shard, self.copy_out = None, (), None, False
 
 
 @dataclass
@@ -146,6 +182,13 @@ class GradRoute:
             raise ValueError(f"grad_route='host_reduce' supports units of fewer than 2**32 elements; the largest "
                              f"unit has {layout.max_unit:,}. Use grad_route='gpu_reduce'.")  # fmt: skip
         self._published: list[Future] = []  # host_reduce: copies to the staging slots still on the D2H lane
+        self._reducing: list[ReducedShard] = []  # gpu_reduce: shards whose collective buffers may still be held
+        # gloo runs a reduce-scatter as an all-reduce of a copy of its input, then copies this rank's slice out:
+        # all-reducing the flat gradient in place and copying the slice out once it landed gives the same sums
+        # without holding a second full-size copy of the unit's gradient
+        self._in_place = (route == "gpu_reduce" and world_size > 1 and not lanes.is_stream("compute")
+                          and dist.get_backend(group) == "gloo")  # fmt: skip
+        self._group_rank = dist.get_rank(group) if self._in_place else rank
         self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
 
     @property
@@ -168,18 +211,29 @@ class GradRoute:
         c = self.chunk_elems or n
         return [(a, min(a + c, n)) for a in range(0, n, c)]
 
+    def reap(self) -> None:
+        """Free the flat gradients and collective buffers of every earlier unit whose shard has landed, so a unit
+        waiting for the update lane holds only its reduced shard."""
+        self._reducing = [s for s in self._reducing if s.shard is not None and not s.landed()]
+
     def _gpu_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> list[tuple[int, int, ReducedShard]]:
+        """Reduce-scatter (all-reduce) unit ``u``'s flat FP32 gradient; empties ``grads`` once it is copied in."""
+        self.reap()
         unit = self.layout.units[u]
         flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
         _fill_flat(flat, unit, grads)
+        grads.clear()  # the compute-dtype gradients are in ``flat``: free them before the collective runs
         r = self.world_size
         whole = r == 1 or self.route == "all_reduce"  # this rank's ledger range is the whole unit
         n = unit.padded if whole else unit.shard_numel
         if self.reduce_world > 1:
             flat.div_(self.reduce_world)  # pre-divided, as DDP does
+        # device streams: the flat gradient must outlive the collective's kernels; on the host the collective holds
+        # what it still reads, so ``flat`` goes with the last view of it
+        streams = self.lanes.is_stream("compute")
         out = []
         for k, (a, b) in enumerate(self._chunks(n)):
-            work = None
+            work, copy_out = None, False
             if whole:
                 piece = flat[a:b]
                 if r > 1:
@@ -187,15 +241,37 @@ class GradRoute:
             else:
                 # chunk k of every rank's shard, side by side: rank i receives the sum of the i-th piece
                 inp = flat if (a, b) == (0, n) else flat.view(r, n)[:, a:b].contiguous().view(-1)
-                piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
-                work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
+                if self._in_place:
+                    work = dist.all_reduce(inp, group=self.group, async_op=True)
+                    piece, copy_out = inp.view(r, b - a)[self._group_rank], True
+                else:
+                    piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
+                    work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
             if self.cross_group is not None:  # then across hosts (gloo: after the host's reduction has landed)
                 if work is not None:
                     work.wait()
                 work = dist.all_reduce(piece, group=self.cross_group, async_op=True)
             host, marker, work = self.lanes.to_host(piece, work)
-            out.append((a, b, ReducedShard(self.lanes, host, marker, work, (flat, piece), step, u, k)))
+            shard = ReducedShard(self.lanes, host, marker, work, (flat, piece) if streams else (), step, u, k,
+                                 copy_out=copy_out)  # fmt: skip
+            self._reducing.append(shard)
+            if work is not None:  # a host-side collective: land the shard the moment it completes
+                self.lanes.submit("d2h", self._settle, shard)
+            out.append((a, b, shard))
         return out
+
+    def _settle(self, shard: ReducedShard) -> None:
+        """D2H lane thread: wait (never on a dead peer) until ``shard``'s collective completed, then land it, instead
+        of holding the full-size buffers until the update lane reads the shard."""
+        work = shard.work
+        if work is None:
+            return
+        try:
+            wait_until(lambda: shard.work is None or work.is_completed(), self.liveness, "a gradient reduction")
+        except PeerFailure:
+            return  # the update lane's get() reports the failure
+        del work
+        shard.landed()
 
     def _host_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> list[tuple[int, int, StagedSlots]]:
         """Wait (on the compute thread, bounding the gradients in flight) for a free staging slot, then copy

@@ -244,6 +244,7 @@ class UpdateLane:
                     if getattr(task, "last", False):
                         self._units_in_flight -= 1
                     self._idle.notify_all()
+            task = None  # the gradient it held goes now, not when the next task arrives
 
     def _apply(self, task: UpdateTask) -> None:
         unit = self.layout.units[task.unit]

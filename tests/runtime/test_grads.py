@@ -1,10 +1,14 @@
-"""runtime.grads: the flat gradient layout written whole or piece by piece (host_reduce chunks)."""
+"""runtime.grads: the flat gradient layout written whole or piece by piece (host_reduce chunks), and how long the
+gradient buffers live."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from slidedp_lightning.runtime.grads import _fill_flat
+from slidedp_lightning.runtime.grads import GradRoute, ReducedShard, _fill_flat
+from slidedp_lightning.runtime.lanes import CpuLanes
 from tests.runtime.test_layout import layout_of, tiny_qwen3
 
 
@@ -25,3 +29,108 @@ def test_pieces_of_the_flat_gradient_add_up_to_the_whole_with_zeros_in_gaps_and_
         _fill_flat(pieced, unit, grads, a, b)
         assert pieced[b:].isnan().all(), "a piece writes nothing past its end"
     assert torch.equal(pieced, whole)
+
+
+class _Work:
+    """A collective handle that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.completed = False
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self) -> None:
+        assert self.completed, "wait() on a collective that has not completed would block"
+
+
+def test_a_reduced_shard_drops_the_collective_buffers_once_landed_and_the_shard_once_released():
+    lanes = CpuLanes(torch.device("cpu"))
+    try:
+        flat, piece, work = torch.zeros(8), torch.ones(4), _Work()
+        source = ReducedShard(lanes, piece, None, work, (flat,))
+        flat_ref, piece_ref = weakref.ref(flat), weakref.ref(piece)
+        del flat, piece
+        assert not source.landed(), "the collective is still running"
+        assert flat_ref() is not None and source.work is work
+        work.completed = True
+        assert source.landed()
+        assert flat_ref() is None and source.work is None, "the flat gradient goes as soon as the shard landed"
+        grad = source.get()
+        assert grad.tolist() == [1.0] * 4
+        del grad
+        assert piece_ref() is not None, "the update has not released the shard yet"
+        source.release()
+        assert piece_ref() is None
+    finally:
+        lanes.close()
+
+
+def test_gradients_are_freed_as_soon_as_they_are_reduced_and_updated(monkeypatch):
+    """No compute-dtype gradient survives its dispatch, no reduced shard survives its update (nor waits in the
+    update lane for the next task)."""
+    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine, tiny_model
+
+    dispatched: list[weakref.ref] = []
+    reduced: list[weakref.ref] = []
+    original = GradRoute._gpu_reduce
+
+    def spy(self, u, grads, step):
+        dispatched.extend(weakref.ref(g) for g in grads)
+        out = original(self, u, grads, step)
+        assert not grads, "the route empties the gradient list once the flat gradient holds it"
+        reduced.extend(weakref.ref(source.shard) for _, _, source in out)
+        return out
+
+    monkeypatch.setattr(GradRoute, "_gpu_reduce", spy)
+    model = tiny_model(tied=True)
+    engine = make_engine(model, grad_route="gpu_reduce")
+    try:
+        engine.attach_optimizer(adamw_groups(model))
+        for x in batches(2):
+            loss_of(model, x).backward()
+            assert engine.end_step()
+        engine.synchronize()
+        assert dispatched and reduced
+        assert all(r() is None for r in dispatched), "a compute-dtype gradient outlived its dispatch"
+        assert all(r() is None for r in reduced), "a reduced shard outlived its update"
+    finally:
+        engine.close()
+
+
+def _gloo_reduce_scatter_vs_all_reduce(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from slidedp_lightning.runtime.comm import reduce_scatter_into
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(rank)
+        n = world * 100_003
+        flat = torch.randn(n, generator=g) * 10.0 ** torch.randint(-4, 4, (n,), generator=g)
+        piece = torch.empty(n // world)
+        reduce_scatter_into(piece, flat.clone())
+        dist.all_reduce(flat)
+        torch.save((piece, flat.view(world, -1)[rank].clone()), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_reduce_scatter_is_an_all_reduce_and_a_slice_bit_for_bit(tmp_path):
+    """The gloo path all-reduces the flat gradient in place and copies this rank's slice out: the same sums as
+    gloo's reduce-scatter, bit for bit (three ranks, so the summation order matters)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = 3
+    mp.spawn(_gloo_reduce_scatter_vs_all_reduce, args=(world, port, str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        scattered, sliced = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(scattered, sliced), f"rank {rank}"
