@@ -94,7 +94,9 @@ def main() -> int:
         trace = str(out / f"{name}_b{batch}_{param}_{grad}")
         run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout)
         meas = measured(trace)
-        sim = simulate(StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true"), profile)
+        # the jobs run with the engine's backpressure (2 units) and the recipe logs its loss with sync_dist=True
+        sim = simulate(StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true", max_units_in_flight=2,
+                                  loss_sync=True), profile)  # fmt: skip
         err = (sim.step_time / meas["step_time"] - 1) * 100
         rows.append(dict(model=name, batch=batch, param_route=param, grad_route=grad, predicted_ms=sim.step_time * 1e3,
                          measured_ms=meas["step_time"] * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,

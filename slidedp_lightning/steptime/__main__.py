@@ -44,8 +44,9 @@ def predict_table(cfg: StepConfig, profile_name: str | Profile, network: str | N
         f"| window {cfg.prefetch_window} | activations {cfg.activation if isinstance(cfg.activation, str) else 'custom'}",
     ]
     if cfg.hosts > 1:
+        where = f" | co-located: {cfg.hosts * cfg.gpus} ranks share {profile.colocated_cores:.2f} cores" if profile.colocated else ""
         lines.append(f"hosts N={cfg.hosts} ({cfg.hosts * cfg.gpus} GPUs) | layout {cfg.host_layout} | network "
-                     f"{profile.net_gbps:g} GB/s per host, {profile.net_latency_s * 1e6:g} us per step")  # fmt: skip
+                     f"{profile.net_gbps:g} GB/s per host, {profile.net_latency_s * 1e6:g} us per step{where}")  # fmt: skip
     lines += [
         f"{'':22s}{'simulator':>12s}{'analytic':>12s}",
         f"{'step time (s)':22s}{sim.step_time:12.4f}{ana.step_time:12.4f}",
@@ -78,7 +79,8 @@ def scaling_rows(base: StepConfig, profile: Profile, gpus: tuple[int, ...] = SCA
         for layout in HOST_LAYOUTS:
             route = base.param_route if layout == "replicated" else "sharded"
             cfg = StepConfig(base.model, base.batch, base.seq, base.gpus, route, base.grad_route, base.chunk_bytes,
-                             base.prefetch_window, base.activation, base.precision, n, layout)  # fmt: skip
+                             base.prefetch_window, base.activation, base.precision, n, layout, base.max_units_in_flight,
+                             base.loss_sync)  # fmt: skip
             sim, ana = simulate(cfg, profile), analyze(cfg, profile)
             row[layout] = {"step_time": sim.step_time, "tokens_per_s": sim.tokens_per_s, "limit": limit(ana),
                            "bounds": ana.bounds, "ledger_gb": host_ledger_bytes(cfg) / 1e9, "label": sim.bottleneck}
@@ -143,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--hosts", type=int, default=1, help="N, hosts of --gpus ranks each (default 1)")
     pr.add_argument("--host-layout", default="replicated", choices=HOST_LAYOUTS,
                     help="replicated: a full ledger per host; sharded: each host owns 1/N (model only)")
+    pr.add_argument("--max-units-in-flight", type=int, default=None, help="the runtime's update backpressure "
+                    "(EngineConfig.max_units_in_flight, 2 there; default: not modelled)")  # fmt: skip
+    pr.add_argument("--loss-sync", action="store_true", help="the training step all-reduces its loss over every rank "
+                    "(Lightning's sync_dist logging)")  # fmt: skip
     pr.add_argument("--network", default=None, help=f"inter-host network, one of {shipped_networks()} or a JSON file "
                     "(default: the profile's)")  # fmt: skip
     sc = sub.add_parser("scaling", help="both host layouts at 16, 32, 64, 128 GPUs (--gpus per host)")
@@ -156,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("calibrate", help="measure this machine and write its profile JSON")
     ca.add_argument("--out", default="this_machine.json", help="profile JSON to write")
     ca.add_argument("--ranks", type=int, default=2, help="CPU ranks measured at once")
-    ca.add_argument("--model", default="qwen3-tiny", help="shipped model whose shapes the compute is measured on")
+    ca.add_argument("--model", default="qwen3-tiny", help="model whose shapes the compute is measured on: a shipped "
+                    "name, a config JSON or a checkpoint directory")  # fmt: skip
     ca.add_argument("--seq", type=int, default=26, help="sequence length of the compute measurement")
+    ca.add_argument("--hosts", type=int, default=1, help="also probe the loopback network between this many "
+                    "co-located hosts of --ranks ranks (default 1: no network)")  # fmt: skip
     sub.add_parser("profiles", help="list the shipped hardware profiles")
     return p
 
@@ -173,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "predict":
             cfg = StepConfig(load_config(args.model), args.batch, args.seq, args.gpus, args.param_route,
                              args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision,
-                             args.hosts, args.host_layout)  # fmt: skip
+                             args.hosts, args.host_layout, args.max_units_in_flight, args.loss_sync)  # fmt: skip
             print(predict_table(cfg, args.hardware, args.network))
         elif args.cmd == "scaling":
             try:
@@ -184,13 +193,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--total-gpus must be positive, got {args.total_gpus!r}")
             profile = resolve_profile(args.hardware, args.network)
             base = StepConfig(load_config(args.model), args.batch, args.seq, args.gpus, args.param_route,
-                              args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision)
+                              args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision,
+                              max_units_in_flight=args.max_units_in_flight, loss_sync=args.loss_sync)
             print(scaling_table(base, profile, totals))
         else:
-            from slidedp_lightning.steptime.calibrate import build_profile, measure
+            from slidedp_lightning.steptime.calibrate import build_profile, measure, measure_network
 
+            if args.hosts < 1:
+                raise ValueError(f"--hosts must be >= 1, got {args.hosts}")
             raw = measure(args.ranks, args.model, args.seq)
-            profile = build_profile(raw, args.ranks, args.model, args.seq)
+            net = measure_network(args.hosts, args.ranks) if args.hosts > 1 else None
+            profile = build_profile(raw, args.ranks, args.model, args.seq, net)
             with open(args.out, "w") as f:
                 json.dump(profile.to_json(), f, indent=1)
             print(f"wrote {args.out}")

@@ -1,8 +1,16 @@
 """Measure this machine's profile: R CPU ranks (gloo) measure compute, copies, collectives and the update at once.
 
 Copies and collectives reuse the runtime's route probe (``probe_routes``) at two sizes (latency + bandwidth);
-compute runs the model's forward/backward at two batch sizes (per-op overhead + FLOP rate); the update runs
-the Numba AdamW kernel with the runtime's thread budget. Every rank measures while the others do the same.
+compute runs the model's forward/backward at two batch sizes through a one-rank SlideDP engine and reads its
+traced compute lane (per-op overhead + FLOP rate, the runtime's hooks included); the update runs the Numba AdamW
+kernel with the runtime's thread budget. Every rank measures while the others do the same.
+
+With ``hosts`` N > 1, a second probe measures the "network" between N simulated hosts of R ranks on this machine
+(gloo over loopback, the process groups the strategy builds for several nodes): the all-reduce between the same
+local rank of every host, at several sizes (latency + bandwidth), one pair of ranks at a time so that each rank has
+a core to itself as in the single-host probes; and the cores the N x R co-located ranks share (a matmul loop on one
+host's ranks, then on all). The same all-reduce with every pair at once and the flat reduce-scatter / all-gather
+over all N x R ranks are measured as well and kept in the raw results, for checking the model against them.
 """
 
 from __future__ import annotations
@@ -21,13 +29,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cpu_ops
+from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.probe import probe_routes
 from slidedp_lightning.steptime.profiles import Profile
 from slidedp_lightning.steptime.workload import load_config, units
 
 log = logging.getLogger(__name__)
-REPEATS = 5
-SMALL, LARGE = 1 << 16, 1 << 22  # elements probed (latency-dominated, bandwidth-dominated)
+REPEATS = 9
+SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # elements probed (latency-dominated ... bandwidth-dominated)
+SMALL, LARGE = SIZES[0], SIZES[-1]
+ROUTE_PASSES = 3  # route probes per size (each the median of its own repeats); their median is kept
 
 
 def _median(fn, group, repeats: int = REPEATS) -> float:
@@ -43,6 +54,23 @@ def _median(fn, group, repeats: int = REPEATS) -> float:
     return float(t.item())
 
 
+def _fit_points(xs: list[float], ts: list[float]) -> tuple[float, float]:
+    """(latency s, rate per s) of t = latency + x / rate through several points: least squares on the relative error
+    (weights 1/t^2, so the small sizes set the latency and the large ones the rate), latency >= 0."""
+    w = [1.0 / max(t, 1e-12) ** 2 for t in ts]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    mt = sum(wi * t for wi, t in zip(w, ts)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    slope = sum(wi * (x - mx) * (t - mt) for wi, x, t in zip(w, xs, ts)) / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        raise RuntimeError(f"calibration: time did not grow with size ({list(zip(xs, ts))})")
+    lat = mt - slope * mx
+    if lat < 0:  # through the origin instead
+        slope, lat = sum(wi * x * t for wi, x, t in zip(w, xs, ts)) / sum(wi * x * x for wi, x in zip(w, xs)), 0.0
+    return lat, 1.0 / slope
+
+
 def _fit(x1: float, t1: float, x2: float, t2: float) -> tuple[float, float]:
     """(latency s, rate per s) of t = latency + x / rate through two points."""
     slope = (t2 - t1) / (x2 - x1)
@@ -51,21 +79,72 @@ def _fit(x1: float, t1: float, x2: float, t2: float) -> tuple[float, float]:
     return max(0.0, t1 - slope * x1), 1.0 / slope
 
 
-def _compute(model_name: str, seq: int, batches: tuple[int, int], group) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM, Qwen3Config
+RUNTIME_STEPS, RUNTIME_WARMUP = 9, 2  # traced steps per batch size of the runtime compute probe, warm-up among them
 
-    from slidedp_lightning.steptime.workload import SHIPPED
-    shape = load_config(model_name)
-    package, rel = SHIPPED.get(model_name, SHIPPED["qwen3-tiny"])
+
+def _model_config(model_name: str) -> dict:
+    """The transformers config of a shipped model name, a config JSON or a checkpoint directory."""
     from importlib import resources
 
-    cfg = json.loads(resources.files(package).joinpath(rel).read_text())
+    from slidedp_lightning.steptime.workload import SHIPPED
+
+    if model_name.lower() in SHIPPED:
+        package, rel = SHIPPED[model_name.lower()]
+        return json.loads(resources.files(package).joinpath(rel).read_text())
+    path = Path(model_name)
+    return json.loads((path / "config.json" if path.is_dir() else path).read_text())
+
+
+def _new_model(model_name: str):
+    """A random-init model of ``model_name``'s shapes (weights do not change the timings)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = _model_config(model_name)
     cfg.pop("attn_implementation", None)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3Config.from_dict(cfg), attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(Qwen3Config.from_dict(cfg), attn_implementation="sdpa")
+
+
+def _runtime_compute(model_name: str, seq: int, batches: tuple[int, ...], threads: int, group) -> dict[int, tuple]:
+    """Per batch size: median forward and backward compute-lane seconds per step as the runtime runs them (its
+    hooks included), read from the lane trace of a one-rank SlideDP engine in this process."""
+    from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+
+    model = _new_model(model_name)
+    vocab = model.get_input_embeddings().num_embeddings
+    out: dict[int, tuple] = {}
+    with tempfile.TemporaryDirectory() as trace:
+        engine = SlideDPEngine(model, EngineConfig(trace_dir=trace, update_threads=threads), device=torch.device("cpu"),
+                               compute_dtype=torch.float32)  # fmt: skip
+        try:
+            engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
+            for b in batches:
+                ids = torch.randint(4, min(vocab, 64), (b, seq))
+                first = engine.step
+                for _ in range(RUNTIME_STEPS):  # the recipe's batch: ids, mask and labels, the loss in the model
+                    dist.barrier(group=group)
+                    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss.backward()
+                    engine.end_step()
+                spans = [sp for sp in engine.tracer.spans if sp.lane == "compute"]
+                per_step = [
+                    tuple(sum(sp.end - sp.start for sp in spans if sp.step == k and sp.name == name)
+                          for name in ("forward", "backward"))
+                    for k in range(first + RUNTIME_WARMUP, engine.step)
+                ]  # fmt: skip
+                out[b] = tuple(statistics.median(t[i] for t in per_step) for i in (0, 1))
+        finally:
+            engine.close(restore=False)
+    return out
+
+
+def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads: int) -> dict[str, float]:
+    """Compute constants: forward and backward from the runtime's traced compute lane (per-op overhead + FLOP rate
+    through two batch sizes), the loss from the plain model."""
+    shape = load_config(model_name)
+    model = _new_model(model_name)
     us = units(shape, seq, "none")
     fwd_per_token = sum(u.fwd_flops_per_token for u in us)
-    out = {}
+    losses = []
     for b in batches:
         ids = torch.randint(4, min(shape.vocab, 64), (b, seq))
         holder = {}
@@ -76,20 +155,19 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group) -> dict
         def loss() -> None:
             holder["loss"] = torch.nn.functional.cross_entropy(holder["logits"].float().flatten(0, 1), ids.flatten())
 
-        def bwd() -> None:
-            fwd(), loss()
-            holder["loss"].backward()
-            model.zero_grad(set_to_none=True)
-
-        t_f = _median(fwd, group)
-        t_l = _median(lambda: (fwd(), loss()), group) - t_f
-        t_b = _median(bwd, group) - t_f - t_l
-        out[b] = (b * seq * fwd_per_token, t_f, t_b, t_l)
-    (x1, f1, b1, l1), (x2, f2, b2, l2) = out[batches[0]], out[batches[1]]
+        with torch.no_grad():
+            t_f = _median(fwd, group)
+            losses.append(_median(lambda: (fwd(), loss()), group) - t_f)
+    runtime = _runtime_compute(model_name, seq, batches, threads, group)
+    (f1, b1), (f2, b2) = runtime[batches[0]], runtime[batches[1]]
+    x1, x2 = (b * seq * fwd_per_token for b in batches)
     lat, rate = _fit(x1, f1, x2, f2)
-    n_ops = len(us)
-    return {"gpu_flops": rate, "op_overhead_s": lat / n_ops, "bwd_fwd_ratio": (b2 - b1) / (f2 - f1),
-            "step_overhead_s": max(0.0, statistics.mean([l1, l2]))}  # fmt: skip
+    # every rank uses the slowest rank's numbers
+    vec = torch.tensor([lat, 1 / rate, (b2 - b1) / (f2 - f1), max(0.0, statistics.mean(losses))], dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    lat, inv_rate, ratio, step_overhead = vec.tolist()
+    return {"gpu_flops": 1 / inv_rate, "op_overhead_s": lat / len(us), "bwd_fwd_ratio": ratio,
+            "step_overhead_s": step_overhead}  # fmt: skip
 
 
 def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: int) -> None:
@@ -103,17 +181,18 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
         res: dict[str, float] = {}
         src = torch.randn(LARGE)
         probes = {}
-        for n in (SMALL, LARGE):
-            probes[n] = probe_routes(src, n, rank=rank, world_size=world, device=torch.device("cpu"), dtype=torch.float32,
-                                     group=group, param_group=param_group, want_param=True, want_grad=True,
-                                     want_chunks=False).seconds  # fmt: skip
-        copy_lat, copy_rate = _fit(SMALL * 4, probes[SMALL]["param_full"], LARGE * 4, probes[LARGE]["param_full"])
+        for n in SIZES:
+            passes = [probe_routes(src, n, rank=rank, world_size=world, device=torch.device("cpu"), dtype=torch.float32,
+                                   group=group, param_group=param_group, want_param=True, want_grad=True,
+                                   want_chunks=False).seconds for _ in range(ROUTE_PASSES)]  # fmt: skip
+            probes[n] = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
+        copy_lat, copy_rate = _fit_points([n * 4 for n in SIZES], [probes[n]["param_full"] for n in SIZES])
         copy = lambda nbytes: copy_lat + nbytes / copy_rate  # noqa: E731
         frac = (world - 1) / world
-        ag = {n: probes[n]["param_sharded"] - copy(n * 4 / world) for n in probes}
-        rs = {n: probes[n]["grad_gpu_reduce"] - copy(n * 4 / world) for n in probes}
-        ag_lat, ag_rate = _fit(SMALL * 4 * frac, ag[SMALL], LARGE * 4 * frac, ag[LARGE])
-        rs_lat, rs_rate = _fit(SMALL * 4 * frac, rs[SMALL], LARGE * 4 * frac, rs[LARGE])
+        ag = [probes[n]["param_sharded"] - copy(n * 4 / world) for n in SIZES]
+        rs = [probes[n]["grad_gpu_reduce"] - copy(n * 4 / world) for n in SIZES]
+        ag_lat, ag_rate = _fit_points([n * 4 * frac for n in SIZES], ag)
+        rs_lat, rs_rate = _fit_points([n * 4 * frac for n in SIZES], rs)
         # the update: this rank's kernel on LARGE parameters, all ranks at once
         p, m, v, g = (torch.zeros(LARGE).numpy() for _ in range(4))
         t_upd = _median(lambda: cpu_ops.adamw_update(p, m, v, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -121,11 +200,93 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
         upd_rate = LARGE * cpu_ops.update_bytes_per_param(4) / t_upd
         res.update(copy_lat=copy_lat, copy_rate=copy_rate, link_lat=(ag_lat + rs_lat) / 2 / max(1, world - 1),
                    link_rate=min(ag_rate, rs_rate), upd_rate=upd_rate)  # fmt: skip
-        res.update(_compute(model, seq, (8, 32), group))
+        res.update(_compute(model, seq, (8, 32), group, threads))
         if rank == 0:
             Path(out_path).write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
+
+
+NET_SIZES = (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 21)  # elements of the inter-host message per rank (FP32)
+NET_REPEATS = 9
+CORE_MATMULS = 64  # 256 x 256 matmuls per rank and timed run of the core-sharing probe
+
+
+def _network_worker(rank: int, hosts: int, ranks: int, init: str, out_path: str, sizes: tuple[int, ...],
+                    repeats: int) -> None:  # fmt: skip
+    world = hosts * ranks
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    # the strategy's groups for several nodes: per local rank, that rank of every host; then all ranks
+    for h in range(hosts):
+        dist.new_group(list(range(h * ranks, (h + 1) * ranks)))
+    cross = [dist.new_group([h * ranks + r for h in range(hosts)]) for r in range(ranks)]
+    everyone = dist.new_group(list(range(world)))
+    flat = dist.new_group(list(range(world)))
+    local = rank % ranks
+    threads = cpu_ops.thread_budget(ranks)
+    torch.set_num_threads(threads)
+    try:
+        res: dict[str, float] = {}
+        for n in sizes:
+            buf = torch.zeros(n)
+
+            def alone() -> None:
+                if local == 0:
+                    dist.all_reduce(buf, group=cross[0])
+
+            res[f"pair_alone_{n}"] = _median(alone, everyone, repeats)
+            res[f"pairs_all_{n}"] = _median(lambda: dist.all_reduce(buf, group=cross[local]), everyone, repeats)
+        for n in sizes[1:4]:  # the whole message over the N R ranks, each rank's piece n / (N R)
+            piece, whole = torch.zeros(n // world), torch.zeros(n // world * world)
+            res[f"flat_reduce_scatter_{n}"] = _median(lambda: reduce_scatter_into(piece, whole, group=flat), everyone,
+                                                      repeats)  # fmt: skip
+            res[f"flat_all_gather_{n}"] = _median(lambda: all_gather_into(whole, piece, group=flat), everyone, repeats)
+        # core sharing: a CPU-bound kernel on one host's R ranks, then on all N R ranks at once; each run is timed
+        # until the last rank has finished (the machine's throughput, not a lucky rank's)
+        a = torch.randn(256, 256)
+
+        def kernel(busy: bool) -> None:
+            if busy:
+                for _ in range(CORE_MATMULS):
+                    torch.mm(a, a)
+            dist.barrier(group=everyone)
+
+        one, every = [], []
+        kernel(True)
+        for _ in range(repeats):  # alternated, so that a change of the machine's load hits both alike
+            one.append(_median(lambda: kernel(rank < ranks), everyone, 1))
+            every.append(_median(lambda: kernel(True), everyone, 1))
+        res["core_one_host"], res["core_all_hosts"] = statistics.median(one), statistics.median(every)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_network(hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET_SIZES,
+                    repeats: int = NET_REPEATS) -> dict[str, float]:  # fmt: skip
+    """Spawn ``hosts`` x ``ranks`` gloo ranks and return the inter-host probe's raw times (seconds) and its fits:
+    ``net_lat`` (s per ring step) and ``net_rate`` (bytes/s per rank) of the all-reduce between hosts at ``sizes``
+    (FP32 elements, at least two), and ``colocated_cores``."""
+    if hosts < 2:
+        raise ValueError(f"the network probe needs hosts >= 2, got {hosts}")
+    if len(set(sizes)) < 2 or min(sizes) < hosts * ranks:
+        raise ValueError(f"the network probe needs at least two sizes of >= {hosts * ranks} elements, got {sizes}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "net.json")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        mp.start_processes(_network_worker, args=(hosts, ranks, init, out, tuple(sizes), repeats), nprocs=hosts * ranks,
+                           start_method="spawn")  # fmt: skip
+        raw = json.loads(Path(out).read_text())
+    moved = 2 * (hosts - 1) / hosts * 4  # bytes over the network per rank per element of the message
+    lat, rate = _fit_points([n * moved for n in sizes], [raw[f"pair_alone_{n}"] for n in sizes])
+    raw.update(net_lat=lat / (2 * (hosts - 1)), net_rate=rate, hosts=hosts, ranks=ranks)
+    # cores the N R ranks get together, in the units of the R-rank probes (R ranks = the machine's cores)
+    cores = cpu_ops.physical_cores()
+    raw["colocated_cores"] = min(cores * hosts, cores * hosts * raw["core_one_host"] / raw["core_all_hosts"])
+    log.info("network probe (%d hosts x %d ranks): %.3g GB/s per rank, %.3g ms per step", hosts, ranks, rate / 1e9,
+             lat / (2 * (hosts - 1)) * 1e3)  # fmt: skip
+    return raw
 
 
 def _free_port() -> int:
@@ -143,8 +304,9 @@ def measure(world: int = 2, model: str = "qwen3-tiny", seq: int = 26) -> dict[st
         return json.loads(Path(out).read_text())
 
 
-def build_profile(raw: dict[str, float], world: int, model: str, seq: int) -> Profile:
-    """The measurements as a profile of this machine (R CPU ranks sharing the cores)."""
+def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: dict | None = None) -> Profile:
+    """The measurements as a profile of this machine (R CPU ranks sharing the cores); with ``net`` (from
+    :func:`measure_network`) also its loopback "network" between co-located hosts."""
     src = f"probe: calibrate with {world} gloo ranks on {cpu_ops.physical_cores()} cores ({model}, seq {seq})"
     cores = cpu_ops.physical_cores()
     rate_gb = raw["copy_rate"] / 1e9
@@ -159,4 +321,19 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int) -> Pr
     sources = {k: src for k in values}
     sources["gpu_efficiency"] = "probe: gpu_flops is the achieved rate"
     sources["host_dram_gbps"] = src + "; 2 x concurrent memcpy rate (read + write)"
-    return Profile("this-machine", values, sources, f"this machine, {world} CPU ranks as devices")
+    desc = f"this machine, {world} CPU ranks as devices"
+    if net is not None:
+        n, r = net["hosts"], net["ranks"]
+        where = f"probe: calibrate --hosts {n}, {n} x {r} gloo ranks on {cores} cores over loopback"
+        values.update(net_gbps=net["net_rate"] * r / 1e9, net_latency_s=net["net_lat"],
+                      colocated_cores=net["colocated_cores"])
+        sources.update(
+            net_gbps=f"{where}; 2-rank all-reduce between hosts, one pair at a time, least-squares fit over "
+                     f"{min(NET_SIZES)}..{max(NET_SIZES)} FP32 elements: per-rank rate x {r} ranks per host",
+            net_latency_s=f"{where}; latency of the same fit per ring step",
+            colocated_cores=f"{where}: the hosts are process groups on this one machine; a 1-thread matmul loop on "
+                            f"one host's {r} ranks, then on all {n * r}: {cores} cores x {n} x (time on {r}) / (time "
+                            f"on {n * r}), the cores all ranks share in the units of the {r}-rank probes",
+        )  # fmt: skip
+        desc += f"; {n} co-located hosts (loopback network)"
+    return Profile("this-machine", values, sources, desc)

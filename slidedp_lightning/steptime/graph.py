@@ -5,14 +5,14 @@ Resources: ``gpu`` (FLOPs), ``h2d``/``d2h`` (PCIe bytes), ``link`` (GPU intercon
 bytes), ``dram`` (host memory bytes), ``net`` (inter-host network bytes, with several hosts) and ``cores``
 (core-seconds) where the host is the device.
 
-Several hosts (``hosts`` = N, R ranks each), two layouts of the host state:
-- ``replicated``: every host holds the whole ledger; a unit's gradient is reduce-scattered within the host, then
-  each rank's reduced 1/R shard is all-reduced between the N ranks of the same local index (``net`` lane), and
-  every host updates its shard in its own ledger (per-host update work and ledger as on one host);
-- ``sharded``: each host owns 1/N of every unit: the in-host reduce-scatter is followed by a reduce-scatter
-  between hosts (each rank keeps 1/(N R)); each host updates only its 1/N; parameters come back by a fetch of
-  the rank's 1/(N R) shard, an all-gather between hosts ((N-1)/N of the rank's 1/R crosses the network) and the
-  in-host all-gather.
+Several hosts (``hosts`` = N, R ranks each), two layouts of the host state, as the runtime runs them:
+- ``replicated``: every host holds the whole ledger; a unit's gradient is reduce-scattered within the host (the
+  compute thread waits for it before it issues the next collective), then each rank's reduced 1/R shard is
+  all-reduced between the N ranks of the same local index (``net`` lane), and every host updates its shard in its
+  own ledger (per-host update work and ledger as on one host);
+- ``sharded``: each host owns 1/N of every unit, each rank 1/(N R): the gradient is reduce-scattered over all N R
+  ranks in one flat ring and the parameters come back by a fetch of the rank's 1/(N R) shard and one flat
+  all-gather over all N R ranks (:func:`flat_collective`); each host updates only its 1/N.
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ class StepConfig:
     precision: str = "bf16-mixed"
     hosts: int = 1
     host_layout: str = "replicated"
+    # the runtime's backpressure (``EngineConfig.max_units_in_flight``, 2 there): before it reduces a unit's
+    # gradient, the compute thread waits until fewer than this many units wait for (or are in) the CPU update;
+    # None: not modelled (the paper checks are stated without it)
+    max_units_in_flight: int | None = None
+    # the training step all-reduces its loss over every rank (Lightning's ``self.log(..., sync_dist=True)``) between
+    # forward and backward, on the compute thread
+    loss_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.param_route not in PARAM_ROUTES:
@@ -83,6 +90,9 @@ class StepConfig:
             if self.host_layout == "sharded" and self.param_route != "sharded":
                 raise ValueError("host_layout 'sharded' gathers every unit from its 1/(hosts x gpus) shards: use "
                                  "param_route 'sharded'")  # fmt: skip
+        m = self.max_units_in_flight
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"max_units_in_flight must be None or an integer >= 1, got {m!r}")
         if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1):
             raise ValueError(f"chunk_bytes must be None or an integer >= 1, got {self.chunk_bytes!r}")
 
@@ -133,6 +143,37 @@ def net_collective(kind: str, nbytes_per_rank: float, hosts: int, latency: float
     raise ValueError(f"unknown collective {kind!r}")
 
 
+def flat_collective(kind: str, link_kind: str, nbytes: float, ranks: int, hosts: int, link_latency: float,
+                    net_latency: float) -> tuple[dict[str, float], float]:
+    """Per-rank demand and latency of one ring collective over all ``hosts`` x ``ranks`` ranks (k of them) on a
+    message of ``nbytes`` (the whole unit): every rank sends (k-1)/k of it to its ring neighbour in k-1 steps. The
+    ring leaves each host once, so each host's network carries (k-1)/k of the message, shared by its R ranks
+    (``net`` demand 1/R of it per rank); the other edges are in-host links. A step waits for the slower of the
+    two latencies."""
+    k = ranks * hosts
+    if k < 2:
+        return {}, 0.0
+    if kind not in ("reduce_scatter", "all_gather"):
+        raise ValueError(f"unknown flat collective {kind!r}")
+    moved = (k - 1) / k * nbytes
+    demand, _ = _collective(link_kind if ranks > 1 else "none", moved, k - 1, link_latency)
+    if hosts > 1:
+        demand = {**demand, "net": moved / ranks}
+    return demand, (k - 1) * max(link_latency if ranks > 1 else 0.0, net_latency if hosts > 1 else 0.0)
+
+
+def loss_sync_latency(cfg: StepConfig, profile: Profile) -> float:
+    """Latency of the all-reduce of one scalar over all N R ranks (a ring: 2 (k-1) steps, each at the slower of the
+    in-host and between-host latencies)."""
+    k = cfg.gpus * cfg.hosts
+    if k < 2:
+        return 0.0
+    lat = profile.link_latency_s if cfg.gpus > 1 else 0.0
+    if cfg.hosts > 1:
+        lat = max(lat, profile.net_latency_s)
+    return 2 * (k - 1) * lat
+
+
 @dataclass
 class Op:
     name: str
@@ -181,6 +222,7 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
     b = _Builder()
     last_update: dict[int, list[int]] = {}  # unit -> update ops of the previous step
     compute_seq: list[int] = []  # every compute op in order, across steps (the prefetch window counts these)
+    blocking: list[int] = []  # ops the compute thread waits for before its next op (see ``_gradient``)
 
     def fetch(u: int, step: int, backward: bool) -> list[int]:
         """H2D (and all-gather) of unit u, issued when the compute op W places back has finished."""
@@ -193,17 +235,26 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         nbytes = p * pb / r if sharded else p * pb
         nbytes *= cfg.state_share  # host-sharded: the rank's 1/(N R) shard
         ids = [b.add(Op(f"h2d {tag}", "h2d", step, u, {"h2d": nbytes, "dram": nbytes}, profile.copy_latency_s, deps))]
-        if cfg.host_sharded:  # the rank's 1/R of the unit from the N hosts
-            demand, fixed = net_collective("all_gather", p * pb / r, cfg.hosts, profile.net_latency_s)
+        if cfg.host_sharded:  # one ring over all N R ranks
+            demand, fixed = flat_collective("all_gather", profile.link_kind, p * pb, r, cfg.hosts, lat,
+                                            profile.net_latency_s)  # fmt: skip
             ids.append(b.add(Op(f"all_gather_net {tag}", "h2d", step, u, demand, fixed, [ids[-1]])))
-        if sharded:
+        elif sharded:
             demand, fixed = _collective(kind, p * pb * (r - 1) / r, r - 1, lat)
             ids.append(b.add(Op(f"all_gather {tag}", "h2d", step, u, demand, fixed, [ids[-1]])))
         return ids
 
-    def compute(name: str, u: int, step: int, flops: float, deps: list[int]) -> int:
-        deps = deps + ([compute_seq[-1]] if compute_seq else [])
-        i = b.add(Op(name, "compute", step, u, {"gpu": flops}, profile.op_overhead_s if flops else 0.0, deps))
+    gpu_rate = profile.gpu_flops * profile.gpu_efficiency
+
+    def compute(name: str, u: int, step: int, flops: float, deps: list[int], overhead: float | None = None) -> int:
+        """A compute-lane op; its fixed overhead (``op_overhead_s`` when it has FLOPs) is host time, which on a CPU
+        "device" runs on the same cores as the FLOPs: there it is work (FLOP-equivalents), elsewhere latency."""
+        deps = deps + ([compute_seq[-1]] if compute_seq else []) + blocking
+        blocking.clear()
+        fixed = (profile.op_overhead_s if flops else 0.0) if overhead is None else overhead
+        if profile.host_is_device:
+            flops, fixed = flops + fixed * gpu_rate, 0.0
+        i = b.add(Op(name, "compute", step, u, {"gpu": flops}, fixed, deps))
         compute_seq.append(i)
         return i
 
@@ -216,9 +267,11 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if act.offload_ratio > 0:
                 nbytes = act.retained_bytes_per_token * tok * act.offload_ratio
                 offloaded[u] = b.add(Op("offload", "offload", step, u, {"d2h": nbytes, "dram": nbytes}, 0.0, [f]))
-        compute("loss", n_units - 1, step, 0.0, [])
-        b.ops[compute_seq[-1]].fixed = profile.step_overhead_s
+        compute("loss", n_units - 1, step, 0.0, [], profile.step_overhead_s)
+        if cfg.loss_sync:  # the all-reduce is latency on every machine
+            b.ops[compute_seq[-1]].fixed += loss_sync_latency(cfg, profile)
         updates: dict[int, list[int]] = {}
+        dispatched: list[list[int]] = []  # update ops of the units reduced so far in this backward, in order
         for u in reversed(range(n_units)):  # backward
             unit = us[u]
             ready = [i for v in (u, *unit.borrows) for i in fetch(v, step, backward=True)[-1:]]
@@ -231,17 +284,24 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if unit.activation.recompute_fraction > 0:
                 ready = [compute("recompute", u, step, fwd * unit.activation.recompute_fraction, ready)]
             done = compute("backward", u, step, fwd * profile.bwd_fwd_ratio, ready)
-            updates[u] = _gradient(b, cfg, profile, kind, unit.params, pb, u, step, done)
+            m = cfg.max_units_in_flight
+            gate = [dispatched[-m][-1]] if m and len(dispatched) >= m else []  # backpressure: wait for that update
+            blocking.extend(gate)
+            updates[u] = _gradient(b, cfg, profile, kind, unit.params, pb, u, step, [done, *gate], blocking)
+            dispatched.append(updates[u])
         last_update = updates
     return b.ops
 
 
 def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int, pb: int, u: int, step: int,
-              done: int) -> list[int]:  # fmt: skip
-    """Reduce, D2H and update ops of one unit's gradient; returns the update ops."""
+              start: list[int], blocking: list[int]) -> list[int]:  # fmt: skip
+    """Reduce, D2H and update ops of one unit's gradient, issued once ``start`` is done (its backward and the
+    backpressure); returns the update ops and appends to ``blocking`` the ops the compute thread waits for
+    (replicated layout on several hosts: the in-host reduction of every chunk, before the collective between hosts
+    is issued)."""
     r, lat = cfg.gpus, profile.link_latency_s
     if cfg.grad_route == "host_reduce":
-        d2h = b.add(Op("d2h", "d2h", step, u, {"d2h": p * pb, "dram": p * pb}, profile.copy_latency_s, [done]))
+        d2h = b.add(Op("d2h", "d2h", step, u, {"d2h": p * pb, "dram": p * pb}, profile.copy_latency_s, list(start)))
         nbytes = p / r * update_bytes_per_param(pb, rows=r, bf16_out=cfg.precision == "bf16-mixed")
         return [b.add(Op("update", "update", step, u, {"cpu": nbytes, "dram": nbytes}, 0.0, [d2h]))]
     replicated = cfg.param_route == "replicated"
@@ -252,18 +312,27 @@ def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int,
     out = []
     for k in range(n_chunks):
         frac = 1 / n_chunks
-        if r > 1:
+        if cfg.host_sharded:  # one ring over all N R ranks
+            demand, fixed = flat_collective("reduce_scatter", profile.link_kind, p * 4 * frac, r, cfg.hosts, lat,
+                                            profile.net_latency_s)  # fmt: skip
+            red = b.add(Op("reduce_scatter_net", "reduce", step, u, demand, fixed, list(start), k))
+        elif r > 1:
             moved = (2 if replicated else 1) * p * 4 * (r - 1) / r * frac
             demand, fixed = _collective(kind, moved, (2 if replicated else 1) * (r - 1), lat)
-            red = b.add(Op("all_reduce" if replicated else "reduce_scatter", "reduce", step, u, demand, fixed, [done], k))
+            red = b.add(Op("all_reduce" if replicated else "reduce_scatter", "reduce", step, u, demand, fixed, list(start),
+                           k))  # fmt: skip
+            if cfg.hosts > 1:
+                blocking.append(red)
         else:
-            red = done
-        if cfg.hosts > 1:  # then between the hosts, on the rank's reduced shard
-            coll = "reduce_scatter" if cfg.host_sharded else "all_reduce"
-            demand, fixed = net_collective(coll, reduced * 4 * frac, cfg.hosts, profile.net_latency_s)
-            red = b.add(Op(f"{coll}_net", "net", step, u, demand, fixed, [red], k))
+            red = None
+        if cfg.hosts > 1 and not cfg.host_sharded:  # then between the hosts, on the rank's reduced shard
+            demand, fixed = net_collective("all_reduce", reduced * 4 * frac, cfg.hosts, profile.net_latency_s)
+            red = b.add(Op("all_reduce_net", "net", step, u, demand, fixed, [red] if red is not None else list(start), k))
         nbytes = share * 4 * frac
-        d2h = b.add(Op("d2h", "d2h", step, u, {"d2h": nbytes, "dram": nbytes}, profile.copy_latency_s, [red], k))
+        # on a CPU "device" the update reads the collective's output in place: no copy
+        d2h_demand = {} if profile.host_is_device else {"d2h": nbytes, "dram": nbytes}
+        d2h = b.add(Op("d2h", "d2h", step, u, d2h_demand, 0.0 if profile.host_is_device else profile.copy_latency_s,
+                       [red] if red is not None else list(start), k))  # fmt: skip
         upd = share * frac * per_upd
         out.append(b.add(Op("update", "update", step, u, {"cpu": upd, "dram": upd}, 0.0, [d2h], k)))
     return out
@@ -277,21 +346,30 @@ def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int,
 # - H2D and D2H run on ONE thread and one CUDA stream (single-buffer default): transfers of a rank are serial;
 # - two GPU units (GPU cache of 1 + 1): a fetch reuses the unit of the fetch two places earlier;
 # - one pinned gradient buffer: the D2H of unit u waits until the update of unit u+1 has finished;
-# - gradients: each rank copies its BF16 chunk into a shared-memory slot, barrier, rank 0 alone sums the R slots
-#   in FP32, divides, runs FP32 Adam on the chunk, barrier (every rank's update thread waits meanwhile);
-# - rank 0's update runs on its thread budget: ``--cpu-threads`` per rank, "total is ranks times this value"
-#   (README), i.e. C / R cores of the host;
+# - gradients (shared_data_parallel.py ``reduce_chunk``): each rank copies its BF16 chunk into its shared-memory
+#   slot, barrier, rank 0 alone allocates a fresh FP32 ``mean`` (``torch.zeros``), adds the R BF16 slots one by one
+#   (``mean.add_(slot)``), divides by R and runs FP32 Adam on the chunk, barrier (every rank's update thread waits
+#   meanwhile); no rank adds into a shared sum, there is no lock;
+# - ``mean.add_(slot)`` with a BF16 operand: torch's CPU TensorIterator promotes the operand into a fresh FP32
+#   temporary first (``aten::to`` -> ``_to_copy``, 128 MB for a 32 M-element chunk; profiled with torch 2.13), so each
+#   slot costs read 2 + write 4 (the temporary) + read 4 + 4, write 4 (the add) host bytes;
+# - threads: every CPU op of a rank (the conversion in its transfer thread; the slot copy, rank 0's sum and the
+#   DeepSpeed Adam kernel, whose ``omp parallel for`` team follows torch's intra-op count, in its update thread)
+#   runs on ``--cpu-threads`` threads (``torch.set_num_threads``; default 1, "total is ranks times this value");
+#   the model takes the README's advice to budget the host's threads across ranks: C / R per rank;
 # - after backward every rank drains all transfers and updates (``wait_for_completion``) before the next step.
 SF_CHUNK = 32 * 2**20  # elements per chunk (``chunk_numel`` default)
 SF_GPU_UNITS = 2
 SF_CONVERT_BYTES = 6  # FP32 read 4 + BF16 write 2 per parameter, per rank and fetch
 SF_SHM_COPY_BYTES = 4  # BF16 gradient chunk into the shared slot: read 2 + write 2 per parameter, per rank
+SF_SLOT_BYTES = 18  # rank 0, per slot summed: BF16 -> FP32 temporary (2 + 4), then mean += temporary (4 + 4 + 4)
 
 
 def slideformer_reduce_bytes(r: int) -> int:
-    """Host bytes rank 0 moves per parameter per step: zero the FP32 mean (4), R x ``mean += slot`` (read 4 + 2,
-    write 4), ``mean /= R`` (8), FP32 AdamW with an FP32 gradient (28)."""
-    return 4 + 10 * r + 8 + update_bytes_per_param(4, rows=1)
+    """Host bytes rank 0 moves per parameter per step: zero the FP32 mean (4), R x ``mean += slot`` (the BF16 slot
+    promoted into an FP32 temporary: read 2, write 4; the add: read 4 + 4, write 4), ``mean /= R`` (8), FP32 AdamW
+    with an FP32 gradient (28)."""
+    return 4 + SF_SLOT_BYTES * r + 8 + update_bytes_per_param(4, rows=1)
 
 
 def _slideformer_ops(cfg: StepConfig, profile: Profile, steps: int) -> list[Op]:

@@ -25,6 +25,10 @@ REQUIRED = (
 # The inter-host network (optional: a profile without it models one host). ``net_gbps``: GB/s per direction per
 # host, shared by the host's ranks; ``net_latency_s``: latency of one step of a ring collective between hosts.
 NETWORK_KEYS = ("net_gbps", "net_latency_s")
+# Optional: ``colocated_cores`` says the "hosts" are process groups on this one machine (a calibrated profile whose
+# network was probed over loopback): its N x R ranks share its DRAM and these cores (measured with all N x R ranks
+# busy, in the units of the R-rank probes: ``cpu_cores`` x N on an otherwise idle machine).
+COLOCATED_KEY = "colocated_cores"
 
 
 @dataclass(frozen=True)
@@ -88,23 +92,32 @@ class Profile:
             if not self.net_gbps > 0 or self.net_latency_s < 0:
                 raise ValueError(f"profile {self.name!r}: net_gbps must be > 0 and net_latency_s >= 0")
 
+    @property
+    def colocated(self) -> bool:
+        """The profile's hosts share one machine (see ``COLOCATED_KEY``)."""
+        return COLOCATED_KEY in self.values
+
     def capacities(self, r: int, hosts: int = 1) -> dict[str, float]:
         """Per-rank service capacity of each resource when all ``r`` ranks of each of ``hosts`` hosts run the same
-        step at once (every host has its own CPU, DRAM and PCIe; its ``r`` ranks share its network bandwidth)."""
+        step at once (every host has its own CPU, DRAM and PCIe; its ``r`` ranks share its network bandwidth).
+
+        Co-located hosts (``colocated_cores``): the machine's DRAM and its measured cores serve all ``r x hosts``
+        ranks; every other rate is a rank's own (measured with ``r`` ranks at once), shared through the cores."""
         self.check_gpus(r)
         self.check_hosts(hosts)
+        colocated = hosts > 1 and self.colocated
         cap = {
             "gpu": self.gpu_flops * self.gpu_efficiency,
             "h2d": self.h2d_per_gpu(r),
             "d2h": self.d2h_per_gpu(r),
             "link": self.link_gbps * GB if self.link_gbps else math.inf,
             "cpu": self.update_rate() / r,
-            "dram": self.host_dram_gbps * GB / r,
+            "dram": self.host_dram_gbps * GB / (r * hosts if colocated else r),
             # one process updating alone on its 1/R share of the cores (the paper's baseline: rank 0 runs Adam)
             "updater": self.update_rate(max(1, self.cpu_cores // r)),
         }
         if self.host_is_device:
-            cap["cores"] = self.cpu_cores / r
+            cap["cores"] = (self.colocated_cores / (r * hosts)) if colocated else self.cpu_cores / r
         if hosts > 1:
             cap["net"] = self.net_gbps * GB / r
         return cap
@@ -114,6 +127,8 @@ class Profile:
         a JSON file of ``{"net_gbps": {"value", "source"}, "net_latency_s": {...}}``."""
         net = load_network(name_or_path)
         values, sources = dict(self.values), dict(self.sources)
+        values.pop(COLOCATED_KEY, None)  # a network between machines: each host has its own
+        sources.pop(COLOCATED_KEY, None)
         for key in NETWORK_KEYS:
             values[key], sources[key] = net["constants"][key]["value"], net["constants"][key]["source"]
         return Profile(f"{self.name}+{net['name']}", values, sources, f"{self.description}; {net['description']}")
@@ -142,6 +157,11 @@ class Profile:
         partial = [k for k in NETWORK_KEYS if k in values]
         if partial and len(partial) != len(NETWORK_KEYS):
             raise ValueError(f"{where}: the inter-host network needs all of {NETWORK_KEYS}, got only {partial}")
+        cores = values.get(COLOCATED_KEY)
+        if COLOCATED_KEY in values and (isinstance(cores, bool) or not isinstance(cores, (int, float)) or cores <= 0
+                                        or "net_gbps" not in values):  # fmt: skip
+            raise ValueError(f"{where}: {COLOCATED_KEY} must be a number > 0 with the network constants, got "
+                             f"{values[COLOCATED_KEY]!r}")
         if values["link_kind"] not in LINK_KINDS:
             raise ValueError(f"{where}: link_kind {values['link_kind']!r} not in {LINK_KINDS}")
         return cls(str(data.get("name", where)), values, sources, str(data.get("description", "")))

@@ -36,7 +36,8 @@ def test_collective_formulas():
     assert net_collective("all_gather", 800.0, 2, lat) == ({"net": pytest.approx(400.0)}, pytest.approx(lat))
     assert net_collective("all_reduce", 800.0, 1, lat) == ({}, 0.0)
     # in the graph: per rank and unit, replicated all-reduces 2(N-1)/N of its P_u*4/R shard over the network;
-    # host-sharded reduce-scatters (N-1)/N of it and gathers (N-1)/N of P_u*2/R on each of the two fetches
+    # host-sharded reduce-scatters and gathers in one flat ring over all k = N R ranks: each rank sends (k-1)/k of
+    # the unit, each host's network carries (k-1)/k of it (1/R per rank)
     p = load_profile("h100x8")
     cfg_r, cfg_s = _cfg(4, "replicated"), _cfg(4, "sharded")
     params = units(cfg_r.model, 1024, "full")[5].params
@@ -45,10 +46,15 @@ def test_collective_formulas():
     assert ar[0].demand["net"] == pytest.approx(2 * 3 / 4 * params * 4 / 8)
     assert ar[0].fixed == pytest.approx(6 * p.net_latency_s)
     ops_s = [op for op in build_ops(cfg_s, p, 1) if op.unit == 5]
-    rs = [op for op in ops_s if op.lane == "net"]
-    ag = [op for op in ops_s if op.name.startswith("all_gather_net")]
-    assert [op.name for op in rs] == ["reduce_scatter_net"] and rs[0].demand["net"] == pytest.approx(3 / 4 * params * 4 / 8)
-    assert len(ag) == 2 and all(op.demand["net"] == pytest.approx(3 / 4 * params * 2 / 8) for op in ag)
+    assert not [op for op in ops_s if op.lane == "net"]
+    rs = [op for op in ops_s if op.lane == "reduce"]
+    ag = [op for op in ops_s if op.name.startswith("all_gather")]
+    k = 32
+    assert [op.name for op in rs] == ["reduce_scatter_net"]
+    assert rs[0].demand == pytest.approx({"link": (k - 1) / k * params * 4, "net": (k - 1) / k * params * 4 / 8})
+    assert rs[0].fixed == pytest.approx((k - 1) * max(p.link_latency_s, p.net_latency_s))
+    assert [op.name for op in ag] == ["all_gather_net fwd", "all_gather_net bwd"]  # no separate in-host gather
+    assert all(op.demand["net"] == pytest.approx((k - 1) / k * params * 2 / 8) for op in ag)
     assert all(op.lane == "h2d" for op in ag)  # on the fetch path
     h2d = [op for op in ops_s if op.name.startswith("h2d")]
     assert h2d[0].demand["h2d"] == pytest.approx(params * 2 / 32)  # the rank's 1/(N R) shard
@@ -74,22 +80,24 @@ def test_host_sharded_divides_update_and_ledger_by_n():
         assert host_ledger_bytes(sh) == pytest.approx(host_ledger_bytes(one) / n)
         assert ash.lanes["update"] == pytest.approx(a1.lanes["update"] / n, rel=1e-9)
         assert ash.bounds["cpu"] == pytest.approx(a1.bounds["cpu"] / n, rel=1e-9)
-        # network time per step: replicated 2(N-1)/N x 4 B/param, host-sharded (N-1)/N x (4 + 2 + 2)
+        # network time per step: replicated 2(N-1)/N x 4 B/param, host-sharded (k-1)/k x (4 + 2 + 2), k = N R
         total = rep.model.total_params
-        net = p.net_gbps * GB
+        net, k = p.net_gbps * GB, 8 * n
         assert ar.bounds["net"] == pytest.approx(2 * (n - 1) / n * 4 * total / net, rel=1e-9)
-        assert ash.bounds["net"] == pytest.approx((n - 1) / n * 8 * total / net, rel=1e-9)
+        assert ash.bounds["net"] == pytest.approx((k - 1) / k * 8 * total / net, rel=1e-9)
 
 
 def test_slow_network_prefers_replicated():
-    """FP32 parameters on 25 GbE: host-sharded gathers 2 x 4 B/param per step on top of its 4 B/param reduce-scatter,
-    replicated all-reduces 2 x 4 B/param: 12 vs 8 (N-1)/N B/param on a network that bounds both."""
+    """FP32 parameters on 25 GbE: host-sharded gathers 2 x 4 B/param per step on top of its 4 B/param reduce-scatter
+    in flat rings over all k = N R ranks, replicated all-reduces 2 x 4 B/param between hosts: 12 (k-1)/k vs
+    8 (N-1)/N B/param per host on a network that bounds both."""
     p = load_profile("h100x8").with_network("eth25")
     for n in (2, 8):
         rep, sh = _cfg(n, "replicated", "32-true"), _cfg(n, "sharded", "32-true")
         ar, ash = analyze(rep, p), analyze(sh, p)
         assert max(ar.bounds, key=ar.bounds.get) == "net" and max(ash.bounds, key=ash.bounds.get) == "net"
-        assert ash.bounds["net"] == pytest.approx(1.5 * ar.bounds["net"], rel=1e-9)
+        k = 8 * n
+        assert ash.bounds["net"] == pytest.approx(12 * (k - 1) / k / (8 * (n - 1) / n) * ar.bounds["net"], rel=1e-9)
         sr, ss = simulate(rep, p), simulate(sh, p)
         assert sr.step_time < ss.step_time and ar.step_time < ash.step_time
         assert sr.bottleneck == "host-bound (net)"

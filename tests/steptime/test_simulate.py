@@ -91,7 +91,7 @@ def test_slideformer_structure():
 def test_slideformer_rank0_update_grows_with_r():
     from slidedp_lightning.steptime.graph import slideformer_reduce_bytes
 
-    assert slideformer_reduce_bytes(8) - slideformer_reduce_bytes(4) == 40  # 4 more BF16 slots summed in FP32
+    assert slideformer_reduce_bytes(8) - slideformer_reduce_bytes(4) == 72  # 4 more BF16 slots, 18 B each
     p = load_profile("a800x8_bridge")
     assert p.capacities(8)["updater"] == pytest.approx(p.update_rate(4))  # rank 0 on its C/R = 4 cores
     a4, a8 = analyze(*_sf(4)), analyze(*_sf(8))
