@@ -4,7 +4,9 @@ For each configuration below: wait for an idle machine, run ``calibrate --hosts 
 (the single-host probes, the loopback "network" between the hosts and the cores they share), wait again, then run
 one traced 2-node job (one launcher per "host", its own ``NODE_RANK`` and ledger, one rendezvous, as
 ``tests/integration/conftest.py::run_nodes`` does) and compare the predicted with the measured median step time
-(slowest of the 4 ranks per step, warm-up steps excluded). Both host layouts, two models, two batch sizes.
+(slowest of the 4 ranks per step, warm-up steps excluded). Both host layouts, two models, two batch sizes. The
+training loop's time per step outside the runtime's traced work (``steptime loop``) comes from one single-host
+2-rank job per model, at a batch size none of the configurations uses.
 
 The jobs train the recipe's ``FinetuneModule`` (synthetic task, 32-true) under Lightning with ``num_nodes=2``:
 the recipe's tiny Qwen3 and ``mid`` (written with ``save_pretrained`` into the output folder). Both "hosts" share
@@ -43,6 +45,9 @@ CONFIGS = [  # (model, per-rank batch, param_route, host_layout)
 MID = dict(vocab_size=64, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=True, use_cache=False,
            bos_token_id=1, eos_token_id=3, pad_token_id=0)  # fmt: skip
+# the training loop's time per step is measured on one host (2 ranks, route full) at a batch none of CONFIGS uses,
+# and carried to the 2 x 2 jobs by the model (it is work on the cores the co-located hosts share)
+REFERENCE_BATCH = 16
 MAX_UNITS_IN_FLIGHT = 2  # EngineConfig's default, which these jobs run with
 LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
@@ -250,6 +255,7 @@ def main() -> int:
         return worker(args)
 
     import cpu_ops
+    from slidedp_lightning.steptime.calibrate import with_loop
     from slidedp_lightning.steptime.graph import StepConfig
     from slidedp_lightning.steptime.profiles import load_profile
     from slidedp_lightning.steptime.simulate import simulate
@@ -263,8 +269,15 @@ def main() -> int:
     models = {"tiny": ("qwen3-tiny", None), "mid": (str(mid), str(mid))}  # (calibrate --model, job --model-dir)
     picks = [int(i) for i in args.only.split(",")] if args.only else range(len(CONFIGS))
     rows = []
+    references: dict[str, Path] = {}
     for i in picks:
         name, batch, param, layout = CONFIGS[i]
+        if name not in references:  # the training loop's time per step, from one host's 2-rank job
+            ref = out / f"reference_{name}_b{REFERENCE_BATCH}_1host"
+            ref.mkdir(parents=True, exist_ok=True)
+            wait_quiet(args.quiet_wait)
+            run_job(models[name][1], REFERENCE_BATCH, "full", "replicated", args.steps, str(ref), args.timeout, nodes=1)
+            references[name] = ref
         trace = out / f"{name}_b{batch}_{param}_{layout}"
         trace.mkdir(parents=True, exist_ok=True)
         profile_path = Path(args.profile) if args.profile else trace / "this_machine.json"
@@ -276,7 +289,8 @@ def main() -> int:
             busy_before = max(busy_before, wait_quiet(args.quiet_wait))
         load = load_average()
         run_job(model_dir, batch, param, layout, args.steps, str(trace), args.timeout)
-        profile = load_profile(profile_path)
+        profile = with_loop(load_profile(profile_path), references[name])
+        (trace / "profile_with_loop.json").write_text(json.dumps(profile.to_json(), indent=1))
         meas = measured(trace, skip=args.skip, ranks=NODES * DEVICES)
         cfg = StepConfig(shape, batch, SEQ, DEVICES, param, "gpu_reduce", precision="32-true", hosts=NODES,
                          host_layout=layout, max_units_in_flight=MAX_UNITS_IN_FLIGHT, loss_sync=True)  # fmt: skip

@@ -1,8 +1,10 @@
 """Hold the step-time model against real 2-rank CPU SlideDP runs on this machine.
 
-Runs ``calibrate`` (or reuses ``--profile``), then each configuration below as a traced
-``slidedp-finetune`` job in a subprocess, and prints predicted vs measured median step time and the
-bottleneck labels (model vs lane traces), with the traces' exposed host time and compute stall.
+Runs ``calibrate`` (or reuses ``--profile``), then per model one traced reference job (a batch size and routes
+that are not among the configurations below) whose lane traces give the training loop's time per step
+(``steptime loop``), then each configuration below as a traced ``slidedp-finetune`` job in a subprocess, and prints
+predicted vs measured median step time and the bottleneck labels (model vs lane traces), with the traces' exposed
+host time and compute stall.
 
 Two models: the recipe's tiny Qwen3 (compute-bound here) and ``wide``, a random-init Qwen3 with a large
 untied vocabulary and one small block, written with ``save_pretrained`` into the output folder (nothing is
@@ -22,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from slidedp_lightning.steptime.calibrate import with_loop
 from slidedp_lightning.steptime.graph import StepConfig
 from slidedp_lightning.steptime.profiles import load_profile
 from slidedp_lightning.steptime.simulate import simulate
@@ -38,6 +41,8 @@ CONFIGS = [  # (model, per-rank batch, param_route, grad_route)
     ("wide", 1, "replicated", "gpu_reduce"),
     ("wide", 1, "full", "host_reduce"),
 ]
+# per model, the reference job that measures the training loop (batch, param_route, grad_route): none of CONFIGS
+REFERENCE = {"tiny": (24, "full", "gpu_reduce"), "wide": (2, "sharded", "gpu_reduce")}
 # The host-bound model: Qwen3 shapes, vocabulary 32768 (untied head), hidden 256, one block.
 WIDE = dict(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=False,
@@ -86,11 +91,21 @@ def main() -> int:
     profile = load_profile(profile_path)
     wide_dir = write_wide_model(out / "wide_model")
     models = {"tiny": (None, load_config("qwen3-tiny")), "wide": (str(wide_dir), load_config(wide_dir))}
+    profiles = {}
+    for name, (batch, param, grad) in REFERENCE.items():
+        if args.only and name != args.only:
+            continue
+        trace = str(out / f"reference_{name}_b{batch}_{param}_{grad}")
+        run_job(models[name][0], batch, param, grad, args.steps, trace, args.timeout)
+        profiles[name] = with_loop(profile, trace)
+        (out / f"profile_{name}.json").write_text(json.dumps(profiles[name].to_json(), indent=1))
+        print(f"{name}: training loop {profiles[name].loop_overhead * 1e3:.1f} ms per step ({trace})", flush=True)
     rows = []
     for name, batch, param, grad in CONFIGS:
         if args.only and name != args.only:
             continue
         model_dir, shape = models[name]
+        profile = profiles[name]
         trace = str(out / f"{name}_b{batch}_{param}_{grad}")
         run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout)
         meas = measured(trace)

@@ -45,6 +45,22 @@ def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: in
             flat[a:b].copy_(src, non_blocking=True)
 
 
+class _Chained:
+    """A host collective that a lane thread issues once the one before it has completed (``future``'s result is
+    its handle): ``wait()`` and ``is_completed()`` as for a collective's handle; a failure to issue it is raised by
+    ``wait()``."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def is_completed(self) -> bool:
+        f = self.future
+        return f.done() and (f.exception() is not None or f.result().is_completed())
+
+    def wait(self) -> None:
+        self.future.result().wait()
+
+
 @dataclass
 class ReducedShard:
     """gpu_reduce: this rank's reduced shard on the host, once its marker (D2H copy) and work are done.
@@ -247,10 +263,13 @@ class GradRoute:
                 else:
                     piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
                     work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
-            if self.cross_group is not None:  # then across hosts (gloo: after the host's reduction has landed)
-                if work is not None:
-                    work.wait()
-                work = dist.all_reduce(piece, group=self.cross_group, async_op=True)
+            if self.cross_group is not None:  # then across hosts, once the host's reduction is done
+                if streams or work is None:  # device streams: waiting orders the streams, the thread goes on
+                    if work is not None:
+                        work.wait()
+                    work = dist.all_reduce(piece, group=self.cross_group, async_op=True)
+                else:  # host collectives: the D2H lane waits and issues it (in unit order on every rank)
+                    work = _Chained(self.lanes.submit("d2h", self._across, work, piece))
             host, marker, work = self.lanes.to_host(piece, work)
             shard = ReducedShard(self.lanes, host, marker, work, (flat, piece) if streams else (), step, u, k,
                                  copy_out=copy_out)  # fmt: skip
@@ -259,6 +278,13 @@ class GradRoute:
                 self.lanes.submit("d2h", self._settle, shard)
             out.append((a, b, shard))
         return out
+
+    def _across(self, work, piece: torch.Tensor):
+        """D2H lane thread: wait (never on a dead peer) for the host's reduction of ``piece``, then start its
+        all-reduce between the hosts; returns that collective's handle."""
+        wait_until(work.is_completed, self.liveness, "a gradient reduction within the host")
+        work.wait()
+        return dist.all_reduce(piece, group=self.cross_group, async_op=True)
 
     def _settle(self, shard: ReducedShard) -> None:
         """D2H lane thread: wait (never on a dead peer) until ``shard``'s collective completed, then land it, instead

@@ -1,4 +1,4 @@
-"""``python -m slidedp_lightning.steptime {predict,scaling,calibrate,profiles}``."""
+"""``python -m slidedp_lightning.steptime {predict,scaling,calibrate,loop,profiles}``."""
 
 from __future__ import annotations
 
@@ -167,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--seq", type=int, default=26, help="sequence length of the compute measurement")
     ca.add_argument("--hosts", type=int, default=1, help="also probe the loopback network between this many "
                     "co-located hosts of --ranks ranks (default 1: no network)")  # fmt: skip
+    lo = sub.add_parser("loop", help="add the training loop's time per step, measured from a traced run, to a profile")
+    lo.add_argument("--profile", required=True, help="profile JSON from calibrate (rewritten unless --out)")
+    lo.add_argument("--trace", required=True, help="trace_dir of a training run on this machine (a few steps)")
+    lo.add_argument("--hosts", type=int, default=1, help="hosts the traced run's ranks were spread over (default 1)")
+    lo.add_argument("--out", default=None, help="profile JSON to write (default: --profile)")
     sub.add_parser("profiles", help="list the shipped hardware profiles")
     return p
 
@@ -196,6 +201,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                               args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision,
                               max_units_in_flight=args.max_units_in_flight, loss_sync=args.loss_sync)
             print(scaling_table(base, profile, totals))
+        elif args.cmd == "loop":
+            from slidedp_lightning.steptime.calibrate import with_loop
+
+            profile = with_loop(load_profile(args.profile), args.trace, args.hosts)
+            out = args.out or args.profile
+            with open(out, "w") as f:
+                json.dump(profile.to_json(), f, indent=1)
+            print(f"{out}: loop_overhead_s = {profile.loop_overhead * 1e3:.1f} ms ({profile.sources['loop_overhead_s']})")
         else:
             from slidedp_lightning.steptime.calibrate import build_profile, measure, measure_network
 

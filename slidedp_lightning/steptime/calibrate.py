@@ -31,13 +31,17 @@ import torch.multiprocessing as mp
 import cpu_ops
 from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.probe import probe_routes
-from slidedp_lightning.steptime.profiles import Profile
+from slidedp_lightning.steptime.profiles import LOOP_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
 
 log = logging.getLogger(__name__)
 REPEATS = 9
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # elements probed (latency-dominated ... bandwidth-dominated)
 SMALL, LARGE = SIZES[0], SIZES[-1]
+# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are mapped anew for
+# every allocation and unmapped when freed, so their first write faults in every page
+ALLOC_REUSE_BYTES = 32 * 2**20
+FRESH_ELEMS = 1 << 24  # 64 MiB of FP32: above it
 ROUTE_PASSES = 3  # route probes per size (each the median of its own repeats); their median is kept
 
 
@@ -198,6 +202,11 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
         t_upd = _median(lambda: cpu_ops.adamw_update(p, m, v, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
                                                           weight_decay=0.01), group)
         upd_rate = LARGE * cpu_ops.update_bytes_per_param(4) / t_upd
+        # a copy into a buffer allocated for it, too large for the allocator to keep (fresh pages each time)
+        big = torch.randn(FRESH_ELEMS)
+        t_fresh = _median(lambda: torch.empty(FRESH_ELEMS).copy_(big), group)
+        res["fresh_rate"] = FRESH_ELEMS * 4 / t_fresh
+        del big
         res.update(copy_lat=copy_lat, copy_rate=copy_rate, link_lat=(ag_lat + rs_lat) / 2 / max(1, world - 1),
                    link_rate=min(ag_rate, rs_rate), upd_rate=upd_rate)  # fmt: skip
         res.update(_compute(model, seq, (8, 32), group, threads))
@@ -318,7 +327,13 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
         "host_dram_gbps": 2 * world * rate_gb, "cpu_cores": cores,
         "update_gbps": {str(cores): raw["upd_rate"] * world / 1e9}, "host_is_device": True,
     }  # fmt: skip
+    if "fresh_rate" in raw:
+        values.update(fresh_gbps=raw["fresh_rate"] / 1e9, alloc_reuse_bytes=ALLOC_REUSE_BYTES)
     sources = {k: src for k in values}
+    if "fresh_rate" in raw:
+        sources["fresh_gbps"] = src + f"; copy into a new {FRESH_ELEMS * 4 >> 20} MiB buffer per copy, all ranks at once"
+        sources["alloc_reuse_bytes"] = ("assumed: glibc's largest dynamic mmap threshold on 64-bit "
+                                        "(DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are mapped anew on every allocation")
     sources["gpu_efficiency"] = "probe: gpu_flops is the achieved rate"
     sources["host_dram_gbps"] = src + "; 2 x concurrent memcpy rate (read + write)"
     desc = f"this machine, {world} CPU ranks as devices"
@@ -337,3 +352,29 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
         )  # fmt: skip
         desc += f"; {n} co-located hosts (loopback network)"
     return Profile("this-machine", values, sources, desc)
+
+
+def with_loop(profile: Profile, trace_dir: str | Path, hosts: int = 1) -> Profile:
+    """``profile`` with ``loop_overhead_s`` measured from the lane traces of a real training run (``trace_dir``, all
+    of its ranks, ``hosts`` hosts of them): the compute thread's median time per step outside the runtime's traced
+    work (:func:`~slidedp_lightning.steptime.traces.loop_time`), less what the model already counts there (the loss
+    measured by ``calibrate`` and the loss all-reduce's latency)."""
+    from slidedp_lightning.steptime.graph import loss_sync_latency
+    from slidedp_lightning.steptime.traces import loop_time
+
+    trace_dir = Path(trace_dir)
+    ranks = len([p for p in trace_dir.glob("rank*") if p.is_dir()])
+    if hosts < 1 or ranks % hosts:
+        raise ValueError(f"{trace_dir} holds traces of {ranks} ranks, not a multiple of hosts={hosts}")
+    measured = loop_time(trace_dir)
+    if ranks // hosts > profile.gpus:
+        raise ValueError(f"{trace_dir}: {ranks // hosts} ranks per host, the profile models at most {profile.gpus}")
+    sync = loss_sync_latency(ranks // hosts, hosts, profile)
+    loop = max(0.0, measured - profile.step_overhead_s - sync)
+    values, sources = dict(profile.values), dict(profile.sources)
+    values[LOOP_KEY] = loop
+    sources[LOOP_KEY] = (f"probe: lane traces of a training run ({trace_dir}, {ranks} ranks): the compute thread's "
+                         f"median {measured * 1e3:.1f} ms per step outside the runtime's traced work, less the loss "
+                         f"({profile.step_overhead_s * 1e3:.1f} ms) and its all-reduce ({sync * 1e3:.2f} ms)")
+    log.info("training loop: %.1f ms per step outside the traced work (%s)", loop * 1e3, trace_dir)
+    return Profile(profile.name, values, sources, profile.description)

@@ -6,10 +6,10 @@ bytes), ``dram`` (host memory bytes), ``net`` (inter-host network bytes, with se
 (core-seconds) where the host is the device.
 
 Several hosts (``hosts`` = N, R ranks each), two layouts of the host state, as the runtime runs them:
-- ``replicated``: every host holds the whole ledger; a unit's gradient is reduce-scattered within the host (the
-  compute thread waits for it before it issues the next collective), then each rank's reduced 1/R shard is
-  all-reduced between the N ranks of the same local index (``net`` lane), and every host updates its shard in its
-  own ledger (per-host update work and ledger as on one host);
+- ``replicated``: every host holds the whole ledger; a unit's gradient is reduce-scattered within the host, then
+  each rank's reduced 1/R shard is all-reduced between the N ranks of the same local index (``net`` lane; the
+  runtime issues it from a lane thread once the host's reduction is done, so the compute thread never waits for
+  either), and every host updates its shard in its own ledger (per-host update work and ledger as on one host);
 - ``sharded``: each host owns 1/N of every unit, each rank 1/(N R): the gradient is reduce-scattered over all N R
   ranks in one flat ring and the parameters come back by a fetch of the rank's 1/(N R) shard and one flat
   all-gather over all N R ranks (:func:`flat_collective`); each host updates only its 1/N.
@@ -162,14 +162,14 @@ def flat_collective(kind: str, link_kind: str, nbytes: float, ranks: int, hosts:
     return demand, (k - 1) * max(link_latency if ranks > 1 else 0.0, net_latency if hosts > 1 else 0.0)
 
 
-def loss_sync_latency(cfg: StepConfig, profile: Profile) -> float:
+def loss_sync_latency(gpus: int, hosts: int, profile: Profile) -> float:
     """Latency of the all-reduce of one scalar over all N R ranks (a ring: 2 (k-1) steps, each at the slower of the
     in-host and between-host latencies)."""
-    k = cfg.gpus * cfg.hosts
+    k = gpus * hosts
     if k < 2:
         return 0.0
-    lat = profile.link_latency_s if cfg.gpus > 1 else 0.0
-    if cfg.hosts > 1:
+    lat = profile.link_latency_s if gpus > 1 else 0.0
+    if hosts > 1:
         lat = max(lat, profile.net_latency_s)
     return 2 * (k - 1) * lat
 
@@ -184,6 +184,7 @@ class Op:
     fixed: float = 0.0  # seconds of latency before the op's work (no resource held)
     deps: list[int] = field(default_factory=list)
     chunk: int = -1
+    shown: str = ""  # the lane the runtime's lane traces record it on, when not ``lane`` (the thread it runs on)
 
 
 class _Builder:
@@ -222,7 +223,7 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
     b = _Builder()
     last_update: dict[int, list[int]] = {}  # unit -> update ops of the previous step
     compute_seq: list[int] = []  # every compute op in order, across steps (the prefetch window counts these)
-    blocking: list[int] = []  # ops the compute thread waits for before its next op (see ``_gradient``)
+    blocking: list[int] = []  # ops the compute thread waits for before its next op (the backpressure)
 
     def fetch(u: int, step: int, backward: bool) -> list[int]:
         """H2D (and all-gather) of unit u, issued when the compute op W places back has finished."""
@@ -234,14 +235,18 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         sharded = cfg.param_route == "sharded" and r > 1
         nbytes = p * pb / r if sharded else p * pb
         nbytes *= cfg.state_share  # host-sharded: the rank's 1/(N R) shard
-        ids = [b.add(Op(f"h2d {tag}", "h2d", step, u, {"h2d": nbytes, "dram": nbytes}, profile.copy_latency_s, deps))]
+        gathered = cfg.host_sharded or sharded  # the copy fills a shard, a gather the unit's buffer
+        demand = _fresh({"h2d": nbytes, "dram": nbytes}, profile, nbytes if gathered else p * pb)
+        ids = [b.add(Op(f"h2d {tag}", "h2d", step, u, demand, profile.copy_latency_s, deps))]
         if cfg.host_sharded:  # one ring over all N R ranks
             demand, fixed = flat_collective("all_gather", profile.link_kind, p * pb, r, cfg.hosts, lat,
                                             profile.net_latency_s)  # fmt: skip
-            ids.append(b.add(Op(f"all_gather_net {tag}", "h2d", step, u, demand, fixed, [ids[-1]])))
+            ids.append(b.add(Op(f"all_gather_net {tag}", "h2d", step, u, _fresh(demand, profile, p * pb), fixed,
+                                [ids[-1]])))  # fmt: skip
         elif sharded:
             demand, fixed = _collective(kind, p * pb * (r - 1) / r, r - 1, lat)
-            ids.append(b.add(Op(f"all_gather {tag}", "h2d", step, u, demand, fixed, [ids[-1]])))
+            ids.append(b.add(Op(f"all_gather {tag}", "h2d", step, u, _fresh(demand, profile, p * pb), fixed,
+                                [ids[-1]])))  # fmt: skip
         return ids
 
     gpu_rate = profile.gpu_flops * profile.gpu_efficiency
@@ -267,9 +272,9 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if act.offload_ratio > 0:
                 nbytes = act.retained_bytes_per_token * tok * act.offload_ratio
                 offloaded[u] = b.add(Op("offload", "offload", step, u, {"d2h": nbytes, "dram": nbytes}, 0.0, [f]))
-        compute("loss", n_units - 1, step, 0.0, [], profile.step_overhead_s)
+        compute("loss", n_units - 1, step, 0.0, [], profile.step_overhead_s + profile.loop_overhead)
         if cfg.loss_sync:  # the all-reduce is latency on every machine
-            b.ops[compute_seq[-1]].fixed += loss_sync_latency(cfg, profile)
+            b.ops[compute_seq[-1]].fixed += loss_sync_latency(cfg.gpus, cfg.hosts, profile)
         updates: dict[int, list[int]] = {}
         dispatched: list[list[int]] = []  # update ops of the units reduced so far in this backward, in order
         for u in reversed(range(n_units)):  # backward
@@ -287,18 +292,41 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             m = cfg.max_units_in_flight
             gate = [dispatched[-m][-1]] if m and len(dispatched) >= m else []  # backpressure: wait for that update
             blocking.extend(gate)
-            updates[u] = _gradient(b, cfg, profile, kind, unit.params, pb, u, step, [done, *gate], blocking)
+            start = [done, *gate]
+            if profile.host_is_device and cfg.grad_route != "host_reduce":
+                start = [_issue(b, cfg, profile, unit.params, pb, u, step, start, gpu_rate)]
+            updates[u] = _gradient(b, cfg, profile, kind, unit.params, pb, u, step, start)
             dispatched.append(updates[u])
         last_update = updates
     return b.ops
 
 
+def _fresh(demand: dict[str, float], profile: Profile, alloc_bytes: float) -> dict[str, float]:
+    """``demand`` of an op that writes a buffer of ``alloc_bytes`` allocated for this use: its fresh pages too."""
+    fresh = profile.fresh_bytes(alloc_bytes)
+    return {**demand, "fresh": fresh} if fresh else demand
+
+
+def _issue(b: _Builder, cfg: StepConfig, profile: Profile, p: int, pb: int, u: int, step: int, deps: list[int],
+           gpu_rate: float) -> int:  # fmt: skip
+    """On a CPU "device", the compute thread's part of a gradient route (``GradRoute._gpu_reduce``): the issue (one
+    op's overhead, as work on the cores) and the flat FP32 gradient it fills (read the compute-dtype gradients,
+    write a fresh buffer; divide it in place before the collective when several ranks average; chunked shards are
+    made contiguous). On a GPU these run on the device and are not modelled. The traces record both on the reduce
+    lane (span "issue"). Returns the fill op."""
+    issue = b.add(Op("issue", "compute", step, u, {"gpu": profile.op_overhead_s * gpu_rate}, 0.0, deps, shown="reduce"))
+    ranks = cfg.gpus * cfg.hosts
+    nbytes = p * pb + p * 4 + (8 * p if ranks > 1 else 0)
+    if cfg.chunk_bytes and cfg.gpus > 1 and cfg.param_route != "replicated":
+        nbytes += 8 * p
+    demand = _fresh({"h2d": nbytes, "dram": nbytes}, profile, p * 4)
+    return b.add(Op("fill", "compute", step, u, demand, 0.0, [issue], shown="reduce"))
+
+
 def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int, pb: int, u: int, step: int,
-              start: list[int], blocking: list[int]) -> list[int]:  # fmt: skip
-    """Reduce, D2H and update ops of one unit's gradient, issued once ``start`` is done (its backward and the
-    backpressure); returns the update ops and appends to ``blocking`` the ops the compute thread waits for
-    (replicated layout on several hosts: the in-host reduction of every chunk, before the collective between hosts
-    is issued)."""
+              start: list[int]) -> list[int]:  # fmt: skip
+    """Reduce, D2H and update ops of one unit's gradient, issued once ``start`` is done (its backward, the
+    backpressure and, on a CPU device, the compute thread's issue); returns the update ops."""
     r, lat = cfg.gpus, profile.link_latency_s
     if cfg.grad_route == "host_reduce":
         d2h = b.add(Op("d2h", "d2h", step, u, {"d2h": p * pb, "dram": p * pb}, profile.copy_latency_s, list(start)))
@@ -321,8 +349,6 @@ def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int,
             demand, fixed = _collective(kind, moved, (2 if replicated else 1) * (r - 1), lat)
             red = b.add(Op("all_reduce" if replicated else "reduce_scatter", "reduce", step, u, demand, fixed, list(start),
                            k))  # fmt: skip
-            if cfg.hosts > 1:
-                blocking.append(red)
         else:
             red = None
         if cfg.hosts > 1 and not cfg.host_sharded:  # then between the hosts, on the rank's reduced shard

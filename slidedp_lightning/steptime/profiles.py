@@ -29,6 +29,14 @@ NETWORK_KEYS = ("net_gbps", "net_latency_s")
 # network was probed over loopback): its N x R ranks share its DRAM and these cores (measured with all N x R ranks
 # busy, in the units of the R-rank probes: ``cpu_cores`` x N on an otherwise idle machine).
 COLOCATED_KEY = "colocated_cores"
+# Optional, for a CPU "device" (``host_is_device``; each defaults to "not modelled"):
+# ``fresh_gbps``: GB/s per rank of writing into a freshly allocated buffer larger than ``alloc_reuse_bytes`` (the
+# allocator maps it anew from the kernel, so every page faults on first write); smaller buffers come back from the
+# heap already mapped and copy at the copy rate. ``loop_overhead_s``: the training loop's time per step on the
+# compute thread outside the runtime's traced work (the loop's Python, the training step, the loss and its
+# logging), measured from the lane traces of a real run (``steptime loop``).
+FRESH_KEYS = ("fresh_gbps", "alloc_reuse_bytes")
+LOOP_KEY = "loop_overhead_s"
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,18 @@ class Profile:
                 raise ValueError(f"profile {self.name!r}: net_gbps must be > 0 and net_latency_s >= 0")
 
     @property
+    def loop_overhead(self) -> float:
+        """Seconds per step of the training loop outside the runtime's traced work (0 when not measured)."""
+        return float(self.values.get(LOOP_KEY, 0.0))
+
+    def fresh_bytes(self, nbytes: float) -> float:
+        """Bytes of a per-use buffer of ``nbytes`` that are written into fresh pages (0 when the allocator reuses
+        buffers of that size, or when the profile does not model fresh allocations)."""
+        if not self.host_is_device or "fresh_gbps" not in self.values:
+            return 0.0
+        return nbytes if nbytes > self.alloc_reuse_bytes else 0.0
+
+    @property
     def colocated(self) -> bool:
         """The profile's hosts share one machine (see ``COLOCATED_KEY``)."""
         return COLOCATED_KEY in self.values
@@ -118,6 +138,8 @@ class Profile:
         }
         if self.host_is_device:
             cap["cores"] = (self.colocated_cores / (r * hosts)) if colocated else self.cpu_cores / r
+        if "fresh_gbps" in self.values:
+            cap["fresh"] = self.fresh_gbps * GB
         if hosts > 1:
             cap["net"] = self.net_gbps * GB / r
         return cap
@@ -162,6 +184,13 @@ class Profile:
                                         or "net_gbps" not in values):  # fmt: skip
             raise ValueError(f"{where}: {COLOCATED_KEY} must be a number > 0 with the network constants, got "
                              f"{values[COLOCATED_KEY]!r}")
+        partial = [k for k in FRESH_KEYS if k in values]
+        if partial and len(partial) != len(FRESH_KEYS):
+            raise ValueError(f"{where}: fresh allocations need all of {FRESH_KEYS}, got only {partial}")
+        for key in (*partial, *([LOOP_KEY] if LOOP_KEY in values else [])):
+            v = values[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (key == "fresh_gbps" and v == 0):
+                raise ValueError(f"{where}: {key} must be a number {'> 0' if key == 'fresh_gbps' else '>= 0'}, got {v!r}")
         if values["link_kind"] not in LINK_KINDS:
             raise ValueError(f"{where}: link_kind {values['link_kind']!r} not in {LINK_KINDS}")
         return cls(str(data.get("name", where)), values, sources, str(data.get("description", "")))

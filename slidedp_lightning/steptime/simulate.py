@@ -141,7 +141,7 @@ def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
     """Simulate two steps and report the second (steady state: its fetches wait on the first step's updates)."""
     ops = build_ops(cfg, profile, steps=2)
     times = run(ops, profile.capacities(cfg.gpus, cfg.hosts))
-    spans = [Span(op.lane, op.name, op.step, op.unit, a, b) for op, (a, b) in zip(ops, times)]
+    spans = [Span(op.shown or op.lane, op.name, op.step, op.unit, a, b) for op, (a, b) in zip(ops, times)]
     ends = [max(s.end for s in spans if s.lane == "compute" and s.step == k) for k in (0, 1)]
     lo, hi = ends
     step_time = hi - lo

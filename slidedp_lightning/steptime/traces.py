@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from collections import defaultdict
 from pathlib import Path
 
+from slidedp_lightning.runtime.trace import merge_intervals
 from slidedp_lightning.steptime.graph import LANES
 from slidedp_lightning.steptime.simulate import classify
 
@@ -45,3 +48,34 @@ def measured(trace_dir: str | Path, skip: int = 2, ranks: int = 2) -> dict:
     stall = statistics.median(per_rank[0][k].get("busy_stall", 0.0) for k in steps)
     return {"step_time": statistics.median(times), "p25": q[0], "p75": q[2], "busy": busy, "exposed_host": exposed,
             "stall": stall, "bottleneck": classify(busy), "steps": len(steps)}
+
+
+def _compute_thread(trace_dir: Path, rank: int) -> dict[int, float]:
+    """step -> seconds the compute thread spent in traced work: its compute spans, its stalls and the issue of each
+    unit's gradient (recorded on the reduce lane, run on the compute thread), as a union."""
+    path = trace_dir / f"trace_rank{rank}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no Chrome trace of rank {rank} under {trace_dir}")
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for ev in json.loads(path.read_text())["traceEvents"]:
+        if ev.get("ph") == "X" and (ev["cat"] in ("compute", "stall") or (ev["cat"] == "reduce" and ev["name"] == "issue")):
+            spans[ev["args"]["step"]].append((ev["ts"], ev["ts"] + ev["dur"]))
+    return {k: sum(b - a for a, b in merge_intervals(iv)) * 1e-6 for k, iv in spans.items()}
+
+
+def loop_time(trace_dir: str | Path, skip: int = 2) -> float:
+    """Median over every rank and step (after ``skip``) of the compute thread's step time outside the runtime's
+    traced work: the training loop's Python, the training step, the loss and its logging."""
+    trace_dir = Path(trace_dir)
+    ranks = sorted(int(p.name[4:]) for p in trace_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
+    if not ranks:
+        raise FileNotFoundError(f"no lane traces under {trace_dir}")
+    samples = []
+    for r in ranks:
+        steps, traced = read_steps(trace_dir, r), _compute_thread(trace_dir, r)
+        for k in sorted(steps)[skip:]:
+            if k in traced:
+                samples.append(max(0.0, steps[k]["step_time"] - traced[k]))
+    if not samples:
+        raise ValueError(f"{trace_dir}: no traced steps after skipping {skip}")
+    return statistics.median(samples)

@@ -134,3 +134,59 @@ def test_gloo_reduce_scatter_is_an_all_reduce_and_a_slice_bit_for_bit(tmp_path):
     for rank in range(world):
         scattered, sliced = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(scattered, sliced), f"rank {rank}"
+
+
+def _two_hosts_dispatch(rank: int, port: int, out: str) -> None:
+    """Ranks 0-1 and 2-3 are two hosts; rank 1 reaches its backward 1.5 s late."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from slidedp_lightning.runtime.sync import Liveness
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    hosts = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cross = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    lanes = CpuLanes(torch.device("cpu"))
+    try:
+        layout = layout_of(tiny_qwen3(tied=False), world_size=2)
+        route = GradRoute("gpu_reduce", layout, None, rank % 2, 2, hosts[rank // 2], lanes,
+                          Liveness(lambda: [], 60.0), cross_group=cross[rank % 2], reduce_world=4)  # fmt: skip
+        unit = layout.units[1]
+        grads = [torch.full(s.shape, float(rank + 1)) for s in unit.slots]
+        if rank == 1:
+            time.sleep(1.5)
+        t0 = time.perf_counter()
+        chunks = route.dispatch(1, grads, 0)
+        issued = time.perf_counter() - t0
+        shard = torch.cat([torch.from_numpy(src.get().copy()) for _, _, src in chunks])
+        torch.save((issued, shard, unit.shard(rank % 2)), f"{out}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        lanes.close()
+        dist.destroy_process_group()
+
+
+def test_two_hosts_the_compute_thread_does_not_wait_for_the_host_reduction(tmp_path):
+    """Replicated ledgers on two hosts, host collectives: the reduction within the host and then between the hosts
+    run on the lanes; ``dispatch`` returns while a peer of the host has not even started its reduction, and every
+    rank's shard is the mean over all 4 ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_hosts_dispatch, args=(port, str(tmp_path)), nprocs=4)
+    for rank in range(4):
+        issued, shard, (lo, hi) = torch.load(tmp_path / f"rank{rank}.pt")
+        if rank != 1:
+            assert issued < 0.5, f"rank {rank}: dispatch blocked {issued:.2f} s on the late peer"
+        unit = layout_of(tiny_qwen3(tied=False), world_size=2).units[1]
+        want = torch.zeros(unit.padded)
+        for slot in unit.slots:
+            want[slot.offset : slot.end] = (1 + 2 + 3 + 4) / 4
+        assert torch.equal(shard, want[lo:hi]), f"rank {rank}"

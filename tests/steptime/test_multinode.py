@@ -42,19 +42,18 @@ def test_flat_collective():
         flat_collective("all_reduce", "loopback", 800.0, 2, 2, 1e-4, 3e-4)
 
 
-def test_replicated_layout_compute_waits_for_the_in_host_reduce():
-    """Several hosts, replicated layout: the compute thread waits for a unit's in-host reduce-scatter before it issues
-    the all-reduce between hosts; on one host it does not wait."""
+def test_replicated_layout_reduces_off_the_compute_thread():
+    """Several hosts, replicated layout: a unit's in-host reduce-scatter, then its all-reduce between hosts on the
+    reduced shard, both off the compute thread (no compute op waits for either), as on one host."""
     p = _machine()
     for hosts in (1, 2):
         ops = build_ops(_cfg("replicated", hosts), p, 1)
         reduces = [i for i, op in enumerate(ops) if op.lane == "reduce"]
+        nets = [i for i, op in enumerate(ops) if op.lane == "net"]
         computes = [i for i, op in enumerate(ops) if op.lane == "compute"]
-        waited = [r for r in reduces if any(r in ops[c].deps for c in computes)]
-        assert len(waited) == (len(reduces) - 1 if hosts == 2 else 0)  # the last unit's reduce has no compute after it
-        nets = [op for op in ops if op.lane == "net"]
+        assert not [r for r in reduces + nets if any(r in ops[c].deps for c in computes)]
         assert len(nets) == (len(reduces) if hosts == 2 else 0)
-        assert all(op.name == "all_reduce_net" and ops[op.deps[0]].lane == "reduce" for op in nets)
+        assert all(ops[i].name == "all_reduce_net" and ops[ops[i].deps[0]].lane == "reduce" for i in nets)
     t1 = simulate(_cfg("replicated", 2), p)
     free = simulate(_cfg("replicated", 2), p.with_network("ib_ndr400x8"))
     assert t1.exposed["reduce"] > 0 and free.step_time > 0
@@ -82,8 +81,13 @@ def test_update_backpressure():
     updates = [i for i, op in enumerate(ops) if op.lane == "update"]
     reduces = [i for i, op in enumerate(ops) if op.lane == "reduce"]
     assert [op for op in ops if op.lane == "reduce"][0].unit == 5  # backward order
+    def waits_for(i: int) -> list[int]:  # deps of op i, through the compute thread's issue of the unit
+        deps = ops[i].deps
+        return [e for d in deps for e in (waits_for(d) if ops[d].name in ("issue", "fill") else [d])]
+
     for k, r in enumerate(reduces):
-        gated = [d for d in ops[r].deps if d in updates]
+        assert ops[ops[r].deps[0]].name == "fill"  # a CPU device: the compute thread fills the flat gradient first
+        gated = [d for d in waits_for(r) if d in updates]
         assert gated == ([updates[k - 2]] if k >= 2 else [])
         nxt = next((i for i in range(r, len(ops)) if ops[i].lane == "compute"), None)
         if k >= 2 and nxt is not None:
@@ -97,8 +101,8 @@ def test_update_backpressure():
 def test_loss_sync():
     p = _machine()
     cfg = _cfg("replicated", 2, loss_sync=True)
-    assert loss_sync_latency(cfg, p) == pytest.approx(2 * 3 * 4e-4)  # 4 ranks, the slower latency per step
-    assert loss_sync_latency(_cfg("replicated", 1), p) == pytest.approx(2 * 3e-4)
+    assert loss_sync_latency(cfg.gpus, cfg.hosts, p) == pytest.approx(2 * 3 * 4e-4)  # 4 ranks, the slower latency per step
+    assert loss_sync_latency(cfg.gpus, 1, p) == pytest.approx(2 * 3e-4)
     loss = [op for op in build_ops(cfg, p, 1) if op.name == "loss"]
     assert loss[0].fixed == pytest.approx(2 * 3 * 4e-4)  # the all-reduce: latency
     assert loss[0].demand["gpu"] == pytest.approx(p.step_overhead_s * p.gpu_flops)  # the loss: work on the cores
