@@ -272,7 +272,8 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if act.offload_ratio > 0:
                 nbytes = act.retained_bytes_per_token * tok * act.offload_ratio
                 offloaded[u] = b.add(Op("offload", "offload", step, u, {"d2h": nbytes, "dram": nbytes}, 0.0, [f]))
-        compute("loss", n_units - 1, step, 0.0, [], profile.step_overhead_s + profile.loop_overhead)
+        loss = compute("loss", n_units - 1, step, 0.0, [], profile.step_overhead_s + profile.loop_overhead)
+        b.ops[loss].shown = "loop"  # the runtime traces units only: the loss and the loop are outside its compute spans
         if cfg.loss_sync:  # the all-reduce is latency on every machine
             b.ops[compute_seq[-1]].fixed += loss_sync_latency(cfg.gpus, cfg.hosts, profile)
         updates: dict[int, list[int]] = {}

@@ -30,7 +30,8 @@ class Span:
 
 @dataclass
 class SimResult:
-    """One steady-state step (the second simulated step) of one rank."""
+    """One steady-state step (the second simulated step) of one rank. ``busy`` and ``exposed`` per lane, and for
+    "loop": the compute thread's work outside the units (the loss, the training loop), not a lane of its own."""
 
     step_time: float
     tokens_per_s: float
@@ -148,14 +149,15 @@ def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
     this = [s for s in spans if s.step == 1]
     busy = {lane: sum(b - a for a, b in merge_intervals([(s.start, s.end) for s in this if s.lane == lane]))
             for lane in LANES}  # fmt: skip
-    # compute-idle time in the step window, shared among the lanes busy meanwhile (a sweep over span edges)
     edges = []
     for s in spans:
         if s.end > lo and s.start < hi and s.end > s.start:
             edges += [(max(s.start, lo), 1, s.lane), (min(s.end, hi), -1, s.lane)]
     edges.sort(key=lambda e: (e[0], e[1]))
-    exposed = {lane: 0.0 for lane in LANES}
-    count = {lane: 0 for lane in LANES}
+    # compute-idle time in the step window, shared among the lanes busy meanwhile ("loop": the compute thread's work
+    # outside the units, which the runtime does not trace as compute)
+    exposed = {lane: 0.0 for lane in (*LANES, "loop")}
+    count = {lane: 0 for lane in exposed}
     prev = lo
     for x, delta, lane in edges:
         if x > prev and count["compute"] == 0:
@@ -165,4 +167,6 @@ def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
         prev = max(prev, x)
         count[lane] += delta
     tokens = cfg.tokens * cfg.gpus * cfg.hosts  # every rank of every host
-    return SimResult(step_time, tokens / step_time if step_time > 0 else math.inf, busy, exposed, classify(busy), spans)
+    label = classify(busy)
+    busy["loop"] = sum(b - a for a, b in merge_intervals([(s.start, s.end) for s in this if s.lane == "loop"]))
+    return SimResult(step_time, tokens / step_time if step_time > 0 else math.inf, busy, exposed, label, spans)

@@ -89,6 +89,9 @@ def test_loop_overhead_is_compute_thread_work():
     tiny = load_config("qwen3-tiny")
     loss = next(op for op in build_ops(_cfg(tiny), p, 1) if op.name == "loss")
     assert loss.demand["gpu"] == pytest.approx((1e-3 + 0.01) * p.gpu_flops)  # the loss + the loop, on the cores
+    assert loss.shown == "loop"  # outside the units: not compute in the runtime's traces, nor in the report
+    sim = simulate(_cfg(tiny), p)
+    assert sim.busy["loop"] == pytest.approx(0.011, rel=0.05) and sim.exposed["loop"] > 0.005
     assert simulate(_cfg(tiny), p).step_time == pytest.approx(simulate(_cfg(tiny), _machine()).step_time + 0.01,
                                                               rel=0.05)  # fmt: skip
 
