@@ -69,7 +69,7 @@ def _moe(name: str, hidden: int, layers: int, experts: int, top: int, moe_inter:
 
 def scale(name: str, ranks: int | None = None) -> Scale:
     if name == "cpu":
-        slope = tuple(_shape(f"h512-L{n}", 512, n, 1408, 8, 4, 4096) for n in (2, 8, 14))
+        slope = tuple(_shape(f"h512-L{n}", 512, n, 1408, 8, 4, 4096) for n in (2, 8, 14, 20, 26))
         return Scale("cpu", "cpu", ranks or 2, slope, batch=2, seq=32, steps=7, warmup=2, precision="bf16-mixed",
                      loss_shape=_shape("h128-L2", 128, 2, 384, 4, 2, 512, head_dim=32), loss_batch=8, loss_seq=32,
                      loss_steps=200, chunk_bytes=1 << 20, timeout_s=240,

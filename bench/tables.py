@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from bench.baselines.hostmem import INTERVAL_S
 from bench.baselines.runner import RunResult
 from bench.baselines.workload import SYSTEMS
 from bench.configs import DEFAULT_ROUTE, ROUTES, Scale
@@ -92,10 +93,10 @@ def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     notes = [
         f"model {shape.name} ({shape.num_params / 1e6:.1f} M params), {sc.ranks} ranks, the same global batch for "
         "every system",
-        "host = sum over the job's processes of PSS (/proc/<pid>/smaps_rollup), sampled every 0.1 s; PSS counts a "
-        "page shared by k processes 1/k in each, so the shared ledger counts once; 'of which shmem' = Pss_Shmem; "
-        "'RSS sum' counts shared pages once per process; 'whole job' includes start-up, model build and loading "
-        "the initial weights",
+        f"host = sum over the job's processes of PSS (/proc/<pid>/smaps_rollup), sampled every {INTERVAL_S:g} s; "
+        "PSS counts a page shared by k processes 1/k in each, so the shared ledger counts once; 'of which shmem' = "
+        "Pss_Shmem; 'RSS sum' counts shared pages once per process; 'whole job' includes start-up, model build and "
+        "loading the initial weights",
         "on CPU the device is host memory: device-side bytes are inside the host columns; SlideDP's device column "
         "is its runtime's accounting (peak resident unit parameters + activations retained in the last step)",
     ] + _why(list(runs.values()))  # fmt: skip

@@ -21,7 +21,7 @@ from bench.configs import Job, plan
 
 log = logging.getLogger(__name__)
 SUITE = tables.SUITE
-# each test may start many jobs (the first starts all 18 of the systems table): pytest's 600 s default is too short
+# each test may start many jobs (the first starts all 30 of the systems table): pytest's 600 s default is too short
 pytestmark = pytest.mark.timeout(3600)
 
 

@@ -4,7 +4,10 @@ Counted: the sum over every process of the job of ``Pss`` from ``/proc/<pid>/sma
 size). A page mapped by k processes counts 1/k in each, so the shared ledger in ``/dev/shm`` is counted once in
 total however many ranks map it, a private ledger per rank is counted per rank, and shared library pages count
 only the job's share. ``Pss_Shmem`` (shared-memory part) and the plain ``Rss`` sum (which counts shared pages
-once per process) are kept beside it. Peaks are the maximum of samples taken every ``interval`` seconds.
+once per process) are kept beside it. Peaks are the maximum of samples taken every ``interval`` seconds
+(:data:`INTERVAL_S` for every system of the benchmark). One sample reads the processes one after the other and
+can take a large part of a second on a loaded machine: it carries the instants its reading began and ended, and
+belongs to a time window only when both lie inside it.
 """
 
 from __future__ import annotations
@@ -16,15 +19,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 FIELDS = ("Rss", "Pss", "Pss_Shmem", "Pss_Anon")
+# Sampling period of every benchmark job. One pass reads ``smaps_rollup`` of each process, a walk of its page
+# tables (about 7 ms of CPU per rank process of 1 GB on the 2-core machine). Measured there: 0.1 s cost ~15 %
+# of one core, 0.02 s about a third of one core and slower steps; 0.05 s gives the shortest training window
+# (~1 s) about twice the samples of 0.1 s.
+INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True)
 class Sample:
-    wall: float
+    wall: float  # time.time() when the reading began
     pss: int
     rss: int
     pss_shmem: int
     procs: int
+    wall_end: float = 0.0  # time.time() when the last process was read (0: same as wall)
 
 
 def tree(root: int) -> list[int]:
@@ -57,19 +66,20 @@ def rollup(pid: int) -> dict[str, int]:
 
 
 def sample(root: int) -> Sample:
+    t0 = time.time()
     pss = rss = shm = n = 0
     for pid in tree(root):
         r = rollup(pid)
         if r:
             n += 1
             pss, rss, shm = pss + r.get("Pss", 0), rss + r.get("Rss", 0), shm + r.get("Pss_Shmem", 0)
-    return Sample(time.time(), pss, rss, shm, n)
+    return Sample(t0, pss, rss, shm, n, time.time())
 
 
 class Sampler(threading.Thread):
     """Samples the tree under ``root`` until stopped; calls ``on_limit`` once if PSS exceeds ``limit`` bytes."""
 
-    def __init__(self, root: int, interval: float = 0.25, limit: int | None = None,
+    def __init__(self, root: int, interval: float = INTERVAL_S, limit: int | None = None,
                  on_limit: Callable[[Sample], None] | None = None) -> None:  # fmt: skip
         super().__init__(daemon=True)
         self.root, self.interval, self.limit, self.on_limit = root, interval, limit, on_limit
@@ -90,8 +100,8 @@ class Sampler(threading.Thread):
         self.join()
 
     def peak(self, start: float = 0.0, end: float = float("inf")) -> Sample | None:
-        """The sample with the largest PSS between two ``time.time()`` instants."""
-        inside = [s for s in self.samples if start <= s.wall <= end]
+        """The sample with the largest PSS among those read entirely between two ``time.time()`` instants."""
+        inside = [s for s in self.samples if start <= s.wall and max(s.wall, s.wall_end) <= end]
         return max(inside, key=lambda s: s.pss) if inside else None
 
 

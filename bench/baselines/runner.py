@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.baselines.hostmem import Sampler, mem_available
+from bench.baselines.hostmem import INTERVAL_S, Sampler, mem_available
 from bench.baselines.workload import JobSpec
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ def _launch_env(spec: JobSpec) -> dict[str, str]:
 
 
 def run_job(runs: list[tuple[str, JobSpec]], out: Path, mem_limit: int | None = None,
-            interval: float = 0.1) -> list[RunResult]:  # fmt: skip
+            interval: float = INTERVAL_S) -> list[RunResult]:  # fmt: skip
     """Run ``runs`` (one system, one after the other in the same R processes) and collect their results."""
     out.mkdir(parents=True, exist_ok=True)
     first = runs[0][1]
