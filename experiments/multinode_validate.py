@@ -289,7 +289,7 @@ def main() -> int:
             busy_before = max(busy_before, wait_quiet(args.quiet_wait))
         load = load_average()
         run_job(model_dir, batch, param, layout, args.steps, str(trace), args.timeout)
-        profile = with_loop(load_profile(profile_path), references[name])
+        profile = with_loop(load_profile(profile_path), references[name], REFERENCE_BATCH * SEQ)
         (trace / "profile_with_loop.json").write_text(json.dumps(profile.to_json(), indent=1))
         meas = measured(trace, skip=args.skip, ranks=NODES * DEVICES)
         cfg = StepConfig(shape, batch, SEQ, DEVICES, param, "gpu_reduce", precision="32-true", hosts=NODES,

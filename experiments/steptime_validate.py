@@ -1,6 +1,6 @@
 """Hold the step-time model against real 2-rank CPU SlideDP runs on this machine.
 
-Runs ``calibrate`` (or reuses ``--profile``), then per model one traced reference job (a batch size and routes
+Per model, runs ``calibrate --model`` on it (or reuses ``--profile``) and one traced reference job (a batch size and routes
 that are not among the configurations below) whose lane traces give the training loop's time per step
 (``steptime loop``), then each configuration below as a traced ``slidedp-finetune`` job in a subprocess, and prints
 predicted vs measured median step time and the bottleneck labels (model vs lane traces), with the traces' exposed
@@ -83,21 +83,21 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="steptime-validate-"))
     out.mkdir(parents=True, exist_ok=True)
-    profile_path = args.profile
-    if profile_path is None:
-        profile_path = str(out / "this_machine.json")
-        subprocess.run([sys.executable, "-m", "slidedp_lightning.steptime", "calibrate", "--out", profile_path], check=True,
-                       timeout=args.timeout)  # fmt: skip
-    profile = load_profile(profile_path)
     wide_dir = write_wide_model(out / "wide_model")
     models = {"tiny": (None, load_config("qwen3-tiny")), "wide": (str(wide_dir), load_config(wide_dir))}
     profiles = {}
     for name, (batch, param, grad) in REFERENCE.items():
         if args.only and name != args.only:
             continue
+        profile_path = args.profile
+        if profile_path is None:  # calibrated on the model's own shapes, as a user would
+            profile_path = str(out / f"this_machine_{name}.json")
+            subprocess.run([sys.executable, "-m", "slidedp_lightning.steptime", "calibrate", "--out", profile_path,
+                            "--model", models[name][0] or "qwen3-tiny"], check=True, timeout=args.timeout)  # fmt: skip
+        profile = load_profile(profile_path)
         trace = str(out / f"reference_{name}_b{batch}_{param}_{grad}")
         run_job(models[name][0], batch, param, grad, args.steps, trace, args.timeout)
-        profiles[name] = with_loop(profile, trace)
+        profiles[name] = with_loop(profile, trace, batch * SEQ)
         (out / f"profile_{name}.json").write_text(json.dumps(profiles[name].to_json(), indent=1))
         print(f"{name}: training loop {profiles[name].loop_overhead * 1e3:.1f} ms per step ({trace})", flush=True)
     rows = []

@@ -170,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo = sub.add_parser("loop", help="add the training loop's time per step, measured from a traced run, to a profile")
     lo.add_argument("--profile", required=True, help="profile JSON from calibrate (rewritten unless --out)")
     lo.add_argument("--trace", required=True, help="trace_dir of a training run on this machine (a few steps)")
+    lo.add_argument("--tokens", type=int, required=True, help="tokens per rank and step of the traced run (batch x seq)")
     lo.add_argument("--hosts", type=int, default=1, help="hosts the traced run's ranks were spread over (default 1)")
     lo.add_argument("--out", default=None, help="profile JSON to write (default: --profile)")
     sub.add_parser("profiles", help="list the shipped hardware profiles")
@@ -204,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "loop":
             from slidedp_lightning.steptime.calibrate import with_loop
 
-            profile = with_loop(load_profile(args.profile), args.trace, args.hosts)
+            profile = with_loop(load_profile(args.profile), args.trace, args.tokens, args.hosts)
             out = args.out or args.profile
             with open(out, "w") as f:
                 json.dump(profile.to_json(), f, indent=1)

@@ -31,15 +31,15 @@ import torch.multiprocessing as mp
 import cpu_ops
 from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.probe import probe_routes
-from slidedp_lightning.steptime.profiles import LOOP_KEY, Profile
+from slidedp_lightning.steptime.profiles import LOOP_KEY, LOSS_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
 
 log = logging.getLogger(__name__)
 REPEATS = 9
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # elements probed (latency-dominated ... bandwidth-dominated)
 SMALL, LARGE = SIZES[0], SIZES[-1]
-# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are mapped anew for
-# every allocation and unmapped when freed, so their first write faults in every page
+# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a block of this size or more (with
+# its header) is mapped anew for every allocation and unmapped when freed, so its first write faults in every page
 ALLOC_REUSE_BYTES = 32 * 2**20
 FRESH_ELEMS = 1 << 24  # 64 MiB of FP32: above it
 ROUTE_PASSES = 3  # route probes per size (each the median of its own repeats); their median is kept
@@ -167,11 +167,14 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads
     x1, x2 = (b * seq * fwd_per_token for b in batches)
     lat, rate = _fit(x1, f1, x2, f2)
     # every rank uses the slowest rank's numbers
-    vec = torch.tensor([lat, 1 / rate, (b2 - b1) / (f2 - f1), max(0.0, statistics.mean(losses))], dtype=torch.float64)
+    t1, t2 = (b * seq for b in batches)
+    per_token = max(0.0, (losses[1] - losses[0]) / (t2 - t1))  # the loss: fixed part + per token
+    vec = torch.tensor([lat, 1 / rate, (b2 - b1) / (f2 - f1), max(0.0, losses[0] - per_token * t1), per_token],
+                       dtype=torch.float64)  # fmt: skip
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
-    lat, inv_rate, ratio, step_overhead = vec.tolist()
+    lat, inv_rate, ratio, step_overhead, per_token = vec.tolist()
     return {"gpu_flops": 1 / inv_rate, "op_overhead_s": lat / len(us), "bwd_fwd_ratio": ratio,
-            "step_overhead_s": step_overhead}  # fmt: skip
+            "step_overhead_s": step_overhead, "loss_s_per_token": per_token}  # fmt: skip
 
 
 def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: int) -> None:
@@ -329,11 +332,13 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
     }  # fmt: skip
     if "fresh_rate" in raw:
         values.update(fresh_gbps=raw["fresh_rate"] / 1e9, alloc_reuse_bytes=ALLOC_REUSE_BYTES)
+    if LOSS_KEY in raw:
+        values[LOSS_KEY] = raw[LOSS_KEY]
     sources = {k: src for k in values}
     if "fresh_rate" in raw:
         sources["fresh_gbps"] = src + f"; copy into a new {FRESH_ELEMS * 4 >> 20} MiB buffer per copy, all ranks at once"
         sources["alloc_reuse_bytes"] = ("assumed: glibc's largest dynamic mmap threshold on 64-bit "
-                                        "(DEFAULT_MMAP_THRESHOLD_MAX): larger blocks are mapped anew on every allocation")
+                                        "(DEFAULT_MMAP_THRESHOLD_MAX): blocks of this size or more are mapped anew on every allocation")
     sources["gpu_efficiency"] = "probe: gpu_flops is the achieved rate"
     sources["host_dram_gbps"] = src + "; 2 x concurrent memcpy rate (read + write)"
     desc = f"this machine, {world} CPU ranks as devices"
@@ -354,11 +359,11 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
     return Profile("this-machine", values, sources, desc)
 
 
-def with_loop(profile: Profile, trace_dir: str | Path, hosts: int = 1) -> Profile:
+def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int = 1) -> Profile:
     """``profile`` with ``loop_overhead_s`` measured from the lane traces of a real training run (``trace_dir``, all
-    of its ranks, ``hosts`` hosts of them): the compute thread's median time per step outside the runtime's traced
-    work (:func:`~slidedp_lightning.steptime.traces.loop_time`), less what the model already counts there (the loss
-    measured by ``calibrate`` and the loss all-reduce's latency)."""
+    of its ranks, ``hosts`` hosts of them, ``tokens`` per rank and step): the compute thread's median time per step
+    outside the runtime's traced work (:func:`~slidedp_lightning.steptime.traces.loop_time`), less what the model
+    already counts there (the loss of ``tokens`` as ``calibrate`` measured it and the loss all-reduce's latency)."""
     from slidedp_lightning.steptime.graph import loss_sync_latency
     from slidedp_lightning.steptime.traces import loop_time
 
@@ -370,11 +375,14 @@ def with_loop(profile: Profile, trace_dir: str | Path, hosts: int = 1) -> Profil
     if ranks // hosts > profile.gpus:
         raise ValueError(f"{trace_dir}: {ranks // hosts} ranks per host, the profile models at most {profile.gpus}")
     sync = loss_sync_latency(ranks // hosts, hosts, profile)
-    loop = max(0.0, measured - profile.step_overhead_s - sync)
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1 (batch x sequence length per rank of the traced run), got {tokens}")
+    loss = profile.loss_seconds(tokens)
+    loop = max(0.0, measured - loss - sync)
     values, sources = dict(profile.values), dict(profile.sources)
     values[LOOP_KEY] = loop
     sources[LOOP_KEY] = (f"probe: lane traces of a training run ({trace_dir}, {ranks} ranks): the compute thread's "
                          f"median {measured * 1e3:.1f} ms per step outside the runtime's traced work, less the loss "
-                         f"({profile.step_overhead_s * 1e3:.1f} ms) and its all-reduce ({sync * 1e3:.2f} ms)")
+                         f"of {tokens} tokens ({loss * 1e3:.1f} ms) and its all-reduce ({sync * 1e3:.2f} ms)")
     log.info("training loop: %.1f ms per step outside the traced work (%s)", loop * 1e3, trace_dir)
     return Profile(profile.name, values, sources, profile.description)

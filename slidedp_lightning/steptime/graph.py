@@ -272,7 +272,7 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if act.offload_ratio > 0:
                 nbytes = act.retained_bytes_per_token * tok * act.offload_ratio
                 offloaded[u] = b.add(Op("offload", "offload", step, u, {"d2h": nbytes, "dram": nbytes}, 0.0, [f]))
-        loss = compute("loss", n_units - 1, step, 0.0, [], profile.step_overhead_s + profile.loop_overhead)
+        loss = compute("loss", n_units - 1, step, 0.0, [], profile.loss_seconds(tok) + profile.loop_overhead)
         b.ops[loss].shown = "loop"  # the runtime traces units only: the loss and the loop are outside its compute spans
         if cfg.loss_sync:  # the all-reduce is latency on every machine
             b.ops[compute_seq[-1]].fixed += loss_sync_latency(cfg.gpus, cfg.hosts, profile)
@@ -290,6 +290,9 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if unit.activation.recompute_fraction > 0:
                 ready = [compute("recompute", u, step, fwd * unit.activation.recompute_fraction, ready)]
             done = compute("backward", u, step, fwd * profile.bwd_fwd_ratio, ready)
+            pages = sum(profile.fresh_bytes(n * pb) for n in unit.matrices)
+            if pages:  # autograd allocates each weight's gradient: a large one in fresh pages (CPU "device")
+                done = b.add(Op("gradient pages", "compute", step, u, {"fresh": pages}, 0.0, [done], shown="compute"))
             m = cfg.max_units_in_flight
             gate = [dispatched[-m][-1]] if m and len(dispatched) >= m else []  # backpressure: wait for that update
             blocking.extend(gate)

@@ -30,13 +30,16 @@ NETWORK_KEYS = ("net_gbps", "net_latency_s")
 # busy, in the units of the R-rank probes: ``cpu_cores`` x N on an otherwise idle machine).
 COLOCATED_KEY = "colocated_cores"
 # Optional, for a CPU "device" (``host_is_device``; each defaults to "not modelled"):
-# ``fresh_gbps``: GB/s per rank of writing into a freshly allocated buffer larger than ``alloc_reuse_bytes`` (the
+# ``fresh_gbps``: GB/s per rank of writing into a freshly allocated buffer of ``alloc_reuse_bytes`` or more (the
 # allocator maps it anew from the kernel, so every page faults on first write); smaller buffers come back from the
 # heap already mapped and copy at the copy rate. ``loop_overhead_s``: the training loop's time per step on the
 # compute thread outside the runtime's traced work (the loop's Python, the training step, the loss and its
 # logging), measured from the lane traces of a real run (``steptime loop``).
 FRESH_KEYS = ("fresh_gbps", "alloc_reuse_bytes")
 LOOP_KEY = "loop_overhead_s"
+# Optional: ``loss_s_per_token``, the loss's seconds per token of a rank's batch on top of ``step_overhead_s``
+# (its fixed part); a large vocabulary makes it grow with the batch.
+LOSS_KEY = "loss_s_per_token"
 
 
 @dataclass(frozen=True)
@@ -105,12 +108,16 @@ class Profile:
         """Seconds per step of the training loop outside the runtime's traced work (0 when not measured)."""
         return float(self.values.get(LOOP_KEY, 0.0))
 
+    def loss_seconds(self, tokens: float) -> float:
+        """The loss of a rank's ``tokens`` (fixed part + per token)."""
+        return self.step_overhead_s + float(self.values.get(LOSS_KEY, 0.0)) * tokens
+
     def fresh_bytes(self, nbytes: float) -> float:
         """Bytes of a per-use buffer of ``nbytes`` that are written into fresh pages (0 when the allocator reuses
         buffers of that size, or when the profile does not model fresh allocations)."""
         if not self.host_is_device or "fresh_gbps" not in self.values:
             return 0.0
-        return nbytes if nbytes > self.alloc_reuse_bytes else 0.0
+        return nbytes if nbytes >= self.alloc_reuse_bytes else 0.0
 
     @property
     def colocated(self) -> bool:
@@ -187,7 +194,7 @@ class Profile:
         partial = [k for k in FRESH_KEYS if k in values]
         if partial and len(partial) != len(FRESH_KEYS):
             raise ValueError(f"{where}: fresh allocations need all of {FRESH_KEYS}, got only {partial}")
-        for key in (*partial, *([LOOP_KEY] if LOOP_KEY in values else [])):
+        for key in (*partial, *[k for k in (LOOP_KEY, LOSS_KEY) if k in values]):
             v = values[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (key == "fresh_gbps" and v == 0):
                 raise ValueError(f"{where}: {key} must be a number {'> 0' if key == 'fresh_gbps' else '>= 0'}, got {v!r}")

@@ -135,6 +135,7 @@ class Unit:
     fwd_flops_per_token: float
     activation: UnitActivation = field(default_factory=UnitActivation)
     borrows: tuple[int, ...] = ()  # other units whose parameters this unit's compute needs (tied head)
+    matrices: tuple[int, ...] = ()  # elements of each weight matrix (each its own gradient tensor in backward)
 
 
 def units(shape: ModelShape, seq: int, activation: str | UnitActivation | list[UnitActivation] = "full",
@@ -153,8 +154,11 @@ def units(shape: ModelShape, seq: int, activation: str | UnitActivation | list[U
     attn = 2 * 2 * seq * shape.heads * shape.head_dim * 0.5
     layer_flops = 2 * shape.layer_matmul_params() + attn
     head_flops = 2 * h * shape.vocab
-    out = [Unit("embed", shape.vocab * h, 0.0)]
-    out += [Unit(f"layer{i}", shape.layer_params, layer_flops, plans[i]) for i in range(shape.layers)]
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    block = (h * q, h * kv, h * kv, q * h) + (h * shape.intermediate,) * 3
+    out = [Unit("embed", shape.vocab * h, 0.0, matrices=(shape.vocab * h,))]
+    out += [Unit(f"layer{i}", shape.layer_params, layer_flops, plans[i], matrices=block) for i in range(shape.layers)]
     final_params = h + (0 if shape.tied else shape.vocab * h)
-    out.append(Unit("head", final_params, head_flops, UnitActivation(), (0,) if shape.tied else ()))
+    out.append(Unit("head", final_params, head_flops, UnitActivation(), (0,) if shape.tied else (),
+                    () if shape.tied else (shape.vocab * h,)))  # fmt: skip
     return out

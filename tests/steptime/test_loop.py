@@ -32,14 +32,14 @@ FRESH = {"fresh_gbps": 2.0, "alloc_reuse_bytes": 32 * MiB}
 
 
 def _wide() -> ModelShape:
-    """Qwen3 shapes with a vocabulary large enough that the embedding's FP32 buffer (33.5 MB) exceeds 32 MiB."""
+    """Qwen3 shapes with a vocabulary large enough that the embedding's FP32 buffer is 32 MiB (fresh pages each time)."""
     return load_config({"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
                         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
                         "tie_word_embeddings": False, "model_type": "qwen3"})  # fmt: skip
 
 
-def _cfg(model, route="full", grad="gpu_reduce", **kw) -> StepConfig:
-    return StepConfig(model, 1, 26, 2, route, grad, precision="32-true", **kw)
+def _cfg(model, route="full", grad="gpu_reduce", batch=1, **kw) -> StepConfig:
+    return StepConfig(model, batch, 26, 2, route, grad, precision="32-true", **kw)
 
 
 def test_fresh_pages_only_above_the_reuse_size():
@@ -47,7 +47,7 @@ def test_fresh_pages_only_above_the_reuse_size():
     ops = build_ops(_cfg(model), p, 1)
     h2d = {op.unit: op for op in ops if op.lane == "h2d"}
     big = [u for u, op in h2d.items() if "fresh" in op.demand]
-    assert big and all(h2d[u].demand["fresh"] == h2d[u].demand["h2d"] > 32 * MiB for u in big)
+    assert big and all(h2d[u].demand["fresh"] == h2d[u].demand["h2d"] >= 32 * MiB for u in big)
     assert any("fresh" not in op.demand for op in h2d.values())  # the block's buffer (2.6 MB) is reused
     fills = [op for op in ops if op.name == "fill"]
     assert {op.unit for op in fills if "fresh" in op.demand} == set(big)
@@ -97,11 +97,11 @@ def test_loop_overhead_is_compute_thread_work():
 
 
 @pytest.mark.parametrize("bad", [{"fresh_gbps": 2.0}, {"fresh_gbps": 0, "alloc_reuse_bytes": 1},
-                                 {LOOP_KEY: -1.0}, {LOOP_KEY: "x"}])  # fmt: skip
+                                 {LOOP_KEY: -1.0}, {LOOP_KEY: "x"}, {"loss_s_per_token": -1e-6}])  # fmt: skip
 def test_bad_constants(tmp_path, bad):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(_machine(**bad).to_json()))
-    with pytest.raises(ValueError, match="fresh|loop_overhead_s"):
+    with pytest.raises(ValueError, match="fresh|loop_overhead_s|loss_s_per_token"):
         load_profile(path)
 
 
@@ -132,16 +132,20 @@ def test_with_loop_and_cli(tmp_path, capsys):
     _trace(tmp_path / "run")
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps(_machine().to_json()))
-    got = with_loop(load_profile(prof), tmp_path / "run")
+    got = with_loop(load_profile(prof), tmp_path / "run", tokens=100)
     sync = 2 * 3e-4  # the loss all-reduce over 2 ranks: 2 ring steps
     assert got.loop_overhead == pytest.approx(0.02 - 1e-3 - sync, abs=1e-6)
+    per_token = Profile("m", {**load_profile(prof).values, "loss_s_per_token": 2e-5}, load_profile(prof).sources)
+    assert with_loop(per_token, tmp_path / "run", tokens=100).loop_overhead == pytest.approx(0.02 - 3e-3 - sync, abs=1e-6)
     assert got.sources[LOOP_KEY].startswith("probe:")
-    assert main(["loop", "--profile", str(prof), "--trace", str(tmp_path / "run")]) == 0
+    assert main(["loop", "--profile", str(prof), "--trace", str(tmp_path / "run"), "--tokens", "100"]) == 0
     assert load_profile(prof).loop_overhead == pytest.approx(got.loop_overhead)
     assert "loop_overhead_s" in capsys.readouterr().out
     with pytest.raises(ValueError, match="multiple of hosts"):
-        with_loop(load_profile(prof), tmp_path / "run", hosts=3)
-    assert main(["loop", "--profile", str(prof), "--trace", str(tmp_path / "none")]) == 2
+        with_loop(load_profile(prof), tmp_path / "run", 100, hosts=3)
+    with pytest.raises(ValueError, match="tokens"):
+        with_loop(load_profile(prof), tmp_path / "run", 0)
+    assert main(["loop", "--profile", str(prof), "--trace", str(tmp_path / "none"), "--tokens", "100"]) == 2
 
 
 def test_defaults_unchanged():
@@ -150,3 +154,17 @@ def test_defaults_unchanged():
     assert p.loop_overhead == 0.0 and p.fresh_bytes(1e12) == 0.0
     assert "fresh" not in p.capacities(2)
     assert dataclasses.replace(_cfg(load_config("qwen3-tiny"))).gpus == 2
+
+
+def test_gradient_pages_and_a_loss_per_token():
+    """Backward on a CPU device: a weight gradient above the reuse size is written into fresh pages (one op after the
+    backward, on the compute thread); the loss grows with the batch when the profile has a per-token part."""
+    p, model = _machine(**FRESH), _wide()
+    ops = build_ops(_cfg(model), p, 1)
+    pages = [op for op in ops if op.name == "gradient pages"]
+    assert sorted(op.unit for op in pages) == [0, 2]  # the embedding and the untied head, not the block
+    assert all(op.lane == "compute" and op.demand["fresh"] == 32768 * 256 * 4 for op in pages)
+    assert not any(op.name == "gradient pages" for op in build_ops(_cfg(load_config("qwen3-tiny")), p, 1))
+    q = _machine(loss_s_per_token=1e-4)
+    loss = [next(op for op in build_ops(_cfg(model, batch=b), q, 1) if op.name == "loss") for b in (1, 4)]
+    assert [op.demand["gpu"] / q.gpu_flops for op in loss] == pytest.approx([1e-3 + 26e-4, 1e-3 + 104e-4])
