@@ -298,7 +298,7 @@ def main() -> int:
         err = (sim.step_time / meas["step_time"] - 1) * 100
         other = foreign_cpu(trace, cores)
         rows.append(dict(model=name, batch=batch, param_route=param, host_layout=layout, predicted_ms=sim.step_time * 1e3,
-                         measured_ms=meas["step_time"] * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,
+                         measured_ms=meas["step_time"] * 1e3, window_ms=meas["window"] * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,
                          error_pct=err, steps=meas["steps"], predicted_label=sim.bottleneck,
                          traced_label=meas["bottleneck"], traced_busy_ms={k: v * 1e3 for k, v in meas["busy"].items()},
                          predicted_busy_ms={k: v * 1e3 for k, v in sim.busy.items()},

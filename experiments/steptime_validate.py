@@ -1,10 +1,10 @@
 """Hold the step-time model against real 2-rank CPU SlideDP runs on this machine.
 
-Per model, runs ``calibrate --model`` on it (or reuses ``--profile``) and one traced reference job (a batch size and routes
-that are not among the configurations below) whose lane traces give the training loop's time per step
-(``steptime loop``), then each configuration below as a traced ``slidedp-finetune`` job in a subprocess, and prints
-predicted vs measured median step time and the bottleneck labels (model vs lane traces), with the traces' exposed
-host time and compute stall.
+Per model, runs ``calibrate --model`` on it (or reuses ``--profile``) and one traced reference job (a batch
+size and routes that none of the configurations below uses) whose lane traces give the training loop's time per
+step (``steptime loop``), then each configuration below as a traced ``slidedp-finetune`` job in a subprocess, and
+prints predicted vs measured median step time (a whole iteration: first forward to the next step's) and the
+bottleneck labels (model vs lane traces), with the exposed time (iteration less compute) and compute stall.
 
 Two models: the recipe's tiny Qwen3 (compute-bound here) and ``wide``, a random-init Qwen3 with a large
 untied vocabulary and one small block, written with ``save_pretrained`` into the output folder (nothing is
@@ -114,7 +114,7 @@ def main() -> int:
                                   loss_sync=True), profile)  # fmt: skip
         err = (sim.step_time / meas["step_time"] - 1) * 100
         rows.append(dict(model=name, batch=batch, param_route=param, grad_route=grad, predicted_ms=sim.step_time * 1e3,
-                         measured_ms=meas["step_time"] * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,
+                         measured_ms=meas["step_time"] * 1e3, window_ms=meas["window"] * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,
                          error_pct=err, predicted_label=sim.bottleneck, traced_label=meas["bottleneck"],
                          predicted_exposed_ms=(sim.step_time - sim.busy["compute"]) * 1e3,
                          traced_exposed_host_ms=meas["exposed_host"] * 1e3, traced_stall_ms=meas["stall"] * 1e3,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -34,48 +35,67 @@ def read_steps(trace_dir: str | Path, rank: int = 0) -> dict[int, dict[str, floa
     return steps
 
 
-def measured(trace_dir: str | Path, skip: int = 2, ranks: int = 2) -> dict:
-    """Median step time (slowest rank per step) with its quartiles, median lane busy times, exposed host time and
-    stall (rank 0), and the bottleneck label."""
-    per_rank = [read_steps(trace_dir, r) for r in range(ranks)]
-    steps = sorted(set.intersection(*(set(s) for s in per_rank)))[skip:]
-    if not steps:
-        raise ValueError(f"{trace_dir}: no traced steps after skipping {skip}")
-    times = [max(s[k]["step_time"] for s in per_rank) for k in steps]
-    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    busy = {lane: statistics.median(per_rank[0][k].get(f"busy_{lane}", 0.0) for k in steps) for lane in LANES}
-    exposed = statistics.median(per_rank[0][k].get("exposed_host", 0.0) for k in steps)
-    stall = statistics.median(per_rank[0][k].get("busy_stall", 0.0) for k in steps)
-    return {"step_time": statistics.median(times), "p25": q[0], "p75": q[2], "busy": busy, "exposed_host": exposed,
-            "stall": stall, "bottleneck": classify(busy), "steps": len(steps)}
-
-
-def _compute_thread(trace_dir: Path, rank: int) -> dict[int, float]:
-    """step -> seconds the compute thread spent in traced work: its compute spans, its stalls and the issue of each
-    unit's gradient (recorded on the reduce lane, run on the compute thread), as a union."""
+def _chrome(trace_dir: Path, rank: int) -> tuple[dict[int, float], dict[int, float]]:
+    """From one rank's Chrome trace: step -> start of its first forward span (seconds), and step -> seconds the
+    compute thread spent in traced work (its compute spans, its stalls and the issue of each unit's gradient, which
+    the reduce lane records and the compute thread runs), as a union."""
     path = trace_dir / f"trace_rank{rank}.json"
     if not path.is_file():
         raise FileNotFoundError(f"no Chrome trace of rank {rank} under {trace_dir}")
+    first: dict[int, float] = {}
     spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for ev in json.loads(path.read_text())["traceEvents"]:
-        if ev.get("ph") == "X" and (ev["cat"] in ("compute", "stall") or (ev["cat"] == "reduce" and ev["name"] == "issue")):
-            spans[ev["args"]["step"]].append((ev["ts"], ev["ts"] + ev["dur"]))
-    return {k: sum(b - a for a, b in merge_intervals(iv)) * 1e-6 for k, iv in spans.items()}
+        if ev.get("ph") != "X":
+            continue
+        k = ev["args"]["step"]
+        if ev["cat"] == "compute" and ev["name"] == "forward":
+            first[k] = min(first.get(k, math.inf), ev["ts"] * 1e-6)
+        if ev["cat"] in ("compute", "stall") or (ev["cat"] == "reduce" and ev["name"] == "issue"):
+            spans[k].append((ev["ts"], ev["ts"] + ev["dur"]))
+    return first, {k: sum(b - a for a, b in merge_intervals(iv)) * 1e-6 for k, iv in spans.items()}
+
+
+def iterations(first: dict[int, float]) -> dict[int, float]:
+    """step k -> seconds from its first forward to step k+1's: one whole training iteration, the loop between
+    optimizer steps included (the runtime's step window ends at the step's close)."""
+    return {k: first[k + 1] - first[k] for k in first if k + 1 in first}
+
+
+def measured(trace_dir: str | Path, skip: int = 2, ranks: int = 2) -> dict:
+    """Median iteration time (slowest rank per step) with its quartiles, the median step window (first forward to
+    the step's close), median lane busy times, exposed time (iteration less compute) and stall (rank 0), and the
+    bottleneck label."""
+    trace_dir = Path(trace_dir)
+    per_rank = [read_steps(trace_dir, r) for r in range(ranks)]
+    its = [iterations(_chrome(trace_dir, r)[0]) for r in range(ranks)]
+    steps = sorted(set.intersection(*(set(s) for s in per_rank), *(set(i) for i in its)))[skip:]
+    if not steps:
+        raise ValueError(f"{trace_dir}: no traced steps after skipping {skip}")
+    times = [max(i[k] for i in its) for k in steps]
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    busy = {lane: statistics.median(per_rank[0][k].get(f"busy_{lane}", 0.0) for k in steps) for lane in LANES}
+    exposed = statistics.median(its[0][k] - per_rank[0][k].get("busy_compute", 0.0) for k in steps)
+    stall = statistics.median(per_rank[0][k].get("busy_stall", 0.0) for k in steps)
+    window = statistics.median(max(s[k]["step_time"] for s in per_rank) for k in steps)
+    return {"step_time": statistics.median(times), "p25": q[0], "p75": q[2], "window": window, "busy": busy,
+            "exposed_host": exposed, "stall": stall, "bottleneck": classify(busy), "steps": len(steps)}
 
 
 def loop_time(trace_dir: str | Path, skip: int = 2) -> float:
-    """Median over every rank and step (after ``skip``) of the compute thread's step time outside the runtime's
-    traced work: the training loop's Python, the training step, the loss and its logging."""
+    """Median over every rank and step (after ``skip``) of the compute thread's time per iteration outside the
+    runtime's traced work: the training loop's Python between and inside steps, the training step, the loss and
+    its logging."""
     trace_dir = Path(trace_dir)
     ranks = sorted(int(p.name[4:]) for p in trace_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
     if not ranks:
         raise FileNotFoundError(f"no lane traces under {trace_dir}")
     samples = []
     for r in ranks:
-        steps, traced = read_steps(trace_dir, r), _compute_thread(trace_dir, r)
-        for k in sorted(steps)[skip:]:
+        first, traced = _chrome(trace_dir, r)
+        its = iterations(first)
+        for k in sorted(its)[skip:]:
             if k in traced:
-                samples.append(max(0.0, steps[k]["step_time"] - traced[k]))
+                samples.append(max(0.0, its[k] - traced[k]))
     if not samples:
         raise ValueError(f"{trace_dir}: no traced steps after skipping {skip}")
     return statistics.median(samples)

@@ -12,7 +12,7 @@ from slidedp_lightning.steptime.__main__ import main
 from slidedp_lightning.steptime.calibrate import with_loop
 from slidedp_lightning.steptime.graph import build_ops
 from slidedp_lightning.steptime.profiles import LOOP_KEY, Profile
-from slidedp_lightning.steptime.traces import loop_time
+from slidedp_lightning.steptime.traces import loop_time, measured
 from slidedp_lightning.steptime.workload import ModelShape, units
 
 MiB = 2**20
@@ -106,7 +106,7 @@ def test_bad_constants(tmp_path, bad):
 
 
 def _trace(tmp_path, ranks: int = 2, steps: int = 6, step_s: float = 0.05):
-    """Lane traces as the runtime writes them: per step, compute 20 ms, a 5 ms stall overlapping an issue
+    """Lane traces as the runtime writes them: per 50 ms iteration, compute 20 ms, a 7 ms stall overlapping an issue
     (reduce lane) of 8 ms, and an h2d copy that is not the compute thread's: 50 - 20 - 10 = 20 ms untraced."""
     for r in range(ranks):
         t = Tracer(str(tmp_path), r)
@@ -119,13 +119,16 @@ def _trace(tmp_path, ranks: int = 2, steps: int = 6, step_s: float = 0.05):
             t.record("stall", "wait update lane", k, s + 0.025, s + 0.032)
             t.record("h2d", "copy", k, s, s + 0.04)
             t.record("reduce", "reduce + return", k, s + 0.03, s + 0.045)
-            t.mark_step(k, s, s + step_s)
+            t.mark_step(k, s, s + step_s - 0.005)  # the step closes 5 ms before the next one's first forward
         t.close()
 
 
 def test_loop_time_from_traces(tmp_path):
     _trace(tmp_path)
     assert loop_time(tmp_path) == pytest.approx(0.05 - 0.020 - 0.010, abs=1e-6)
+    m = measured(tmp_path)  # whole iterations (first forward to the next one's), not the runtime's step window
+    assert m["step_time"] == pytest.approx(0.05, abs=1e-6) and m["window"] == pytest.approx(0.045, abs=1e-6)
+    assert m["exposed_host"] == pytest.approx(0.05 - 0.02, abs=1e-6) and m["steps"] == 6 - 1 - 2
 
 
 def test_with_loop_and_cli(tmp_path, capsys):
