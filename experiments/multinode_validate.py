@@ -289,8 +289,12 @@ def main() -> int:
             busy_before = max(busy_before, wait_quiet(args.quiet_wait))
         load = load_average()
         run_job(model_dir, batch, param, layout, args.steps, str(trace), args.timeout)
-        profile = with_loop(load_profile(profile_path), references[name], REFERENCE_BATCH * SEQ)
+        ref = StepConfig(shape, REFERENCE_BATCH, SEQ, DEVICES, "full", "gpu_reduce", precision="32-true",
+                         max_units_in_flight=MAX_UNITS_IN_FLIGHT, loss_sync=True)  # fmt: skip
+        profile = with_loop(load_profile(profile_path), references[name], REFERENCE_BATCH * SEQ, run=ref)
         (trace / "profile_with_loop.json").write_text(json.dumps(profile.to_json(), indent=1))
+        print(f"{name}: training loop {profile.loop_overhead * 1e3:.1f} ms, other threads' uncounted CPU "
+              f"{profile.background_cpu * 1e3:.1f} ms per step (one host, batch {REFERENCE_BATCH})", flush=True)
         meas = measured(trace, skip=args.skip, ranks=NODES * DEVICES)
         cfg = StepConfig(shape, batch, SEQ, DEVICES, param, "gpu_reduce", precision="32-true", hosts=NODES,
                          host_layout=layout, max_units_in_flight=MAX_UNITS_IN_FLIGHT, loss_sync=True)  # fmt: skip

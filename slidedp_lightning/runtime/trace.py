@@ -99,6 +99,8 @@ class Tracer:
         self._writer = None
         self.origin = time.perf_counter()
         self._clock = None  # (timing event, host seconds when it completed): maps device events to host time
+        self._cpu: tuple[float, float] | None = None  # (process, compute thread) CPU seconds at the last mark_step
+        self._cpu_used: dict[int, tuple[float, float]] = {}  # step -> CPU seconds since the mark before it
 
     def set_device_clock(self, ref_event, host_seconds: float) -> None:
         """Device spans are timing events; ``ref_event`` completed at ``host_seconds`` on the host clock."""
@@ -129,10 +131,16 @@ class Tracer:
             self.spans.append(Span(lane, name, step, unit, chunk, start, end))  # list.append is atomic
 
     def mark_step(self, step: int, start: float, end: float) -> None:
-        """The compute thread's window of ``step``; steps before it are complete and get written."""
+        """The compute thread's window of ``step`` (called on the compute thread); steps before it are complete and
+        get written. Also records the CPU time the process and this thread used since the previous call (one
+        iteration: ``cpu_process``, ``cpu_compute_thread``)."""
         if not self.enabled:
             return
         self._bounds[step] = [start, end]
+        cpu = (time.process_time(), time.thread_time())
+        if self._cpu is not None:
+            self._cpu_used[step] = (cpu[0] - self._cpu[0], cpu[1] - self._cpu[1])
+        self._cpu = cpu
         for done in sorted(s for s in self._bounds if s < step and s not in self._written):
             self._write_step(done)
 
@@ -150,6 +158,8 @@ class Tracer:
             start, end = self._bounds[step]
             spans = [self._resolved(s) for s in self.spans if s.step == step]
             metrics = step_metrics(spans, start, end)
+            if step in self._cpu_used:
+                metrics["cpu_process"], metrics["cpu_compute_thread"] = self._cpu_used[step]
             self.metrics[step] = metrics
             writer = self._tb()
             for key, value in metrics.items():

@@ -99,3 +99,16 @@ def loop_time(trace_dir: str | Path, skip: int = 2) -> float:
     if not samples:
         raise ValueError(f"{trace_dir}: no traced steps after skipping {skip}")
     return statistics.median(samples)
+
+
+def other_threads_cpu(trace_dir: str | Path, skip: int = 2) -> float | None:
+    """Median over every rank and step (after ``skip``) of the CPU seconds the process used outside its compute
+    thread in one iteration (the runtime records both CPU times per step); None for traces without them."""
+    trace_dir = Path(trace_dir)
+    ranks = sorted(int(p.name[4:]) for p in trace_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
+    samples = []
+    for r in ranks:
+        steps = read_steps(trace_dir, r)
+        samples += [steps[k]["cpu_process"] - steps[k]["cpu_compute_thread"] for k in sorted(steps)[skip:]
+                    if "cpu_process" in steps[k] and "cpu_compute_thread" in steps[k]]  # fmt: skip
+    return statistics.median(samples) if samples else None

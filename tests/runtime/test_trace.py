@@ -54,3 +54,28 @@ def test_chrome_trace_has_a_named_row_per_lane(tmp_path):
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["cat"] for e in spans} == set(LANES)
     assert all(e["pid"] == 3 and e["dur"] >= 0 for e in spans)
+
+
+def test_cpu_time_per_step(tmp_path):
+    """From the second step on, each step records the CPU the process and the calling (compute) thread used since
+    the previous one: a busy other thread shows in the process's time only."""
+    import threading
+    import time
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    t = Tracer(str(tmp_path), 0)
+    t.mark_step(0, 0.0, 1.0)
+    other = threading.Thread(target=spin, args=(0.15,))
+    other.start()
+    other.join()
+    spin(0.05)
+    t.mark_step(1, 1.0, 2.0)
+    t.mark_step(2, 2.0, 3.0)  # writes step 1
+    t.close()
+    assert "cpu_process" not in t.metrics[0]
+    m = t.metrics[1]
+    assert m["cpu_compute_thread"] >= 0.05 and m["cpu_process"] - m["cpu_compute_thread"] >= 0.14

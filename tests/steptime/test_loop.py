@@ -12,7 +12,8 @@ from slidedp_lightning.steptime.__main__ import main
 from slidedp_lightning.steptime.calibrate import with_loop
 from slidedp_lightning.steptime.graph import build_ops
 from slidedp_lightning.steptime.profiles import LOOP_KEY, Profile
-from slidedp_lightning.steptime.traces import loop_time, measured
+from slidedp_lightning.steptime.simulate import standalone
+from slidedp_lightning.steptime.traces import loop_time, measured, other_threads_cpu
 from slidedp_lightning.steptime.workload import ModelShape, units
 
 MiB = 2**20
@@ -171,3 +172,39 @@ def test_gradient_pages_and_a_loss_per_token():
     q = _machine(loss_s_per_token=1e-4)
     loss = [next(op for op in build_ops(_cfg(model, batch=b), q, 1) if op.name == "loss") for b in (1, 4)]
     assert [op.demand["gpu"] / q.gpu_flops for op in loss] == pytest.approx([1e-3 + 26e-4, 1e-3 + 104e-4])
+
+
+def test_other_threads_cpu(tmp_path, monkeypatch):
+    """The runtime records per step the CPU of the process and of the compute thread; ``steptime loop`` with the
+    run's config keeps, of the other threads' CPU, what the model does not already give the non-compute lanes; the
+    model runs it beside the compute, on the same cores."""
+    import itertools
+
+    import slidedp_lightning.runtime.trace as trace_module
+
+    proc, thread = itertools.count(0.0, 0.030), itertools.count(0.0, 0.010)  # per call: 30 ms process, 10 ms thread
+    monkeypatch.setattr(trace_module.time, "process_time", lambda: next(proc))
+    monkeypatch.setattr(trace_module.time, "thread_time", lambda: next(thread))
+    _trace(tmp_path / "run")
+    monkeypatch.undo()
+    assert other_threads_cpu(tmp_path / "run") == pytest.approx(0.020)
+    tiny = load_config("qwen3-tiny")
+    base = _machine()
+    run = _cfg(tiny, batch=4, max_units_in_flight=2, loss_sync=True)
+    got = with_loop(base, tmp_path / "run", 4 * 26, run=run)
+    loop_only = with_loop(base, tmp_path / "run", 4 * 26)  # without the run's config: not measured
+    assert loop_only.background_cpu == 0.0 and loop_only.loop_overhead == got.loop_overhead
+    cap = loop_only.capacities(2)
+    counted = sum(standalone(op, cap) for op in build_ops(run, loop_only, 2) if op.step == 1 and op.lane != "compute")
+    assert 0 < counted < 0.020 and got.background_cpu == pytest.approx(0.020 - counted)
+    ops = build_ops(_cfg(tiny), got, 1)
+    bg = [op for op in ops if op.lane == "threads"]
+    n_units = len(units(tiny, 26, "none"))
+    assert len(bg) == 2 * n_units - 1  # beside every compute op of the step but the first
+    assert sum(op.demand["gpu"] for op in bg) == pytest.approx(got.background_cpu * (2 * n_units - 1) / (2 * n_units)
+                                                                * got.gpu_flops)  # fmt: skip
+    slower = simulate(_cfg(tiny), got).step_time
+    assert slower > simulate(_cfg(tiny), _machine(loop_overhead_s=got.loop_overhead)).step_time
+    with pytest.raises(ValueError, match="ranks"):
+        with_loop(base, tmp_path / "run", 104, run=dataclasses.replace(run, gpus=1))
+    assert not any(op.lane == "threads" for op in build_ops(_cfg(tiny), load_profile("h100x8"), 1))
