@@ -150,6 +150,12 @@ def test_with_loop_and_cli(tmp_path, capsys):
     with pytest.raises(ValueError, match="tokens"):
         with_loop(load_profile(prof), tmp_path / "run", 0)
     assert main(["loop", "--profile", str(prof), "--trace", str(tmp_path / "none"), "--tokens", "100"]) == 2
+    run = ["loop", "--profile", str(prof), "--trace", str(tmp_path / "run"), "--model", "qwen3-tiny", "--batch", "4",
+           "--seq", "26", "--precision", "32-true", "--loss-sync"]  # fmt: skip
+    assert main([*run, "--tokens", "104"]) == 0
+    assert "background_cpu_s" in json.loads(prof.read_text())["constants"]
+    assert main([*run, "--tokens", "100"]) == 2  # not batch x seq
+    assert "not --batch x --seq" in capsys.readouterr().err
 
 
 def test_defaults_unchanged():
