@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from slidedp_lightning.steptime.analytic import Analytic, analyze
@@ -174,16 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--tokens", type=int, required=True, help="tokens per rank and step of the traced run (batch x seq)")
     lo.add_argument("--hosts", type=int, default=1, help="hosts the traced run's ranks were spread over (default 1)")
     lo.add_argument("--out", default=None, help="profile JSON to write (default: --profile)")
-    lo.add_argument("--model", default=None, help="the traced run's model: with it (and the options below, as the run "
-                    "used them) the other threads' uncounted CPU per step is measured too")  # fmt: skip
-    lo.add_argument("--batch", type=int, default=None, help="the traced run's sequences per rank")
-    lo.add_argument("--seq", type=int, default=None, help="the traced run's sequence length")
-    lo.add_argument("--param-route", default="full", choices=PARAM_ROUTES)
-    lo.add_argument("--grad-route", default="gpu_reduce", choices=GRAD_ROUTES)
-    lo.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
-    lo.add_argument("--host-layout", default="replicated", choices=HOST_LAYOUTS)
-    lo.add_argument("--max-units-in-flight", type=int, default=2, help="the run's backpressure (the engine's default 2)")
-    lo.add_argument("--loss-sync", action="store_true", help="the run all-reduced its loss every step")
     sub.add_parser("profiles", help="list the shipped hardware profiles")
     return p
 
@@ -216,19 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "loop":
             from slidedp_lightning.steptime.calibrate import with_loop
 
-            base = load_profile(args.profile)
-            run = None
-            if args.model is not None:
-                if args.batch is None or args.seq is None:
-                    raise ValueError("--model needs --batch and --seq of the traced run")
-                if args.batch * args.seq != args.tokens:
-                    raise ValueError(f"--tokens {args.tokens} is not --batch x --seq ({args.batch * args.seq})")
-                ranks = len([d for d in Path(args.trace).glob("rank*") if d.is_dir()])
-                run = StepConfig(load_config(args.model), args.batch, args.seq, max(1, ranks // args.hosts),
-                                 args.param_route, args.grad_route, precision=args.precision,
-                                 hosts=args.hosts, host_layout=args.host_layout,
-                                 max_units_in_flight=args.max_units_in_flight, loss_sync=args.loss_sync)  # fmt: skip
-            profile = with_loop(base, args.trace, args.tokens, args.hosts, run)
+            profile = with_loop(load_profile(args.profile), args.trace, args.tokens, args.hosts)
             out = args.out or args.profile
             with open(out, "w") as f:
                 json.dump(profile.to_json(), f, indent=1)

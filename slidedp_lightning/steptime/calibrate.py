@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import cpu_ops
 from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.probe import probe_routes
-from slidedp_lightning.steptime.profiles import BACKGROUND_KEY, LOOP_KEY, LOSS_KEY, Profile
+from slidedp_lightning.steptime.profiles import LOOP_KEY, LOSS_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
 
 log = logging.getLogger(__name__)
@@ -359,17 +359,13 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
     return Profile("this-machine", values, sources, desc)
 
 
-def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int = 1, run=None) -> Profile:
+def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int = 1) -> Profile:
     """``profile`` with ``loop_overhead_s`` measured from the lane traces of a real training run (``trace_dir``, all
     of its ranks, ``hosts`` hosts of them, ``tokens`` per rank and step): the compute thread's median time per step
     outside the runtime's traced work (:func:`~slidedp_lightning.steptime.traces.loop_time`), less what the model
-    already counts there (the loss of ``tokens`` as ``calibrate`` measured it and the loss all-reduce's latency).
-
-    With ``run`` (the traced run's :class:`~slidedp_lightning.steptime.graph.StepConfig`) and a CPU "device", also
-    ``background_cpu_s``: the CPU the run's other threads used per step (its traces' CPU times) beyond the work the
-    model gives its non-compute lanes for that run."""
+    already counts there (the loss of ``tokens`` as ``calibrate`` measured it and the loss all-reduce's latency)."""
     from slidedp_lightning.steptime.graph import loss_sync_latency
-    from slidedp_lightning.steptime.traces import loop_time, other_threads_cpu
+    from slidedp_lightning.steptime.traces import loop_time
 
     trace_dir = Path(trace_dir)
     ranks = len([p for p in trace_dir.glob("rank*") if p.is_dir()])
@@ -384,27 +380,9 @@ def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int =
     loss = profile.loss_seconds(tokens)
     loop = max(0.0, measured - loss - sync)
     values, sources = dict(profile.values), dict(profile.sources)
-    values.pop(BACKGROUND_KEY, None)
-    sources.pop(BACKGROUND_KEY, None)
     values[LOOP_KEY] = loop
     sources[LOOP_KEY] = (f"probe: lane traces of a training run ({trace_dir}, {ranks} ranks): the compute thread's "
                          f"median {measured * 1e3:.1f} ms per step outside the runtime's traced work, less the loss "
                          f"of {tokens} tokens ({loss * 1e3:.1f} ms) and its all-reduce ({sync * 1e3:.2f} ms)")
     log.info("training loop: %.1f ms per step outside the traced work (%s)", loop * 1e3, trace_dir)
-    out = Profile(profile.name, values, sources, profile.description)
-    other = other_threads_cpu(trace_dir)
-    if run is None or other is None or not profile.host_is_device:
-        return out
-    from slidedp_lightning.steptime.graph import build_ops
-    from slidedp_lightning.steptime.simulate import standalone
-
-    if (run.gpus, run.hosts) != (ranks // hosts, hosts):
-        raise ValueError(f"run has {run.gpus} ranks on {run.hosts} host(s); {trace_dir} holds {ranks} ranks on {hosts}")
-    cap = out.capacities(run.gpus, run.hosts)
-    counted = sum(standalone(op, cap) for op in build_ops(run, out, steps=2) if op.step == 1 and op.lane != "compute")
-    values[BACKGROUND_KEY] = max(0.0, other - counted)
-    sources[BACKGROUND_KEY] = (f"probe: CPU times in the lane traces of {trace_dir}: {other * 1e3:.1f} ms per step on "
-                               f"threads other than the compute thread (median over ranks and steps), less "
-                               f"{counted * 1e3:.1f} ms the model gives the non-compute lanes of that run")
-    log.info("other threads: %.1f ms CPU per step, %.1f ms counted by the model", other * 1e3, counted * 1e3)
     return Profile(profile.name, values, sources, profile.description)

@@ -263,19 +263,11 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         compute_seq.append(i)
         return i
 
-    background = profile.background_cpu / (2 * n_units) * gpu_rate  # per unit op, as FLOP-equivalents on the cores
-
-    def beside(u: int, step: int) -> None:
-        """The other threads' uncounted CPU while compute op ``compute_seq[-1]`` runs (a CPU "device" only)."""
-        if background and len(compute_seq) > 1:
-            b.add(Op("other threads", "threads", step, u, {"gpu": background}, 0.0, [compute_seq[-2]]))
-
     for step in range(steps):
         offloaded: dict[int, int] = {}
         for u, unit in enumerate(us):  # forward
             ready = [i for v in (u, *unit.borrows) for i in fetch(v, step, backward=False)[-1:]]
             f = compute("forward", u, step, tok * unit.fwd_flops_per_token, ready)
-            beside(u, step)
             act = unit.activation
             if act.offload_ratio > 0:
                 nbytes = act.retained_bytes_per_token * tok * act.offload_ratio
@@ -298,7 +290,6 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if unit.activation.recompute_fraction > 0:
                 ready = [compute("recompute", u, step, fwd * unit.activation.recompute_fraction, ready)]
             done = compute("backward", u, step, fwd * profile.bwd_fwd_ratio, ready)
-            beside(u, step)
             pages = sum(profile.fresh_bytes(n * pb) for n in unit.matrices)
             if pages:  # autograd allocates each weight's gradient: a large one in fresh pages (CPU "device")
                 done = b.add(Op("gradient pages", "compute", step, u, {"fresh": pages}, 0.0, [done], shown="compute"))

@@ -40,10 +40,6 @@ LOOP_KEY = "loop_overhead_s"
 # Optional: ``loss_s_per_token``, the loss's seconds per token of a rank's batch on top of ``step_overhead_s``
 # (its fixed part); a large vocabulary makes it grow with the batch.
 LOSS_KEY = "loss_s_per_token"
-# Optional, CPU "device": ``background_cpu_s``, CPU seconds per step of a rank's threads other than the compute thread
-# beyond what the model counts for them (the lane threads' Python, gloo's threads), measured by ``steptime loop``
-# from a traced run's CPU times; modelled as work on the rank's cores beside the compute.
-BACKGROUND_KEY = "background_cpu_s"
 
 
 @dataclass(frozen=True)
@@ -111,11 +107,6 @@ class Profile:
     def loop_overhead(self) -> float:
         """Seconds per step of the training loop outside the runtime's traced work (0 when not measured)."""
         return float(self.values.get(LOOP_KEY, 0.0))
-
-    @property
-    def background_cpu(self) -> float:
-        """CPU seconds per step of a rank's other threads that the model does not count elsewhere (0: none)."""
-        return float(self.values.get(BACKGROUND_KEY, 0.0)) if self.host_is_device else 0.0
 
     def loss_seconds(self, tokens: float) -> float:
         """The loss of a rank's ``tokens`` (fixed part + per token)."""
@@ -203,7 +194,7 @@ class Profile:
         partial = [k for k in FRESH_KEYS if k in values]
         if partial and len(partial) != len(FRESH_KEYS):
             raise ValueError(f"{where}: fresh allocations need all of {FRESH_KEYS}, got only {partial}")
-        for key in (*partial, *[k for k in (LOOP_KEY, LOSS_KEY, BACKGROUND_KEY) if k in values]):
+        for key in (*partial, *[k for k in (LOOP_KEY, LOSS_KEY) if k in values]):
             v = values[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (key == "fresh_gbps" and v == 0):
                 raise ValueError(f"{where}: {key} must be a number {'> 0' if key == 'fresh_gbps' else '>= 0'}, got {v!r}")

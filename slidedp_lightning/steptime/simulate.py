@@ -160,8 +160,6 @@ def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
     count = {lane: 0 for lane in exposed}
     prev = lo
     for x, delta, lane in edges:
-        if lane not in count:  # the other threads' background CPU: no lane of the runtime's
-            continue
         if x > prev and count["compute"] == 0:
             live = [k for k, c in count.items() if c > 0]
             for k in live:
