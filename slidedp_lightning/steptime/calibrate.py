@@ -365,18 +365,18 @@ def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int =
     outside the runtime's traced work (:func:`~slidedp_lightning.steptime.traces.loop_time`), less what the model
     already counts there (the loss of ``tokens`` as ``calibrate`` measured it and the loss all-reduce's latency)."""
     from slidedp_lightning.steptime.graph import loss_sync_latency
-    from slidedp_lightning.steptime.traces import loop_time
+    from slidedp_lightning.steptime.traces import loop_time, traced_ranks
 
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1 (batch x sequence length per rank of the traced run), got {tokens}")
     trace_dir = Path(trace_dir)
-    ranks = len([p for p in trace_dir.glob("rank*") if p.is_dir()])
+    ranks = len(traced_ranks(trace_dir))
     if hosts < 1 or ranks % hosts:
         raise ValueError(f"{trace_dir} holds traces of {ranks} ranks, not a multiple of hosts={hosts}")
     measured = loop_time(trace_dir)
     if ranks // hosts > profile.gpus:
         raise ValueError(f"{trace_dir}: {ranks // hosts} ranks per host, the profile models at most {profile.gpus}")
     sync = loss_sync_latency(ranks // hosts, hosts, profile)
-    if tokens < 1:
-        raise ValueError(f"tokens must be >= 1 (batch x sequence length per rank of the traced run), got {tokens}")
     loss = profile.loss_seconds(tokens)
     loop = max(0.0, measured - loss - sync)
     values, sources = dict(profile.values), dict(profile.sources)

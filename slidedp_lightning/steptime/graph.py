@@ -292,7 +292,7 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             done = compute("backward", u, step, fwd * profile.bwd_fwd_ratio, ready)
             pages = sum(profile.fresh_bytes(n * pb) for n in unit.matrices)
             if pages:  # autograd allocates each weight's gradient: a large one in fresh pages (CPU "device")
-                done = b.add(Op("gradient pages", "compute", step, u, {"fresh": pages}, 0.0, [done], shown="compute"))
+                done = b.add(Op("gradient pages", "compute", step, u, {"fresh": pages}, 0.0, [done]))
             m = cfg.max_units_in_flight
             gate = [dispatched[-m][-1]] if m and len(dispatched) >= m else []  # backpressure: wait for that update
             blocking.extend(gate)

@@ -35,6 +35,11 @@ def read_steps(trace_dir: str | Path, rank: int = 0) -> dict[int, dict[str, floa
     return steps
 
 
+def traced_ranks(trace_dir: str | Path) -> list[int]:
+    """The ranks whose lane traces (``rank<N>`` folders) are under ``trace_dir``."""
+    return sorted(int(p.name[4:]) for p in Path(trace_dir).glob("rank*") if p.is_dir() and p.name[4:].isdigit())
+
+
 def _chrome(trace_dir: Path, rank: int) -> tuple[dict[int, float], dict[int, float]]:
     """From one rank's Chrome trace: step -> start of its first forward span (seconds), and step -> seconds the
     compute thread spent in traced work (its compute spans, its stalls and the issue of each unit's gradient, which
@@ -86,7 +91,7 @@ def loop_time(trace_dir: str | Path, skip: int = 2) -> float:
     runtime's traced work: the training loop's Python between and inside steps, the training step, the loss and
     its logging."""
     trace_dir = Path(trace_dir)
-    ranks = sorted(int(p.name[4:]) for p in trace_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
+    ranks = traced_ranks(trace_dir)
     if not ranks:
         raise FileNotFoundError(f"no lane traces under {trace_dir}")
     samples = []
@@ -105,7 +110,7 @@ def other_threads_cpu(trace_dir: str | Path, skip: int = 2) -> float | None:
     """Median over every rank and step (after ``skip``) of the CPU seconds the process used outside its compute
     thread in one iteration (the runtime records both CPU times per step); None for traces without them."""
     trace_dir = Path(trace_dir)
-    ranks = sorted(int(p.name[4:]) for p in trace_dir.glob("rank*") if p.is_dir() and p.name[4:].isdigit())
+    ranks = traced_ranks(trace_dir)
     samples = []
     for r in ranks:
         steps = read_steps(trace_dir, r)
