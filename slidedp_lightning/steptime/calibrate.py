@@ -293,12 +293,26 @@ def measure_network(hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET
     moved = 2 * (hosts - 1) / hosts * 4  # bytes over the network per rank per element of the message
     lat, rate = _fit_points([n * moved for n in sizes], [raw[f"pair_alone_{n}"] for n in sizes])
     raw.update(net_lat=lat / (2 * (hosts - 1)), net_rate=rate, hosts=hosts, ranks=ranks)
-    # cores the N R ranks get together, in the units of the R-rank probes (R ranks = the machine's cores)
-    cores = cpu_ops.physical_cores()
-    raw["colocated_cores"] = min(cores * hosts, cores * hosts * raw["core_one_host"] / raw["core_all_hosts"])
+    raw["colocated_cores"] = shared_cores(cpu_ops.physical_cores(), hosts, _cpus(), raw["core_one_host"],
+                                          raw["core_all_hosts"])  # fmt: skip
     log.info("network probe (%d hosts x %d ranks): %.3g GB/s per rank, %.3g ms per step", hosts, ranks, rate / 1e9,
              lat / (2 * (hosts - 1)) * 1e3)  # fmt: skip
     return raw
+
+
+def shared_cores(cores: int, hosts: int, cpus: int, t_one_host: float, t_all_hosts: float) -> float:
+    """Cores the N x R co-located ranks get together, in the units of the R-rank probes (R ranks = the machine's
+    ``cores``): N x the kernel's time on one host's R ranks over its time on all N R ranks. Bounded by N x cores
+    and by the ``cpus`` the ranks may run on: all ranks together cannot get more CPUs than the machine lets them
+    have, so a larger ratio is the probe's noise (a slow one-host run), not capacity."""
+    return min(cores * hosts, cpus, cores * hosts * t_one_host / t_all_hosts)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _free_port() -> int:
@@ -353,7 +367,8 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
             net_latency_s=f"{where}; latency of the same fit per ring step",
             colocated_cores=f"{where}: the hosts are process groups on this one machine; a 1-thread matmul loop on "
                             f"one host's {r} ranks, then on all {n * r}: {cores} cores x {n} x (time on {r}) / (time "
-                            f"on {n * r}), the cores all ranks share in the units of the {r}-rank probes",
+                            f"on {n * r}), the cores all ranks share in the units of the {r}-rank probes, at most the CPUs they may "
+                            f"run on",
         )  # fmt: skip
         desc += f"; {n} co-located hosts (loopback network)"
     return Profile("this-machine", values, sources, desc)

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from slidedp_lightning.steptime import StepConfig, load_config, load_profile, simulate
-from slidedp_lightning.steptime.calibrate import _fit_points, build_profile, measure_network
+from slidedp_lightning.steptime.calibrate import _fit_points, build_profile, measure_network, shared_cores
 from slidedp_lightning.steptime.graph import build_ops, flat_collective, loss_sync_latency
 from slidedp_lightning.steptime.profiles import COLOCATED_KEY, GB, Profile
 
@@ -156,6 +156,14 @@ def test_fit_points():
     assert lat > 2e-4 and rate == pytest.approx(1e9, rel=0.1)
     with pytest.raises(RuntimeError, match="did not grow"):
         _fit_points(xs, [1.0, 1.0, 0.5, 0.5])
+
+
+def test_shared_cores_is_bounded_by_the_machine():
+    assert shared_cores(2, 2, 2, 1.0, 2.0) == pytest.approx(2.0)  # 4 ranks on 2 cores: half the speed each
+    assert shared_cores(2, 2, 2, 1.0, 1.6) == pytest.approx(2.0)  # a slow one-host run cannot add CPUs
+    assert shared_cores(2, 2, 4, 1.0, 1.6) == pytest.approx(2.5)  # SMT siblings may
+    assert shared_cores(2, 2, 8, 1.0, 0.9) == pytest.approx(4.0)  # never more than the hosts' cores
+    assert shared_cores(4, 2, 8, 1.0, 2.5) == pytest.approx(3.2)
 
 
 def test_build_profile_writes_the_network():
