@@ -3,8 +3,7 @@
 Each lane runs its ops one at a time in order; an op starts when its lane is free and its dependencies are
 done. Running ops share resources fluidly: rates are water-filled so that every op runs at the same fraction
 of its stand-alone speed until a resource saturates (concurrent H2D shares the PCIe root, the update competes
-with copies for DRAM, and on a CPU machine every lane competes for the cores). An op's fixed latency holds no
-resource on a GPU machine; on a CPU "device" it is work of the host's threads and competes for the cores too.
+with copies for DRAM, and on a CPU machine every lane competes for the cores).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ class SimResult:
 
 
 def standalone(op: Op, cap: dict[str, float]) -> float:
-    """Seconds of work (after ``op.fixed``) with every resource to itself (latency excluded)."""
+    """Seconds of work (after ``op.fixed``) with every resource to itself."""
     return max((v / cap[k] for k, v in op.demand.items() if v and cap.get(k, math.inf) < math.inf), default=0.0)
 
 
@@ -74,9 +73,7 @@ def run(ops: list[Op], cap: dict[str, float]) -> list[tuple[float, float]]:
     """Start and end time of every op."""
     cap = {k: v for k, v in cap.items() if v < math.inf}
     host_cores = "cores" in cap
-    # on a CPU "device" an op's latency is the host's own work too (gloo's threads, system calls, loopback copies):
-    # it runs on the cores the lanes share and stretches under contention like the rest of the op
-    dur = [standalone(op, cap) + (op.fixed if host_cores else 0.0) for op in ops]
+    dur = [standalone(op, cap) for op in ops]
     usage = {}
     for i, op in enumerate(ops):
         use = {k: v / dur[i] for k, v in op.demand.items() if k in cap and v and dur[i] > 0}
@@ -90,7 +87,7 @@ def run(ops: list[Op], cap: dict[str, float]) -> list[tuple[float, float]]:
     busy_lane: dict[str, int | None] = {lane: None for lane in queues}
     done = [False] * len(ops)
     times = [(math.nan, math.nan)] * len(ops)
-    fixed_left = [0.0 if host_cores else op.fixed for op in ops]
+    fixed_left = [op.fixed for op in ops]
     work_left = [1.0 if d > 0 else 0.0 for d in dur]
     t = 0.0
     n_done = 0

@@ -19,18 +19,6 @@ def test_fluid_sharing_and_lanes():
     assert run(same_lane, cap)[1] == pytest.approx((1.0, 2.5))
 
 
-def test_latency_holds_the_cores_only_on_a_cpu_device():
-    """A collective's latency waits on a GPU machine; on a CPU "device" it is the host threads' work, sharing the
-    cores with whatever else runs."""
-    ops = [Op("all_reduce", "reduce", 0, 0, {}, fixed=1.0), Op("forward", "compute", 0, 0, {"gpu": 1.0})]
-    gpu = run(ops, {"gpu": 1.0})
-    assert gpu[0] == pytest.approx((0.0, 1.0)) and gpu[1] == pytest.approx((0.0, 1.0))  # overlapped
-    cpu = run(ops, {"gpu": 1.0, "cores": 1.0})
-    assert cpu[0] == pytest.approx((0.0, 2.0)) and cpu[1] == pytest.approx((0.0, 2.0))  # one core, shared
-    alone = run(ops[:1], {"gpu": 1.0, "cores": 0.5})  # half a core: the latency takes twice as long
-    assert alone[0] == pytest.approx((0.0, 2.0))
-
-
 def test_pipeline():
     assert pipeline([[1.0, 2.0]] * 3) == pytest.approx(7.0)
     assert pipeline([[2.0, 1.0]] * 3) == pytest.approx(7.0)
