@@ -367,8 +367,8 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
             net_latency_s=f"{where}; latency of the same fit per ring step",
             colocated_cores=f"{where}: the hosts are process groups on this one machine; a 1-thread matmul loop on "
                             f"one host's {r} ranks, then on all {n * r}: {cores} cores x {n} x (time on {r}) / (time "
-                            f"on {n * r}), the cores all ranks share in the units of the {r}-rank probes, at most the CPUs they may "
-                            f"run on",
+                            f"on {n * r}), the cores all ranks share in the units of the {r}-rank probes, at most "
+                            f"the CPUs they may run on",
         )  # fmt: skip
         desc += f"; {n} co-located hosts (loopback network)"
     return Profile("this-machine", values, sources, desc)
