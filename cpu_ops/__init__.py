@@ -4,7 +4,7 @@ from cpu_ops.accumulate import accumulate, sum_squares
 from cpu_ops.adamw import adamw_update, adamw_update_sum
 from cpu_ops.bandwidth import adam_shaped_copy, update_bytes_per_param
 from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
-from cpu_ops.threads import physical_cores, set_kernel_threads, thread_budget
+from cpu_ops.threads import logical_cpus, physical_cores, set_kernel_threads, thread_budget
 from cpu_ops.warmup import is_vectorized, warmup
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "bf16_to_fp32",
     "fp32_to_bf16",
     "is_vectorized",
+    "logical_cpus",
     "physical_cores",
     "set_kernel_threads",
     "sum_squares",

@@ -8,7 +8,7 @@ from numbers import Integral
 
 import numba
 
-__all__ = ["physical_cores", "thread_budget", "set_kernel_threads"]
+__all__ = ["logical_cpus", "physical_cores", "thread_budget", "set_kernel_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,12 @@ def count_physical_cores(cpuinfo: str, allowed: set[int] | None) -> int | None:
     return len({cores[cpu] for cpu in cpus})
 
 
+def logical_cpus() -> int:
+    """Logical CPUs this process may run on (``os.sched_getaffinity``; else ``os.cpu_count()``)."""
+    allowed = _allowed_cpus()
+    return len(allowed) if allowed else (os.cpu_count() or 1)
+
+
 def physical_cores() -> int:
     """Physical cores this process may run on (affinity-aware; SMT siblings count once).
 
@@ -59,7 +65,7 @@ def physical_cores() -> int:
     except OSError:
         cores = None
     if cores is None:
-        cores = len(allowed) if allowed else (os.cpu_count() or 1)
+        cores = logical_cpus()
         log.debug("no core ids in %s; counting %d logical CPUs as cores", _CPUINFO, cores)
     return max(1, cores)
 

@@ -293,8 +293,8 @@ def measure_network(hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET
     moved = 2 * (hosts - 1) / hosts * 4  # bytes over the network per rank per element of the message
     lat, rate = _fit_points([n * moved for n in sizes], [raw[f"pair_alone_{n}"] for n in sizes])
     raw.update(net_lat=lat / (2 * (hosts - 1)), net_rate=rate, hosts=hosts, ranks=ranks)
-    raw["colocated_cores"] = shared_cores(cpu_ops.physical_cores(), hosts, _cpus(), raw["core_one_host"],
-                                          raw["core_all_hosts"])  # fmt: skip
+    raw["colocated_cores"] = shared_cores(cpu_ops.physical_cores(), hosts, cpu_ops.logical_cpus(),
+                                          raw["core_one_host"], raw["core_all_hosts"])  # fmt: skip
     log.info("network probe (%d hosts x %d ranks): %.3g GB/s per rank, %.3g ms per step", hosts, ranks, rate / 1e9,
              lat / (2 * (hosts - 1)) * 1e3)  # fmt: skip
     return raw
@@ -306,13 +306,6 @@ def shared_cores(cores: int, hosts: int, cpus: int, t_one_host: float, t_all_hos
     and by the ``cpus`` the ranks may run on: all ranks together cannot get more CPUs than the machine lets them
     have, so a larger ratio is the probe's noise (a slow one-host run), not capacity."""
     return min(cores * hosts, cpus, cores * hosts * t_one_host / t_all_hosts)
-
-
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _free_port() -> int:

@@ -7,7 +7,7 @@ import os
 import numba
 import pytest
 
-from cpu_ops import physical_cores, set_kernel_threads, thread_budget
+from cpu_ops import logical_cpus, physical_cores, set_kernel_threads, thread_budget
 from cpu_ops import threads
 
 SMT_CPUINFO = "\n\n".join(
@@ -19,6 +19,12 @@ SMT_CPUINFO = "\n\n".join(
 def test_physical_cores_sane() -> None:
     cores = physical_cores()
     assert 1 <= cores <= (os.cpu_count() or 1)
+
+
+def test_logical_cpus_follow_the_affinity(monkeypatch) -> None:
+    assert physical_cores() <= logical_cpus() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(threads, "_allowed_cpus", lambda: None)  # no affinity API: every CPU of the machine
+    assert logical_cpus() == (os.cpu_count() or 1)
 
 
 def test_count_physical_cores_smt_and_affinity() -> None:
