@@ -381,9 +381,9 @@ def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int =
     ranks = len(traced_ranks(trace_dir))
     if hosts < 1 or ranks % hosts:
         raise ValueError(f"{trace_dir} holds traces of {ranks} ranks, not a multiple of hosts={hosts}")
-    measured = loop_time(trace_dir)
     if ranks // hosts > profile.gpus:
         raise ValueError(f"{trace_dir}: {ranks // hosts} ranks per host, the profile models at most {profile.gpus}")
+    measured = loop_time(trace_dir)
     sync = loss_sync_latency(ranks // hosts, hosts, profile)
     loss = profile.loss_seconds(tokens)
     loop = max(0.0, measured - loss - sync)
