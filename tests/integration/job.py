@@ -211,7 +211,7 @@ def fit(cfg: dict) -> int:
         callbacks.append(SaveAt(cfg["save_at"], path, cfg.get("kill_in_save")))
     trainer = L.Trainer(
         callbacks=callbacks,
-        strategy=strategy, accelerator="cpu", devices=cfg["devices"], precision=precision, plugins=plugins,
+        strategy=strategy, accelerator=cfg.get("accelerator", "cpu"), devices=cfg["devices"], precision=precision, plugins=plugins,
         num_nodes=cfg.get("num_nodes", 1),
         max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=cfg["out"],
@@ -221,7 +221,7 @@ def fit(cfg: dict) -> int:
     )  # fmt: skip
     trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
     if trainer.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()},
+        torch.save({k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
                    os.path.join(cfg["out"], "final_state.pt"))  # fmt: skip
     return trainer.global_rank
 

@@ -1,0 +1,76 @@
+"""The invariant on a CUDA device: one rank of SlideDP (streams, pinned ledger, device timing events, CPU update
+lane) equals single-device Lightning + torch.optim.AdamW in FP32, for every route, chunk size, window and
+activation policy; bf16-mixed tracks that reference. Skipped without a GPU (the same knobs run on CPU in
+test_equivalence.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.conftest import shm_files
+from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.integration,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# one process runs every variant in turn (one start-up, one Numba compilation)
+VARIANTS = {
+    "gpu_reduce": {"grad_route": "gpu_reduce"},
+    "host_reduce-window1": {"grad_route": "host_reduce", "window": 1},
+    "chunk4KiB-window3": {"chunk_bytes": 4096, "window": 3},
+    "full-offload0.5": {"activations": "full@0.5"},
+    "selective-host_reduce": {"activations": "selective@0", "grad_route": "host_reduce"},
+    "auto": {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto", "activations": "auto"},
+}
+COMMON = dict(accelerator="cuda", devices=1, tied=True, steps=STEPS, batch=BATCH, distributed_sampler=False)
+
+
+class _View:
+    """One variant's outputs inside the variants job, read like a job result."""
+
+    def __init__(self, job, name: str) -> None:
+        self.returncode, self.output, self.out = job.returncode, job.output, job.out / name
+
+    def losses(self, rank: int) -> list[float]:
+        import json
+
+        return json.loads((self.out / f"losses_rank{rank}.json").read_text())
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / "final_state.pt")
+
+
+@pytest.fixture(scope="module")
+def cuda_jobs(job_runner, tmp_path_factory):
+    variants = {**VARIANTS, "traced": {"trace_dir": str(tmp_path_factory.mktemp("cuda_trace"))}}
+    ref = job_runner("cuda_ref_single_fp32", strategy="single", **COMMON)
+    got = job_runner("cuda_slidedp_variants", strategy="slidedp", variants=variants, timeout=600, **COMMON)
+    return ref, got
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["traced"])
+def test_one_cuda_rank_equals_single_device_adamw(cuda_jobs, variant: str) -> None:
+    ref, got = cuda_jobs
+    _assert_ok(ref)
+    _assert_ok(got)
+    _compare(ref, _View(got, variant), ranks=1)
+    assert not shm_files(), "a shared-memory ledger file was left behind"
+
+
+def test_cuda_bf16_mixed_tracks_the_fp32_reference(job_runner) -> None:
+    steps = 50
+    common = {**COMMON, "steps": steps}
+    ref = job_runner("cuda_ref_single_fp32_50", strategy="single", **common)
+    got = job_runner("cuda_slidedp_bf16_50", strategy="slidedp", precision="bf16-mixed", **common)
+    _assert_ok(ref)
+    _assert_ok(got)
+    a, b = ref.losses(0), got.losses(0)
+    assert len(a) == len(b) == steps
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    assert worst <= 2e-2, f"bf16 loss differs from FP32 by {worst:.4f}"
+    first, last = sum(b[:5]) / 5, sum(b[-5:]) / 5
+    assert last < 0.8 * first, f"loss did not fall ({first:.3f} -> {last:.3f})"
