@@ -445,8 +445,10 @@ class ActivationManager:
 
 
 class _RetainingStore(defaultdict):
-    """The cache of selective checkpointing ({op key: {call index: entry}}) with every saved operator output
-    passed through ``retain`` when stored and brought back when read in backward."""
+    """The cache of selective checkpointing with every saved operator output passed through ``retain`` when
+    stored and brought back when read in backward. Each op's entries are kept in either of torch's forms:
+    ``{call index: entry}`` (torch >= 2.13: ``store[key][i] = entry``, ``store[key].get(i)``) or a list in call
+    order (earlier releases: ``store[op].append(entry)``, ``store[op].pop(0)``)."""
 
     def __init__(self, manager: ActivationManager) -> None:
         super().__init__(partial(_RetainingEntries, manager))
@@ -456,10 +458,21 @@ class _RetainingEntries(dict):
     def __init__(self, manager: ActivationManager) -> None:
         super().__init__()
         self.manager = manager
+        self._appended = 0
 
     def __setitem__(self, index, entry) -> None:
         # an entry is a pytree of version-checked wrappers of the op's outputs (or a marker object)
         super().__setitem__(index, tree_map(self._retain, entry))
+
+    def append(self, entry) -> None:
+        self[self._appended] = entry
+        self._appended += 1
+
+    def pop(self, index: int = 0):
+        """The list form's ``pop(0)``: the oldest entry not yet read, brought back."""
+        if index != 0:
+            raise IndexError("selective checkpointing reads its saved outputs in call order")
+        return tree_map(self._restore, super().pop(min(self)))
 
     def _retain(self, w):
         if isinstance(getattr(w, "val", None), torch.Tensor) and self.manager._unit is not None:

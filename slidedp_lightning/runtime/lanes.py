@@ -112,19 +112,21 @@ class CudaLanes(Lanes):
 
     def __init__(self, device: torch.device, tracer: Tracer | None = None) -> None:
         super().__init__(device, tracer)
+        # the compute lane is the stream current when the engine is made (the device's default stream under
+        # Lightning and plain loops; autograd runs backward on the forward's stream). Held here, not looked up:
+        # inside ``on(lane)`` the current stream is that lane's, and "after compute" must still mean compute.
+        self.compute = torch.cuda.current_stream(device)
         self.streams = {lane: torch.cuda.Stream(device) for lane in STREAM_LANES}
         if self.tracer.enabled:
             # one timing event taken while the device is idle ties device timestamps to the host clock
             torch.cuda.synchronize(device)
             ref = torch.cuda.Event(enable_timing=True)
-            ref.record(torch.cuda.current_stream(device))
+            ref.record(self.compute)
             ref.synchronize()
             self.tracer.set_device_clock(ref, time.perf_counter())
 
     def _stream(self, lane: str) -> torch.cuda.Stream:
-        if lane == "compute":
-            return torch.cuda.current_stream(self.device)
-        return self.streams[lane]
+        return self.compute if lane == "compute" else self.streams[lane]
 
     def on(self, lane: str) -> AbstractContextManager:
         return torch.cuda.stream(self._stream(lane))

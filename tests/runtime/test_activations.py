@@ -126,3 +126,42 @@ def test_long_sequence_accounting_grows_linearly_with_chunked_loss_and_offload()
             engine.close()
     assert retained[16] == tuple(2 * b for b in retained[8]) and retained[32] == tuple(4 * b for b in retained[8])
     assert retained[8][0] == retained[8][1] > 0
+
+
+@pytest.mark.parametrize("form", ["indexed", "list"])
+def test_selective_store_keeps_torch_entries_in_either_form(form):
+    """Selective checkpointing's cache in both of torch's access forms (``store[op][i] = e`` / ``.get(i)``, and
+    the list form of releases before 2.13: ``.append(e)`` / ``.pop(0)``): saved outputs are retained (half of
+    each offloaded here) and come back equal, in call order."""
+    from torch import nn
+    from torch.utils.checkpoint import _VersionWrapper
+
+    from slidedp_lightning.runtime.activations import ActivationManager, _Retained, _RetainingStore
+    from slidedp_lightning.runtime.lanes import make_lanes
+
+    lanes = make_lanes(torch.device("cpu"))
+    manager = ActivationManager({0: nn.Identity()}, ["layers.0"], ActivationPolicy(UnitPolicy.parse("selective@0.5")),
+                                lanes, param_storages=lambda: [])  # fmt: skip
+    outputs = [torch.randn(4, 8) for _ in range(3)]
+    store = _RetainingStore(manager)
+    op = torch.ops.aten.mm.default
+    try:
+        manager._unit = 0
+        for i, t in enumerate(outputs):
+            entry = (_VersionWrapper(t.clone()),)
+            if form == "list":
+                store[op].append(entry)
+            else:
+                store[op][i] = entry
+        manager._unit = None
+        assert all(isinstance(e[0].val, _Retained) for e in store[op].values()), "stored outputs are retained"
+        assert sum(manager.offloaded_bytes.values()) == sum(t.numel() * t.element_size() for t in outputs) // 2
+        if form == "list":
+            back = [store[op].pop(0) for _ in outputs]
+            assert len(store[op]) == 0
+        else:
+            back = [store[op].get(i) for i in range(len(outputs))]
+        for (w,), t in zip(back, outputs):
+            assert torch.equal(w.get_val(False), t)
+    finally:
+        lanes.close()

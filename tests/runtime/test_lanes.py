@@ -125,3 +125,32 @@ def test_cuda_backend_orders_copies_and_collective_results_through_events():
         assert torch.equal(host, src * 2)
     finally:
         lanes.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_copies_issued_on_another_lane_wait_for_the_compute_stream():
+    """A gradient's return without a collective (one rank) and an activation offload are issued inside another
+    lane's stream context while the compute stream may still be writing their source: "after compute" must mean
+    the compute stream, not the stream current at that moment."""
+    device = torch.device("cuda", 0)
+    lanes = make_lanes(device)
+    try:
+        x = torch.randn(1 << 22, device=device)
+        expected = (x * 2).cpu()
+        for route in ("to_host", "offload"):
+            torch.cuda.synchronize(device)
+            torch.cuda._sleep(100_000_000)  # the compute stream is busy for tens of milliseconds
+            y = x * 2  # queued behind the sleep
+            if route == "to_host":
+                host, marker, _ = lanes.to_host(y, None)
+            else:  # runtime.activations' offload: ordered after compute, from inside the offload lane
+                host = lanes.pinned(y.numel(), y.dtype)
+                with lanes.on("offload"):
+                    lanes.wait("offload", lanes.mark("compute"))
+                    host.copy_(y, non_blocking=True)
+                    marker = lanes.mark("offload")
+            lanes.host_wait(marker)
+            assert torch.equal(host, expected), f"{route}: the copy ran before the compute stream wrote its source"
+    finally:
+        lanes.close()
