@@ -200,6 +200,7 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
         raise KeyError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected "
                        f"{unexpected[:5]}")  # fmt: skip
     engine.synchronize()
+    engine.drop_resident()
     dcp.load(_state(engine), checkpoint_id=path, process_group=_job_group(engine))
     engine.restored(info["step"], info["buffers"])
     log.info("SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks", path, info["step"],

@@ -44,6 +44,21 @@ log = logging.getLogger(__name__)
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
+def process_group_backend_for(device: torch.device, requested: Optional[str] = None) -> str:
+    """The process group backend: on CUDA, NCCL for device tensors and gloo for the host tensors that the runtime
+    also reduces (replicated route, deferred-update norms and flags, route and AutoPolicy probes, multi-host);
+    on CPU, gloo. A requested backend without a CPU mapping gets gloo added for host tensors."""
+    backend = requested or _get_default_process_group_backend_for_device(device)
+    if device.type != "cuda" or "cpu:" in backend or backend == "gloo":
+        return backend
+    device_backend = backend.split(":")[-1]
+    combined = f"cpu:gloo,cuda:{device_backend}"
+    if requested:
+        log.info("SlideDP: process group backend %r has no CPU mapping; using %r (the runtime also reduces host "
+                 "tensors)", requested, combined)  # fmt: skip
+    return combined
+
+
 class SlideDPStrategy(ParallelStrategy):
     """Full-parameter training of models larger than device memory on the R devices of one host.
 
@@ -276,7 +291,7 @@ class SlideDPStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = process_group_backend_for(self.root_device, self._process_group_backend)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)

@@ -111,6 +111,18 @@ def test_trainer_builds_with_registered_names() -> None:
     assert isinstance(t.strategy, SlideDPStrategy) and t.strategy._start_method == "spawn"
 
 
+@pytest.mark.parametrize(
+    "device, requested, expected",
+    [("cpu", None, "gloo"), ("cuda", None, "cpu:gloo,cuda:nccl"), ("cuda", "nccl", "cpu:gloo,cuda:nccl"),
+     ("cuda", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"), ("cuda", "gloo", "gloo"), ("cpu", "gloo", "gloo")],
+)  # fmt: skip
+def test_process_group_backend_reduces_host_tensors_on_cuda(device: str, requested, expected: str) -> None:
+    """The runtime reduces host tensors as well as device tensors: on CUDA the group needs gloo beside NCCL."""
+    from slidedp_lightning.strategy import process_group_backend_for
+
+    assert process_group_backend_for(torch.device(device), requested) == expected
+
+
 def test_trainer_bf16_mixed() -> None:
     t = L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
     assert isinstance(t.strategy.precision_plugin, SlideDPPrecision)

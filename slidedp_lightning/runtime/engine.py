@@ -726,6 +726,12 @@ class SlideDPEngine:
         return {n: t.detach().clone() for n, t in self.root.state_dict(keep_vars=True).items()
                 if id(t) not in self._slot_of}  # fmt: skip
 
+    def drop_resident(self) -> None:
+        """Before the ledger's weights are rewritten: no fill may still read them, and no unit may stay resident
+        with the old ones."""
+        self.residency.evict_all()
+        self.lanes.drain()
+
     def restored(self, step: int, buffers: dict[str, torch.Tensor]) -> None:
         """After every rank wrote its part of a checkpoint into the ledger: BF16 copy, step count, stamps."""
         own = self.root.state_dict(keep_vars=True)
@@ -776,6 +782,7 @@ class SlideDPEngine:
         self._refuse_host_sharded("load_state_dict")
         """Write weights (keyed as ``root.state_dict()``) into the FP32 master and its BF16 copy."""
         self.synchronize()
+        self.drop_resident()
         own = self.root.state_dict(keep_vars=True)
         if strict:
             missing = sorted(set(own) - set(state_dict))
@@ -864,5 +871,7 @@ class SlideDPEngine:
                 self.residency.unbind(restore)
             if hasattr(self, "lanes"):
                 self.lanes.close(wait=not self._aborted)
+                if not self._aborted:
+                    self.lanes.drain()  # no copy may still read the ledger when it is unpinned and unmapped
             if self.ledger is not None:
                 self.ledger.close()

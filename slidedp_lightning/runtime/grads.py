@@ -80,6 +80,7 @@ class ReducedShard:
     unit: int = -1
     chunk: int = -1
     copy_out: bool = False
+    liveness: Liveness | None = None  # device streams: the D2H event is polled, so a dead peer cannot hang get()
     issued: float = field(default_factory=time.perf_counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -95,6 +96,8 @@ class ReducedShard:
 
     def get(self) -> np.ndarray:
         lane_delay()
+        if self.liveness is not None and not self.lanes.done(self.marker):
+            wait_until(lambda: self.lanes.done(self.marker), self.liveness, "a gradient's reduction and return")
         self.lanes.host_wait(self.marker)
         with self._lock:
             self._land()
@@ -249,7 +252,7 @@ class GradRoute:
         streams = self.lanes.is_stream("compute")
         out = []
         for k, (a, b) in enumerate(self._chunks(n)):
-            work, copy_out = None, False
+            work, copy_out, inp = None, False, None
             if whole:
                 piece = flat[a:b]
                 if r > 1:
@@ -264,15 +267,24 @@ class GradRoute:
                     piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
                     work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
             if self.cross_group is not None:  # then across hosts, once the host's reduction is done
-                if streams or work is None:  # device streams: waiting orders the streams, the thread goes on
-                    if work is not None:
-                        work.wait()
+                if streams:  # waiting orders the D2H stream (not compute) after the host's reduction; the
+                    with self.lanes.on("d2h"):  # collective between hosts is issued behind it
+                        if work is not None:
+                            work.wait()
+                        else:  # one rank per host: the piece is the compute stream's flat gradient
+                            self.lanes.wait("d2h", self.lanes.mark("compute"))
+                        work = dist.all_reduce(piece, group=self.cross_group, async_op=True)
+                elif work is None:
                     work = dist.all_reduce(piece, group=self.cross_group, async_op=True)
                 else:  # host collectives: the D2H lane waits and issues it (in unit order on every rank)
                     work = _Chained(self.lanes.submit("d2h", self._across, work, piece))
             host, marker, work = self.lanes.to_host(piece, work)
-            shard = ReducedShard(self.lanes, host, marker, work, (flat, piece) if streams else (), step, u, k,
-                                 copy_out=copy_out)  # fmt: skip
+            # ``inp`` too: NCCL (torch >= 2.8) lets go of a collective's tensors in ``work.wait()``, which only
+            # orders the D2H stream; the allocator must not hand a chunk's input to the compute stream again
+            # before the collective has read it
+            keep = (flat, piece, inp) if streams else ()
+            shard = ReducedShard(self.lanes, host, marker, work, keep, step, u, k, copy_out=copy_out,
+                                 liveness=self.liveness)  # fmt: skip
             self._reducing.append(shard)
             if work is not None:  # a host-side collective: land the shard the moment it completes
                 self.lanes.submit("d2h", self._settle, shard)

@@ -69,6 +69,10 @@ class Lanes:
     def hand_over(self, tensor: torch.Tensor, lane: str) -> None:
         pass
 
+    def drain(self) -> None:
+        """Block until every device operation issued so far on any lane has completed (before host memory that
+        copies read or write is rewritten, unpinned or unmapped)."""
+
     def to_host(self, piece: torch.Tensor, work) -> tuple[torch.Tensor, object, object]:
         """``(host tensor, marker, work)``: the host copy of ``piece`` once ``marker`` and then ``work``
         (a pending collective handle, or None) are waited for."""
@@ -149,6 +153,9 @@ class CudaLanes(Lanes):
 
     def hand_over(self, tensor: torch.Tensor, lane: str) -> None:
         tensor.record_stream(self._stream(lane))
+
+    def drain(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def to_host(self, piece: torch.Tensor, work) -> tuple[torch.Tensor, object, object]:
         host = self.pinned(piece.numel(), piece.dtype)

@@ -221,7 +221,7 @@ def fit(cfg: dict) -> int:
     )  # fmt: skip
     trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
     if trainer.global_rank == 0:
-        torch.save({k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+        torch.save({k: (v.cpu() if v.is_cuda else v).detach().clone() for k, v in module.state_dict().items()},
                    os.path.join(cfg["out"], "final_state.pt"))  # fmt: skip
     return trainer.global_rank
 

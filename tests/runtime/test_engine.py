@@ -752,3 +752,27 @@ def test_backward_waits_for_the_update_lane_beyond_max_units_in_flight(engines, 
     losses, ref_losses = train_pair(model, engine, ref, opt, ref_opt, steps=3)
     assert seen and max(seen) <= 1
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses))
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_load_state_dict_between_steps_is_what_the_next_forward_sees(window: int) -> None:
+    """Weights loaded after a forward (units resident as BF16 copies, the last one parked) are the ones the next
+    forward computes with: nothing filled before the load survives it."""
+    model = tiny_model(tied=False)
+    engine = SlideDPEngine(model, EngineConfig(prefetch_window=window), device=CPU, compute_dtype=torch.bfloat16)
+    try:
+        engine.attach_optimizer(adamw_groups(model))
+        for x in batches(3):
+            loss_of(model, x).backward()
+            assert engine.end_step()
+        other = tiny_model(tied=False, seed=5)
+        x = batches(1, seed=9)[0]
+        with torch.no_grad():
+            loss_of(model, x)  # units filled with the trained weights; the last one stays parked
+        engine.load_state_dict(other.state_dict())
+        for p in other.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        with torch.no_grad():
+            assert loss_of(model, x).item() == loss_of(other, x).item()
+    finally:
+        engine.close()
