@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (about 7 minutes on one H200): the CUDA tests, then bench/gpu_check.py.
+# Every GPU check in one run (about 7 minutes on one H200): the CUDA tests (the two-GPU ones need two GPUs), then
+# bench/gpu_check.py.
 #
 #   OUT=results/gpu_session bash bench/gpu_session.sh
 #

@@ -74,3 +74,34 @@ def test_cuda_bf16_mixed_tracks_the_fp32_reference(job_runner) -> None:
     assert worst <= 2e-2, f"bf16 loss differs from FP32 by {worst:.4f}"
     first, last = sum(b[:5]) / 5, sum(b[-5:]) / 5
     assert last < 0.8 * first, f"loss did not fall ({first:.3f} -> {last:.3f})"
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+VARIANTS_2 = {
+    "gpu_reduce-chunk4KiB": {"chunk_bytes": 4096},  # a chunk's collective input is a temporary
+    "sharded-chunk4KiB": {"param_route": "sharded", "chunk_bytes": 4096},
+    "replicated": {"param_route": "replicated"},  # host-tensor collectives beside NCCL
+    "host_reduce": {"grad_route": "host_reduce"},
+}
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("variant", sorted(VARIANTS_2))
+def test_two_cuda_ranks_equal_ddp_adamw(job_runner, variant: str) -> None:
+    common = {**COMMON, "devices": 2, "distributed_sampler": True}
+    ref = job_runner("cuda_ref_ddp2_fp32", strategy="ddp", **common)
+    got = job_runner("cuda_slidedp2_variants", strategy="slidedp", variants=VARIANTS_2, timeout=600, **common)
+    _assert_ok(ref)
+    _assert_ok(got)
+    _compare(ref, _View(got, variant), ranks=2)
+
+
+@TWO_GPUS
+def test_two_cuda_ranks_with_clipping_equal_ddp_adamw(job_runner) -> None:
+    """Clipping needs the global norm before any update (deferred updates: a host-tensor all-reduce)."""
+    common = {**COMMON, "devices": 2, "distributed_sampler": True, "clip": 0.05}
+    ref = job_runner("cuda_ref_ddp2_clip", strategy="ddp", **common)
+    got = job_runner("cuda_slidedp2_clip", strategy="slidedp", **common)
+    _assert_ok(ref)
+    _assert_ok(got)
+    _compare(ref, got, ranks=2)
