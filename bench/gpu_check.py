@@ -6,7 +6,10 @@
 Plain PyTorch: the whole model on the device, FP32 weights, BF16 autocast, ``torch.optim.AdamW(fused=True)``.
 SlideDP: the engine on one device, model built on the meta device and initialized unit by unit into the host
 ledger, BF16 units streamed, CPU AdamW. Both run the same random batches; warm-up steps are excluded.
-Writes ``gpu_check.json`` and the SlideDP lane trace under ``--out`` and prints a table last.
+Two cases: ``--batch`` without activation checkpointing, then ``--large-batch`` with every decoder block
+checkpointed in both systems (HF gradient checkpointing / ``activation_policy="full"``), where the GPU's share
+of a step grows and SlideDP's host work can hide behind it.
+Writes ``gpu_check.json`` and the SlideDP lane trace of the first case under ``--out`` and prints a table last.
 No installs: the repository and its dependencies only.
 """
 
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +27,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.activations import ActivationPolicy
 
 
 def qwen3_config(tiny: bool) -> Qwen3Config:
@@ -96,12 +101,15 @@ def train(model, data: list[torch.Tensor], warmup: int, device: torch.device, fi
     return times, losses
 
 
-def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device) -> dict:
+def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device,
+              checkpointing: bool) -> dict:  # fmt: skip
     torch.manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with torch.device(device):
         model = Qwen3ForCausalLM(cfg)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
     def finish() -> None:
@@ -117,14 +125,16 @@ def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: t
     return result
 
 
-def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device, out: Path) -> dict:
+def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device,
+                trace_dir: Path | None, checkpointing: bool) -> dict:  # fmt: skip
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
     t0 = time.perf_counter()
-    engine = SlideDPEngine(model, EngineConfig(trace_dir=str(out / "slidedp_trace")), device=device,
-                           compute_dtype=torch.bfloat16)  # fmt: skip
+    config = EngineConfig(trace_dir=str(trace_dir) if trace_dir else None,
+                          activation_policy=ActivationPolicy.coerce("full" if checkpointing else None))  # fmt: skip
+    engine = SlideDPEngine(model, config, device=device, compute_dtype=torch.bfloat16)
     setup_s = time.perf_counter() - t0
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
     try:
@@ -147,11 +157,43 @@ def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device:
     return result
 
 
+def compare(cfg: Qwen3Config, batch: int, checkpointing: bool, args, device: torch.device,
+            trace_dir: Path | None, save) -> dict:  # fmt: skip
+    """Plain PyTorch, then SlideDP, on the same batches; a failure (OOM, host-memory refusal) is a result too."""
+    data = batches(cfg.vocab_size, batch, args.seq, args.steps, device)
+    case = {"batch": batch, "checkpointing": checkpointing}
+    for name, fn in (("plain", lambda: run_plain(cfg, data, args.warmup, device, checkpointing)),
+                     ("slidedp", lambda: run_slidedp(cfg, data, args.warmup, device, trace_dir, checkpointing))):  # fmt: skip
+        try:
+            case[name] = fn()
+            case[name]["tokens_per_s"] = batch * args.seq / case[name]["step_s"]
+        except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+            case[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        save(case)
+    return case
+
+
+def table_row(name: str, batch: int, checkpointing: bool, r: dict) -> str:
+    gib = 1 << 30
+    head = f"| {name} | {batch} | {'yes' if checkpointing else 'no'} "
+    if "error" in r:
+        return head + f"| - | - | - | - | - | - | - | {r['error'][:80]} |"
+    dev = f"{r['peak_device_bytes'] / gib:.2f}" if r["peak_device_bytes"] is not None else "n/a (cpu)"
+    ledger = f"{r['ledger_bytes'] / gib:.2f}" if "ledger_bytes" in r else "-"
+    exposed = f"{r['exposed_host']:.3f}" if r.get("exposed_host") is not None else "-"
+    overlap = f"{r['overlap_fraction']:.2f}" if r.get("overlap_fraction") is not None else "-"
+    return head + (f"| {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {dev} | {r['host_rss_bytes'] / gib:.2f} "
+                   f"| {ledger} | {exposed} | {overlap} | |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (dry run of the code path)")
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--large-batch", type=int, default=32, help="second case, with activation checkpointing (0: off)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
@@ -164,38 +206,36 @@ def main() -> None:
     cfg = qwen3_config(args.tiny)
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Qwen3ForCausalLM(cfg).parameters())
-    data = batches(cfg.vocab_size, args.batch, args.seq, args.steps, device)
-    tokens = args.batch * args.seq
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "params": n_params, "batch": args.batch, "seq": args.seq,
         "copies": copy_bandwidth(device, args.copy_mib << 20),
     }  # fmt: skip
-    for name, fn in (("plain", lambda: run_plain(cfg, data, args.warmup, device)),
-                     ("slidedp", lambda: run_slidedp(cfg, data, args.warmup, device, out))):  # fmt: skip
-        try:
-            report[name] = fn()
-            report[name]["tokens_per_s"] = tokens / report[name]["step_s"]
-        except Exception as exc:  # OOM or a host-memory refusal is a result too
-            report[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-        (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    gib = 1 << 30
-    print(f"\n{report['device']}, torch {report['torch']}, {n_params / 1e9:.2f} B params, batch {args.batch} x seq {args.seq}")
+
+    def save(key: str):
+        def write(case: dict) -> None:
+            if key == "first":
+                report.update({k: v for k, v in case.items() if k in ("plain", "slidedp")})
+            else:
+                report[key] = case
+            (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+
+        return write
+
+    cases = [compare(cfg, args.batch, False, args, device, out / "slidedp_trace", save("first"))]
+    if args.large_batch:
+        # traced too (the lane metrics), into a scratch folder: only the first case's trace is kept under --out
+        scratch = Path(tempfile.mkdtemp(prefix="gpu_check_trace_"))
+        cases.append(compare(cfg, args.large_batch, True, args, device, scratch, save("large")))
+    print(f"\n{report['device']}, torch {report['torch']}, {n_params / 1e9:.2f} B params, seq {args.seq}")
     for k, v in report["copies"].items():
         print(f"  {k}: {v:.1f}")
-    print("| system | tokens/s | step s | peak device GiB | host RSS GiB | ledger GiB | exposed host s | overlap | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name in ("plain", "slidedp"):
-        r = report[name]
-        if "error" in r:
-            print(f"| {name} | - | - | - | - | - | - | - | {r['error'][:80]} |")
-            continue
-        dev = f"{r['peak_device_bytes'] / gib:.2f}" if r["peak_device_bytes"] is not None else "n/a (cpu)"
-        ledger = f"{r['ledger_bytes'] / gib:.2f}" if "ledger_bytes" in r else "-"
-        exposed = f"{r['exposed_host']:.3f}" if r.get("exposed_host") is not None else "-"
-        overlap = f"{r['overlap_fraction']:.2f}" if r.get("overlap_fraction") is not None else "-"
-        print(f"| {name} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {dev} | {r['host_rss_bytes'] / gib:.2f} "
-              f"| {ledger} | {exposed} | {overlap} | |")  # fmt: skip
+    print("| system | batch | checkpointing | tokens/s | step s | peak device GiB | host RSS GiB | ledger GiB "
+          "| exposed host s | overlap | error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for case in cases:
+        for name in ("plain", "slidedp"):
+            print(table_row(name, case["batch"], case["checkpointing"], case[name]))
     print(f"json: {out / 'gpu_check.json'}; SlideDP lanes: tensorboard --logdir {out / 'slidedp_trace'}")
 
 

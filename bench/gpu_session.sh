@@ -21,7 +21,7 @@ pulp.__version__, '|', torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT/machi
 timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu -rfE \
   tests/runtime/test_lanes.py tests/integration/test_cuda.py >"$OUT/pytest_gpu.log" 2>&1
 tests_rc=$?
-timeout "${CHECK_TIMEOUT:-240}" $PY bench/gpu_check.py --out "$OUT" ${CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
+timeout "${CHECK_TIMEOUT:-300}" $PY bench/gpu_check.py --out "$OUT" ${CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
 check_rc=$?
 
 echo "== CUDA tests (exit $tests_rc; full log $OUT/pytest_gpu.log)"

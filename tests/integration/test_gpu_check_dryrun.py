@@ -18,7 +18,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny", "--batch", "2",
-         "--seq", "32", "--steps", "3", "--warmup", "1", "--out", str(tmp_path)],
+         "--seq", "32", "--steps", "3", "--warmup", "1", "--large-batch", "4", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -29,5 +29,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     # same batches, same init seed semantics differ (meta init vs CPU init), so only sanity: finite losses
     assert all(l == l for l in report["slidedp"]["losses"])
     assert report["slidedp"]["ledger_bytes"] >= 14 * report["params"]
+    large = report["large"]  # the second case: a larger batch, every block checkpointed in both systems
+    assert large["batch"] == 4 and large["checkpointing"]
+    for system in ("plain", "slidedp"):
+        assert "error" not in large[system], large[system]
+        assert large[system]["tokens_per_s"] > 0
+    assert large["slidedp"]["exposed_host"] is not None
     assert (tmp_path / "slidedp_trace" / "trace_rank0.json").exists()
     assert proc.stdout.strip().splitlines()[-1].startswith("json:")
