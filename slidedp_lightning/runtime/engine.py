@@ -674,8 +674,8 @@ class SlideDPEngine:
         return self.ledger.master[start : start + slot.numel].view(slot.shape)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        self._refuse_host_sharded("state_dict")
         """The root module's state dict with FP32 master weights (copies), keyed as ``root.state_dict()``."""
+        self._refuse_host_sharded("state_dict")
         self.synchronize()
         out = {}
         for name, t in self.root.state_dict(keep_vars=True).items():
@@ -753,8 +753,8 @@ class SlideDPEngine:
         return self.ledger.exp_avg[sl].view(slot.shape), self.ledger.exp_avg_sq[sl].view(slot.shape)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        self._refuse_host_sharded("optimizer_state_dict")
         """``optimizer.state_dict()`` as torch's Adam/AdamW would return it, with the moments from the ledger."""
+        self._refuse_host_sharded("optimizer_state_dict")
         self.synchronize()
         groups = optimizer.state_dict()["param_groups"]
         state, index = {}, 0
@@ -779,8 +779,8 @@ class SlideDPEngine:
         getattr(self.ledger, target)[start : start + slot.numel].copy_(value.reshape(-1))
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        self._refuse_host_sharded("load_state_dict")
         """Write weights (keyed as ``root.state_dict()``) into the FP32 master and its BF16 copy."""
+        self._refuse_host_sharded("load_state_dict")
         self.synchronize()
         self.drop_resident()
         own = self.root.state_dict(keep_vars=True)
@@ -800,8 +800,8 @@ class SlideDPEngine:
         self._barrier()
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        self._refuse_host_sharded("load_optimizer_state_dict")
         """Restore moments, step count and group hyper-parameters saved by :meth:`optimizer_state_dict`."""
+        self._refuse_host_sharded("load_optimizer_state_dict")
         self.synchronize()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         saved = state.get("state", {})
