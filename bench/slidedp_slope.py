@@ -1,10 +1,12 @@
 """SlideDP's host-memory slope alone: the SlideDP runs of the "systems" plan, one job per model size.
 
-Usage: ``python -m bench.slidedp_slope OUT [--scale cpu] [--ranks 2] [--knob name=json ...]``
+Usage: ``python -m bench.slidedp_slope OUT [--scale cpu] [--ranks 2] [--depths 3,4,6] [--knob name=json ...]``
 
-Prints, per size, the training-step host peak (PSS sum over the job's processes), its shared-memory part and
-the median step, then the least-squares slope in GB per billion parameters (the systems table's SlideDP row,
-without running the other systems). ``--knob`` sets a ``SlideDPStrategy`` argument for every run.
+Prints, per size, the training-step host peak (PSS sum over the job's processes), its shared-memory part, the
+ranks' exact private peak (kernel high-water mark, see ``bench.baselines.record``) and the median step, then the
+least-squares slopes in GB per billion parameters (the systems table's SlideDP row, without running the other
+systems). ``--knob`` sets a ``SlideDPStrategy`` argument for every run; ``--depths`` replaces the sizes by the
+first size's shape at these block counts.
 """
 
 from __future__ import annotations
@@ -26,10 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", choices=configs.SCALES, default="cpu")
     p.add_argument("--ranks", type=int, default=None)
     p.add_argument("--knob", action="append", default=[], help="name=value (value as JSON), e.g. chunk_bytes=1048576")
+    p.add_argument("--depths", default=None, help="comma-separated block counts of the first size's shape")
     args = p.parse_args(argv)
     knobs = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.knob)}
     sc = configs.scale(args.scale, args.ranks)
-    xs, ys = [], []
+    if args.depths:
+        base = sc.slope_shapes[0]
+        stem = base.name.rsplit("-L", 1)[0]
+        shapes = tuple(dataclasses.replace(base, name=f"{stem}-L{n}", layers=int(n)) for n in args.depths.split(","))
+        sc = dataclasses.replace(sc, slope_shapes=shapes)
+    xs, ys, private = [], [], []
     for job in configs.plan(sc, args.out / "init"):
         if not (job.name.startswith("systems/") and job.name.endswith("/slidedp")):
             continue
@@ -38,12 +46,16 @@ def main(argv: list[str] | None = None) -> int:
         if not r.ok:
             print(f"{job.name}: {r.status}: {r.reason}", flush=True)
             return 1
+        exact = r.private_peak / GB if r.private_peak is not None else float("nan")
         print(f"{job.name}: {r.spec.model.num_params / 1e6:.1f} M params, host peak {r.host_peak / GB:.3f} GB "
-              f"(shared {r.host_peak_shmem / GB:.3f}), step {r.step_median * 1e3:.0f} ms", flush=True)  # fmt: skip
+              f"(shared {r.host_peak_shmem / GB:.3f}), ranks' exact private peak {exact:.3f} GB, "
+              f"step {r.step_median * 1e3:.0f} ms", flush=True)  # fmt: skip
         xs.append(r.spec.model.num_params / 1e9)
         ys.append(r.host_peak / GB)
+        private.append(exact)
     b, a = slope(xs, ys)
     print(f"slope {b:.2f} GB per billion parameters, intercept {a:.3f} GB")
+    print(f"slope of the exact private peak alone: {slope(xs, private)[0]:.2f} GB per billion parameters")
     return 0
 
 

@@ -28,8 +28,21 @@ class Recorder:
         """The training steps are over; what follows (the trainer's teardown, writing results) is outside the
         window whose host-memory peak is reported."""
         self.end, self.end_wall = time.perf_counter(), time.time()
+        self._private_peak()
+
+    def _private_peak(self) -> None:
+        """This rank's peak private memory in the training window (once, at its end)."""
+        if self.starts and "private_peak_bytes" not in self.extra:
+            status = _status()
+            self.extra["private_peak_bytes"] = status["VmHWM"] - status["RssFile"] - status["RssShmem"]
 
     def step_start(self) -> None:
+        if not self.starts:  # the training window starts: the kernel's RSS high-water mark restarts from now
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.extra["private_peak_bytes"] = None
         self.starts.append(time.perf_counter())
         self.walls.append(time.time())
 
@@ -40,6 +53,7 @@ class Recorder:
         self.losses.append(float(value))
 
     def write(self, device_memory: dict | None, device_note: str = "") -> None:
+        self._private_peak()  # loops that do not mark the end of their steps: read at the write
         self.out.mkdir(parents=True, exist_ok=True)
         data = {
             "rank": self.rank, "starts": self.starts, "walls": self.walls, "end": self.end or time.perf_counter(),
@@ -47,6 +61,13 @@ class Recorder:
             "device_memory": device_memory, "device_note": device_note, "pid": os.getpid(), **self.extra,
         }  # fmt: skip
         (self.out / f"result_rank{self.rank}.json").write_text(json.dumps(data))
+
+
+def _status() -> dict[str, int]:
+    """Bytes of this process's peak RSS since the last reset (``VmHWM``) and of its file and shared-memory RSS."""
+    with open("/proc/self/status") as f:
+        fields = (line.partition(":") for line in f)
+        return {k: int(v.split()[0]) * 1024 for k, _, v in fields if k in ("VmHWM", "RssFile", "RssShmem")}
 
 
 def cuda_peak() -> dict | None:

@@ -46,6 +46,9 @@ class RunResult:
     host_peak_run: int = 0  # the same over the whole job (start-up, model build and load included)
     host_peak_shmem: int = 0  # Pss_Shmem part of the training-step peak sample
     rss_sum_peak: int = 0  # plain RSS sum at the training-step peak sample (shared pages once per process)
+    # sum over ranks of each rank's exact peak of private memory in the training window: the kernel's RSS
+    # high-water mark, reset at the first step, minus file and shared-memory RSS at the end (None: unavailable)
+    private_peak: int | None = None
     device: dict | None = None  # rank 0's device accounting (CUDA allocator, or SlideDP's runtime on CPU)
     device_note: str = ""
     extra: dict = field(default_factory=dict)
@@ -64,7 +67,7 @@ class RunResult:
 
     def summary(self) -> dict:
         d = {k: getattr(self, k) for k in ("name", "status", "reason", "step_s", "losses", "host_peak",
-                                            "host_peak_run", "host_peak_shmem", "rss_sum_peak", "device",
+                                            "host_peak_run", "host_peak_shmem", "rss_sum_peak", "private_peak", "device",
                                             "device_note", "extra")}  # fmt: skip
         d["spec"] = json.loads(self.spec.to_json())
         if self.ok:
@@ -185,6 +188,8 @@ def _collect(res: RunResult, folder: Path, sampler: Sampler) -> None:
     if train is not None:
         res.host_peak, res.host_peak_shmem, res.rss_sum_peak = train.pss, train.pss_shmem, train.rss
     res.host_peak_run = whole.pss if whole is not None else 0
+    peaks = [p.get("private_peak_bytes") for p in per]
+    res.private_peak = sum(peaks) if all(v is not None for v in peaks) else None
     res.device, res.device_note = per[0]["device_memory"], per[0]["device_note"]
     res.extra.update({k: v for k, v in per[0].items() if k in ("adamw", "optimizer", "ledger_bytes")})
     res.extra["train_wall_s"] = end - start
