@@ -236,10 +236,25 @@ def main(path: str) -> None:
     if variants is None:
         rank = fit(cfg)
     else:
+        failed = []
         for name, knobs in variants.items():
             out = os.path.join(cfg["out"], name)
             os.makedirs(out, exist_ok=True)
-            rank = fit({**cfg, **knobs, "out": out})
+            if not cfg.get("keep_going"):
+                rank = fit({**cfg, **knobs, "out": out})
+                continue
+            try:  # one rank only: a failed variant is written down and the next one runs
+                rank = fit({**cfg, **knobs, "out": out})
+            except Exception:  # noqa: BLE001
+                import traceback
+
+                rank = 0
+                failed.append(name)
+                with open(os.path.join(out, "error.txt"), "w") as f:
+                    f.write(traceback.format_exc())
+        if failed:
+            print(f"variants failed: {failed}", file=sys.stderr)
+            sys.exit(1)
     # leave no gloo threads to static destructors at interpreter exit (they can abort the process)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -33,7 +33,10 @@ class _View:
     """One variant's outputs inside the variants job, read like a job result."""
 
     def __init__(self, job, name: str) -> None:
-        self.returncode, self.output, self.out = job.returncode, job.output, job.out / name
+        self.out = job.out / name
+        error = self.out / "error.txt"  # written by a variant that failed (the job runs the others on)
+        self.returncode = 1 if error.exists() or not (self.out / "final_state.pt").exists() else 0
+        self.output = error.read_text() if error.exists() else job.output
 
     def losses(self, rank: int) -> list[float]:
         import json
@@ -48,7 +51,8 @@ class _View:
 def cuda_jobs(job_runner, tmp_path_factory):
     variants = {**VARIANTS, "traced": {"trace_dir": str(tmp_path_factory.mktemp("cuda_trace"))}}
     ref = job_runner("cuda_ref_single_fp32", strategy="single", **COMMON)
-    got = job_runner("cuda_slidedp_variants", strategy="slidedp", variants=variants, timeout=600, **COMMON)
+    got = job_runner("cuda_slidedp_variants", strategy="slidedp", variants=variants, keep_going=True, timeout=600,
+                     **COMMON)  # fmt: skip
     return ref, got
 
 
@@ -56,8 +60,9 @@ def cuda_jobs(job_runner, tmp_path_factory):
 def test_one_cuda_rank_equals_single_device_adamw(cuda_jobs, variant: str) -> None:
     ref, got = cuda_jobs
     _assert_ok(ref)
-    _assert_ok(got)
-    _compare(ref, _View(got, variant), ranks=1)
+    view = _View(got, variant)
+    _assert_ok(view)
+    _compare(ref, view, ranks=1)
     assert not shm_files(), "a shared-memory ledger file was left behind"
 
 
