@@ -2,13 +2,13 @@
 # Every GPU check in one run (about 7 minutes on one H200): the CUDA tests (the two-GPU ones need two GPUs), then
 # bench/gpu_check.py.
 #
-#   OUT=results/gpu_session bash bench/gpu_session.sh
+#   OUT=results/gpu_checks bash bench/gpu_checks.sh
 #
 # CHECK_ARGS adds arguments to gpu_check.py (e.g. "--batch 16"). Installs nothing: the interpreter in PYTHON (default python3) must have torch with CUDA, lightning, transformers,
 # numba and pulp. Logs and results go under $OUT; the pytest summary and gpu_check's table are printed last.
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT=${OUT:-results/gpu_session}
+OUT=${OUT:-results/gpu_checks}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
