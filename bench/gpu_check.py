@@ -4,8 +4,10 @@
     python bench/gpu_check.py --device cpu --tiny          # the same code path on a tiny model, for a dry run
 
 Plain PyTorch: the whole model on the device, FP32 weights, BF16 autocast, ``torch.optim.AdamW(fused=True)``.
-SlideDP: the engine on one device, model built on the meta device and initialized unit by unit into the host
-ledger, BF16 units streamed, CPU AdamW. Both run the same random batches; warm-up steps are excluded.
+SlideDP: the engine on one device, BF16 units streamed from the host ledger, CPU AdamW. Both start from the same
+weights (built on the CPU from one seed; ``--meta-init``: SlideDP initializes on the meta device unit by unit
+instead, as for models that do not fit in host memory twice) and run the same random batches, so their losses
+must agree to BF16 precision; warm-up steps are excluded from the timings.
 Two cases: ``--batch`` without activation checkpointing, then ``--large-batch`` with every decoder block
 checkpointed in both systems (HF gradient checkpointing / ``activation_policy="full"``), where the GPU's share
 of a step grows and SlideDP's host work can hide behind it.
@@ -103,11 +105,9 @@ def train(model, data: list[torch.Tensor], warmup: int, device: torch.device, fi
 
 def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device,
               checkpointing: bool) -> dict:  # fmt: skip
-    torch.manual_seed(0)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg)
+    model = seeded_model(cfg).to(device)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
@@ -125,13 +125,22 @@ def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: t
     return result
 
 
+def seeded_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
+    """The model both systems start from: FP32 on the CPU, initialized from seed 0."""
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(cfg)
+
+
 def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device,
-                trace_dir: Path | None, checkpointing: bool) -> dict:  # fmt: skip
+                trace_dir: Path | None, checkpointing: bool, meta_init: bool) -> dict:  # fmt: skip
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
     t0 = time.perf_counter()
+    if meta_init:
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(cfg)
+    else:
+        model = seeded_model(cfg)
     config = EngineConfig(trace_dir=str(trace_dir) if trace_dir else None,
                           activation_policy=ActivationPolicy.coerce("full" if checkpointing else None))  # fmt: skip
     engine = SlideDPEngine(model, config, device=device, compute_dtype=torch.bfloat16)
@@ -163,7 +172,8 @@ def compare(cfg: Qwen3Config, batch: int, checkpointing: bool, args, device: tor
     data = batches(cfg.vocab_size, batch, args.seq, args.steps, device)
     case = {"batch": batch, "checkpointing": checkpointing}
     for name, fn in (("plain", lambda: run_plain(cfg, data, args.warmup, device, checkpointing)),
-                     ("slidedp", lambda: run_slidedp(cfg, data, args.warmup, device, trace_dir, checkpointing))):  # fmt: skip
+                     ("slidedp", lambda: run_slidedp(cfg, data, args.warmup, device, trace_dir, checkpointing,
+                                                     args.meta_init))):  # fmt: skip
         try:
             case[name] = fn()
             case[name]["tokens_per_s"] = batch * args.seq / case[name]["step_s"]
@@ -171,6 +181,9 @@ def compare(cfg: Qwen3Config, batch: int, checkpointing: bool, args, device: tor
             case[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        save(case)
+    if "losses" in case["plain"] and "losses" in case["slidedp"] and not args.meta_init:
+        case["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(case["plain"]["losses"], case["slidedp"]["losses"]))
         save(case)
     return case
 
@@ -198,6 +211,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size for the copy-bandwidth check")
+    ap.add_argument("--meta-init", action="store_true", help="SlideDP initializes on the meta device (no loss check)")
     ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu_check"))
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -215,7 +229,7 @@ def main() -> None:
     def save(key: str):
         def write(case: dict) -> None:
             if key == "first":
-                report.update({k: v for k, v in case.items() if k in ("plain", "slidedp")})
+                report.update({k: v for k, v in case.items() if k in ("plain", "slidedp", "max_abs_loss_diff")})
             else:
                 report[key] = case
             (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
@@ -236,6 +250,10 @@ def main() -> None:
     for case in cases:
         for name in ("plain", "slidedp"):
             print(table_row(name, case["batch"], case["checkpointing"], case[name]))
+    for case in cases:
+        if "max_abs_loss_diff" in case:
+            print(f"batch {case['batch']}: max |plain - SlideDP| per-step loss {case['max_abs_loss_diff']:.4f} "
+                  f"(same initial weights and batches; BF16 weights vs FP32 weights under BF16 autocast)")
     print(f"json: {out / 'gpu_check.json'}; SlideDP lanes: tensorboard --logdir {out / 'slidedp_trace'}")
 
 
