@@ -240,13 +240,12 @@ def main(path: str) -> None:
         for name, knobs in variants.items():
             out = os.path.join(cfg["out"], name)
             os.makedirs(out, exist_ok=True)
-            if not cfg.get("keep_going"):
+            try:
                 rank = fit({**cfg, **knobs, "out": out})
-                continue
-            try:  # one rank only: a failed variant is written down and the next one runs
-                rank = fit({**cfg, **knobs, "out": out})
-            except Exception:  # noqa: BLE001
-                import traceback
+            except Exception:
+                if not cfg.get("keep_going"):
+                    raise
+                import traceback  # one rank only: a failed variant is written down and the next one runs
 
                 rank = 0
                 failed.append(name)

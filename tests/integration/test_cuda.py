@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.conftest import shm_files
+from tests.integration.conftest import JobResult, shm_files
 from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
 
 pytestmark = [
@@ -29,22 +29,13 @@ VARIANTS = {
 COMMON = dict(accelerator="cuda", devices=1, tied=True, steps=STEPS, batch=BATCH, distributed_sampler=False)
 
 
-class _View:
-    """One variant's outputs inside the variants job, read like a job result."""
-
-    def __init__(self, job, name: str) -> None:
-        self.out = job.out / name
-        error = self.out / "error.txt"  # written by a variant that failed (the job runs the others on)
-        self.returncode = 1 if error.exists() or not (self.out / "final_state.pt").exists() else 0
-        self.output = error.read_text() if error.exists() else job.output
-
-    def losses(self, rank: int) -> list[float]:
-        import json
-
-        return json.loads((self.out / f"losses_rank{rank}.json").read_text())
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return torch.load(self.out / "final_state.pt")
+def variant_result(job: JobResult, name: str) -> JobResult:
+    """One variant's outputs inside a variants job, as a job result of its own (a variant that failed wrote its
+    traceback to ``error.txt`` and the job ran the others on)."""
+    out = job.out / name
+    error = out / "error.txt"
+    ok = not error.exists() and (out / "final_state.pt").exists()
+    return JobResult(0 if ok else 1, error.read_text() if error.exists() else job.output, out, job.ranks)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +51,9 @@ def cuda_jobs(job_runner, tmp_path_factory):
 def test_one_cuda_rank_equals_single_device_adamw(cuda_jobs, variant: str) -> None:
     ref, got = cuda_jobs
     _assert_ok(ref)
-    view = _View(got, variant)
-    _assert_ok(view)
-    _compare(ref, view, ranks=1)
+    result = variant_result(got, variant)
+    _assert_ok(result)
+    _compare(ref, result, ranks=1)
     assert not shm_files(), "a shared-memory ledger file was left behind"
 
 
@@ -98,7 +89,7 @@ def test_two_cuda_ranks_equal_ddp_adamw(job_runner, variant: str) -> None:
     got = job_runner("cuda_slidedp2_variants", strategy="slidedp", variants=VARIANTS_2, timeout=600, **common)
     _assert_ok(ref)
     _assert_ok(got)
-    _compare(ref, _View(got, variant), ranks=2)
+    _compare(ref, variant_result(got, variant), ranks=2)
 
 
 @TWO_GPUS
