@@ -45,7 +45,9 @@ FRESH_ELEMS = 1 << 24  # 64 MiB of FP32: above it
 ROUTE_PASSES = 3  # route probes per size (each the median of its own repeats); their median is kept
 
 
-def _median(fn, group, repeats: int = REPEATS) -> float:
+def _median(fn, group, repeats: int = REPEATS, stat=statistics.median) -> float:
+    """``stat`` (the median unless told) of ``repeats`` timed runs of ``fn`` after one untimed, its largest over the
+    ranks of ``group``."""
     fn()
     times = []
     for _ in range(repeats):
@@ -53,7 +55,7 @@ def _median(fn, group, repeats: int = REPEATS) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    t = torch.tensor([stat(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
@@ -247,6 +249,9 @@ def _network_worker(rank: int, hosts: int, ranks: int, init: str, out_path: str,
                     dist.all_reduce(buf, group=cross[0])
 
             res[f"pair_alone_{n}"] = _median(alone, everyone, repeats)
+            # the fit's input: the fastest run, since the other ranks' scheduling on shared cores only ever adds time
+            # (a median at 16 KB has come out above the one at 4 MB on a loaded 2-core machine)
+            res[f"pair_alone_best_{n}"] = _median(alone, everyone, repeats, stat=min)
             res[f"pairs_all_{n}"] = _median(lambda: dist.all_reduce(buf, group=cross[local]), everyone, repeats)
         for n in sizes[1:4]:  # the whole message over the N R ranks, each rank's piece n / (N R)
             piece, whole = torch.zeros(n // world), torch.zeros(n // world * world)
@@ -279,7 +284,7 @@ def measure_network(hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET
                     repeats: int = NET_REPEATS) -> dict[str, float]:  # fmt: skip
     """Spawn ``hosts`` x ``ranks`` gloo ranks and return the inter-host probe's raw times (seconds) and its fits:
     ``net_lat`` (s per ring step) and ``net_rate`` (bytes/s per rank) of the all-reduce between hosts at ``sizes``
-    (FP32 elements, at least two), and ``colocated_cores``."""
+    (FP32 elements, at least two; fitted to each size's fastest run), and ``colocated_cores``."""
     if hosts < 2:
         raise ValueError(f"the network probe needs hosts >= 2, got {hosts}")
     if len(set(sizes)) < 2 or min(sizes) < hosts * ranks:
@@ -291,7 +296,7 @@ def measure_network(hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET
                            start_method="spawn")  # fmt: skip
         raw = json.loads(Path(out).read_text())
     moved = 2 * (hosts - 1) / hosts * 4  # bytes over the network per rank per element of the message
-    lat, rate = _fit_points([n * moved for n in sizes], [raw[f"pair_alone_{n}"] for n in sizes])
+    lat, rate = _fit_points([n * moved for n in sizes], [raw[f"pair_alone_best_{n}"] for n in sizes])
     raw.update(net_lat=lat / (2 * (hosts - 1)), net_rate=rate, hosts=hosts, ranks=ranks)
     raw["colocated_cores"] = shared_cores(cpu_ops.physical_cores(), hosts, cpu_ops.logical_cpus(),
                                           raw["core_one_host"], raw["core_all_hosts"])  # fmt: skip
@@ -355,8 +360,9 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
         values.update(net_gbps=net["net_rate"] * r / 1e9, net_latency_s=net["net_lat"],
                       colocated_cores=net["colocated_cores"])
         sources.update(
-            net_gbps=f"{where}; 2-rank all-reduce between hosts, one pair at a time, least-squares fit over "
-                     f"{min(NET_SIZES)}..{max(NET_SIZES)} FP32 elements: per-rank rate x {r} ranks per host",
+            net_gbps=f"{where}; 2-rank all-reduce between hosts, one pair at a time, least-squares fit to the "
+                     f"fastest of the repeats over {min(NET_SIZES)}..{max(NET_SIZES)} FP32 elements: per-rank rate x "
+                     f"{r} ranks per host",
             net_latency_s=f"{where}; latency of the same fit per ring step",
             colocated_cores=f"{where}: the hosts are process groups on this one machine; a 1-thread matmul loop on "
                             f"one host's {r} ranks, then on all {n * r}: {cores} cores x {n} x (time on {r}) / (time "
