@@ -78,8 +78,10 @@ def _device(r: RunResult) -> str:
         return f"n/a ({r.device_note})"
     if "max_allocated_bytes" in d:
         return f"{d['max_allocated_bytes'] / GB:.3f} GB allocator peak"
-    return (f"{(d['peak_resident_param_bytes'] + d['retained_activation_bytes']) / 1e6:.1f} MB (params "
-            f"{d['peak_resident_param_bytes'] / 1e6:.1f} + activations {d['retained_activation_bytes'] / 1e6:.1f})")  # fmt: skip
+    params, acts, grads = (d["peak_resident_param_bytes"], d["retained_activation_bytes"],
+                           d.get("grad_buffer_bytes", 0))  # fmt: skip
+    return (f"{(params + acts + grads) / 1e6:.1f} MB (params {params / 1e6:.1f} + activations {acts / 1e6:.1f} + "
+            f"gradient buffers {grads / 1e6:.1f})")
 
 
 def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:

@@ -657,11 +657,14 @@ class SlideDPEngine:
         wait_until(lambda: bool((version >= self.step).all()), self.liveness, "all ranks' updates")
 
     def device_memory(self) -> dict[str, int]:
-        """Device bytes the runtime accounts (on CPU too): resident unit parameters now and at peak, and the
-        activations the decoder blocks retained in the last finished step (on the device / offloaded)."""
+        """Device bytes the runtime accounts (on CPU too): resident unit parameters now and at peak, the
+        activations the decoder blocks retained in the last finished step (on the device / offloaded) and, on a
+        CPU device, the pooled flat gradient buffers."""
+        pool = self.routes.pool
         return {
             "resident_param_bytes": self.residency.resident_bytes,
             "peak_resident_param_bytes": self.residency.peak_resident_bytes,
+            "grad_buffer_bytes": pool.nbytes if pool is not None else 0,
             "retained_activation_bytes": self.activations.last_step.get("retained_bytes", 0),
             "offloaded_activation_bytes": self.activations.last_step.get("offloaded_bytes", 0),
         }
@@ -864,6 +867,8 @@ class SlideDPEngine:
             chunked_loss.uninstall(self.model)
             if self.lane is not None:
                 self.lane.close(wait_s=1.0 if self._aborted else 30.0)
+            if hasattr(self, "routes"):
+                self.routes.close()
             if hasattr(self, "tracer"):
                 self.tracer.close()
             if hasattr(self, "residency"):

@@ -61,6 +61,75 @@ class _Chained:
         self.future.result().wait()
 
 
+class FlatPool:
+    """Reusable FP32 flat gradient buffers of the largest unit, for a device without an allocator of its own.
+
+    On a CPU "device" every unit's flat gradient would otherwise be a fresh allocation, which glibc maps anew
+    (or keeps in its heap, depending on its dynamic threshold), and whose first write faults in every page (about
+    20x the copy itself). The pool hands a buffer to one unit's reduction (:meth:`take`) and gets it back once
+    the last shard reading it has been released; it holds as many buffers as units were ever in flight at once
+    (``max_units_in_flight``). CUDA's caching allocator does this for device buffers, so streams do not use it.
+    """
+
+    def __init__(self, elems: int, device: torch.device) -> None:
+        self.elems = elems
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._lock = threading.Lock()
+
+    @property
+    def buffers(self) -> int:
+        """Buffers allocated so far (in use or free)."""
+        return self._made
+
+    @property
+    def nbytes(self) -> int:
+        return self._made * self.elems * 4
+
+    def take(self, users: int) -> FlatLease:
+        """A buffer for ``users`` (>= 1) holders; it returns to the pool when each of them has dropped it."""
+        with self._lock:
+            if self._free:
+                buf = self._free.pop()
+            else:
+                buf = torch.empty(self.elems, dtype=torch.float32, device=self.device)
+                self._made += 1
+        return FlatLease(self, buf, users)
+
+    def _put(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    def clear(self) -> None:
+        """Forget every buffer (those still leased are freed with their last user)."""
+        with self._lock:
+            self._free.clear()
+            self._made = 0
+
+
+class FlatLease:
+    """One pooled buffer lent to the shards of one unit (:class:`FlatPool`)."""
+
+    def __init__(self, pool: FlatPool, buf: torch.Tensor, users: int) -> None:
+        self.pool = pool
+        self.buf = buf
+        self.users = users
+        self.reusable = True
+
+    def drop(self, reusable: bool = True) -> None:
+        """One user is done with the buffer. ``reusable=False``: a collective may still write it (a failed or
+        abandoned step), so it is never handed out again."""
+        with self.pool._lock:
+            self.users -= 1
+            self.reusable = self.reusable and reusable
+            last = self.users == 0
+        if last and self.reusable:
+            self.pool._put(self.buf)
+        if last:
+            self.buf = None
+
+
 @dataclass
 class ReducedShard:
     """gpu_reduce: this rank's reduced shard on the host, once its marker (D2H copy) and work are done.
@@ -81,6 +150,7 @@ class ReducedShard:
     chunk: int = -1
     copy_out: bool = False
     liveness: Liveness | None = None  # device streams: the D2H event is polled, so a dead peer cannot hang get()
+    lease: FlatLease | None = None  # the pooled flat gradient the shard (or its collective) reads, until release
     issued: float = field(default_factory=time.perf_counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -125,7 +195,11 @@ class ReducedShard:
 
     def release(self) -> None:
         with self._lock:
+            pending = self.work is not None  # never landed: its collective may still write the pooled buffer
             self.work, self.keep, self.shard, self.copy_out = None, (), None, False
+            lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.drop(reusable=not pending)
 
 
 @dataclass
@@ -208,6 +282,9 @@ class GradRoute:
         self._in_place = (route == "gpu_reduce" and world_size > 1 and not lanes.is_stream("compute")
                           and dist.get_backend(group) == "gloo")  # fmt: skip
         self._group_rank = dist.get_rank(group) if self._in_place else rank
+        # a host "device" reuses its flat gradients (device streams have CUDA's caching allocator)
+        self.pool = (FlatPool(layout.max_unit, self.device)
+                     if route != "host_reduce" and not lanes.is_stream("compute") else None)  # fmt: skip
         self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
 
     @property
@@ -226,6 +303,12 @@ class GradRoute:
             return self._host_reduce(u, grads, step)
         return self._gpu_reduce(u, grads, step)
 
+    def close(self) -> None:
+        """Let go of the pooled gradient buffers."""
+        self._reducing.clear()
+        if self.pool is not None:
+            self.pool.clear()
+
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         c = self.chunk_elems or n
         return [(a, min(a + c, n)) for a in range(0, n, c)]
@@ -239,19 +322,27 @@ class GradRoute:
         """Reduce-scatter (all-reduce) unit ``u``'s flat FP32 gradient; empties ``grads`` once it is copied in."""
         self.reap()
         unit = self.layout.units[u]
-        flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
-        _fill_flat(flat, unit, grads)
-        grads.clear()  # the compute-dtype gradients are in ``flat``: free them before the collective runs
         r = self.world_size
         whole = r == 1 or self.route == "all_reduce"  # this rank's ledger range is the whole unit
         n = unit.padded if whole else unit.shard_numel
+        chunks = self._chunks(n)
+        # the shards that read the flat gradient until they are released: views of it, or a collective's input;
+        # a chunked in-place reduction reads contiguous copies, so the buffer goes back as soon as they are made
+        users = len(chunks) if whole or len(chunks) == 1 else 0
+        lease = self.pool.take(max(users, 1)) if self.pool is not None else None
+        if lease is not None:
+            flat = lease.buf[: unit.padded]
+        else:
+            flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
+        _fill_flat(flat, unit, grads)
+        grads.clear()  # the compute-dtype gradients are in ``flat``: free them before the collective runs
         if self.reduce_world > 1:
             flat.div_(self.reduce_world)  # pre-divided, as DDP does
         # device streams: the flat gradient must outlive the collective's kernels; on the host the collective holds
         # what it still reads, so ``flat`` goes with the last view of it
         streams = self.lanes.is_stream("compute")
         out = []
-        for k, (a, b) in enumerate(self._chunks(n)):
+        for k, (a, b) in enumerate(chunks):
             work, copy_out, inp = None, False, None
             if whole:
                 piece = flat[a:b]
@@ -262,7 +353,9 @@ class GradRoute:
                 inp = flat if (a, b) == (0, n) else flat.view(r, n)[:, a:b].contiguous().view(-1)
                 if self._in_place:
                     work = dist.all_reduce(inp, group=self.group, async_op=True)
-                    piece, copy_out = inp.view(r, b - a)[self._group_rank], True
+                    # a pooled flat stays the shard's until the update has read it; anything else is copied out
+                    # so that the full-size buffer goes as soon as the collective lands
+                    piece, copy_out = inp.view(r, b - a)[self._group_rank], not (users and lease is not None)
                 else:
                     piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
                     work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
@@ -284,11 +377,13 @@ class GradRoute:
             # before the collective has read it
             keep = (flat, piece, inp) if streams else ()
             shard = ReducedShard(self.lanes, host, marker, work, keep, step, u, k, copy_out=copy_out,
-                                 liveness=self.liveness)  # fmt: skip
+                                 liveness=self.liveness, lease=lease if users else None)  # fmt: skip
             self._reducing.append(shard)
             if work is not None:  # a host-side collective: land the shard the moment it completes
                 self.lanes.submit("d2h", self._settle, shard)
             out.append((a, b, shard))
+        if lease is not None and not users:
+            lease.drop()  # the chunks' collectives read copies
         return out
 
     def _across(self, work, piece: torch.Tensor):

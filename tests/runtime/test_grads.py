@@ -1,5 +1,5 @@
-"""runtime.grads: the flat gradient layout written whole or piece by piece (host_reduce chunks), and how long the
-gradient buffers live."""
+"""runtime.grads: the flat gradient layout written whole or piece by piece (host_reduce chunks), how long the
+gradient buffers live, and the pool that reuses them on a CPU device."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import weakref
 
 import torch
 
-from slidedp_lightning.runtime.grads import GradRoute, ReducedShard, _fill_flat
+import pytest
+
+from slidedp_lightning.runtime.grads import FlatPool, GradRoute, ReducedShard, _fill_flat
 from slidedp_lightning.runtime.lanes import CpuLanes
 from tests.runtime.test_layout import layout_of, tiny_qwen3
 
@@ -96,6 +98,75 @@ def test_gradients_are_freed_as_soon_as_they_are_reduced_and_updated(monkeypatch
         assert all(r() is None for r in reduced), "a reduced shard outlived its update"
     finally:
         engine.close()
+
+
+def test_a_pooled_buffer_returns_when_its_last_holder_drops_it_and_never_while_a_collective_may_write_it():
+    pool = FlatPool(16, torch.device("cpu"))
+    a = pool.take(2)
+    first = a.buf  # held here, so that no new buffer can take its address
+    a.drop()
+    assert pool.buffers == 1 and pool.take(1).buf.data_ptr() != first.data_ptr(), "one holder still reads it"
+    assert pool.buffers == 2
+    a.drop()
+    b = pool.take(1)
+    assert b.buf.data_ptr() == first.data_ptr() and pool.buffers == 2, "the last holder gave it back: reused"
+    b.drop(reusable=False)
+    assert pool.take(1).buf.data_ptr() != first.data_ptr(), "a buffer a collective may write is not lent again"
+    assert pool.buffers == 3 and pool.nbytes == 3 * 16 * 4
+    pool.clear()
+    assert pool.buffers == 0
+
+
+def test_a_shard_released_before_its_collective_landed_does_not_return_its_buffer():
+    lanes = CpuLanes(torch.device("cpu"))
+    try:
+        pool = FlatPool(8, torch.device("cpu"))
+        lease = pool.take(1)
+        buf = lease.buf
+        shard = ReducedShard(lanes, buf[:4], None, _Work(), lease=lease)
+        shard.release()  # an abandoned step: the collective never completed
+        assert pool.take(1).buf.data_ptr() != buf.data_ptr() and pool.buffers == 2
+        landed = pool.take(1)
+        kept = landed.buf
+        shard = ReducedShard(lanes, kept[:4], None, None, lease=landed)
+        shard.release()
+        assert pool.take(1).buf.data_ptr() == kept.data_ptr(), "a landed shard's buffer is reused"
+    finally:
+        lanes.close()
+
+
+@pytest.mark.parametrize("chunk_elems", [None, 1024])
+def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypatch, chunk_elems):
+    """On a CPU device the engine reuses as many flat gradient buffers as units were in flight at once (at most
+    ``max_units_in_flight``), chunked or not; the buffers handed out are the same from step to step."""
+    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine, tiny_model
+
+    used: list[set[int]] = []
+    original = FlatPool.take
+
+    def spy(self, users):
+        lease = original(self, users)
+        used[-1].add(lease.buf.data_ptr())
+        return lease
+
+    monkeypatch.setattr(FlatPool, "take", spy)
+    model = tiny_model(tied=False)
+    engine = make_engine(model, grad_route="gpu_reduce", max_units_in_flight=2,
+                         chunk_bytes=chunk_elems * 4 if chunk_elems else None)  # fmt: skip
+    try:
+        engine.attach_optimizer(adamw_groups(model))
+        for x in batches(4):
+            used.append(set())
+            loss_of(model, x).backward()
+            assert engine.end_step()
+        engine.synchronize()
+        pool = engine.routes.pool
+        assert 1 <= pool.buffers <= 2, f"{pool.buffers} buffers for at most 2 units in flight"
+        assert len(set().union(*used)) == pool.buffers, "every step took its buffers from the same few"
+        assert engine.device_memory()["grad_buffer_bytes"] == pool.buffers * engine.layout.max_unit * 4
+    finally:
+        engine.close()
+    assert engine.routes.pool.buffers == 0
 
 
 def _gloo_reduce_scatter_vs_all_reduce(rank: int, world: int, port: int, out: str) -> None:
