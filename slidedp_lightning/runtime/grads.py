@@ -338,8 +338,8 @@ class GradRoute:
         grads.clear()  # the compute-dtype gradients are in ``flat``: free them before the collective runs
         if self.reduce_world > 1:
             flat.div_(self.reduce_world)  # pre-divided, as DDP does
-        # device streams: the flat gradient must outlive the collective's kernels; on the host the collective holds
-        # what it still reads, so ``flat`` goes with the last view of it
+        # device streams: the flat gradient must outlive the collective's kernels; on the host its pooled buffer
+        # goes back once the last shard viewing it (or whose collective reads it) has been released
         streams = self.lanes.is_stream("compute")
         out = []
         for k, (a, b) in enumerate(chunks):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import weakref
 
-import torch
-
 import pytest
+import torch
 
 from slidedp_lightning.runtime.grads import FlatPool, GradRoute, ReducedShard, _fill_flat
 from slidedp_lightning.runtime.lanes import CpuLanes
