@@ -134,10 +134,15 @@ def test_a_shard_released_before_its_collective_landed_does_not_return_its_buffe
         lanes.close()
 
 
-@pytest.mark.parametrize("chunk_elems", [None, 1024])
-def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypatch, chunk_elems):
+@pytest.mark.parametrize(
+    "chunk_elems, knobs",
+    [(None, {}), (1024, {}), (None, {"accumulate": 2}), (None, {"update": "deferred"})],
+    ids=["whole", "chunked", "accumulate", "deferred"],
+)
+def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypatch, chunk_elems, knobs):
     """On a CPU device the engine reuses as many flat gradient buffers as units were in flight at once (at most
-    ``max_units_in_flight``), chunked or not; the buffers handed out are the same from step to step."""
+    ``max_units_in_flight``), chunked or not, whether the update applies, accumulates or defers each gradient; the
+    buffers handed out are the same from step to step."""
     from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine, tiny_model
 
     used: list[set[int]] = []
@@ -151,13 +156,16 @@ def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypat
     monkeypatch.setattr(FlatPool, "take", spy)
     model = tiny_model(tied=False)
     engine = make_engine(model, grad_route="gpu_reduce", max_units_in_flight=2,
-                         chunk_bytes=chunk_elems * 4 if chunk_elems else None)  # fmt: skip
+                         chunk_bytes=chunk_elems * 4 if chunk_elems else None, **knobs)  # fmt: skip
+    micro = knobs.get("accumulate", 1)
     try:
         engine.attach_optimizer(adamw_groups(model))
-        for x in batches(4):
-            used.append(set())
+        for i, x in enumerate(batches(4 * micro)):
+            if i % micro == 0:
+                used.append(set())
             loss_of(model, x).backward()
-            assert engine.end_step()
+            if i % micro == micro - 1:
+                assert engine.end_step()
         engine.synchronize()
         pool = engine.routes.pool
         assert 1 <= pool.buffers <= 2, f"{pool.buffers} buffers for at most 2 units in flight"
