@@ -31,18 +31,20 @@ ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, e
 WATERMARK = 1 << 32  # host_reduce stamps: generation * WATERMARK + elements of the slot written so far
 
 
-def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: int = 0, hi: int | None = None) -> None:
+def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: int = 0, hi: int | None = None,
+               at: int | None = None) -> None:  # fmt: skip
     """Write elements [lo, hi) of a unit's flat gradient layout into ``flat`` (zeros in alignment gaps and
-    padding)."""
+    padding), element ``lo`` at index ``at`` of ``flat`` (default: at ``lo``)."""
     hi = unit.padded if hi is None else hi
+    shift = 0 if at is None else lo - at
     for a, b in unit.gaps():
         if max(a, lo) < min(b, hi):
-            flat[max(a, lo) : min(b, hi)].zero_()
+            flat[max(a, lo) - shift : min(b, hi) - shift].zero_()
     for slot, g in zip(unit.slots, grads):
         a, b = max(slot.offset, lo), min(slot.end, hi)
         if a < b:
             src = g.reshape(-1)[a - slot.offset : b - slot.offset]
-            flat[a:b].copy_(src, non_blocking=True)
+            flat[a - shift : b - shift].copy_(src, non_blocking=True)
 
 
 class _Chained:
@@ -326,15 +328,17 @@ class GradRoute:
         whole = r == 1 or self.route == "all_reduce"  # this rank's ledger range is the whole unit
         n = unit.padded if whole else unit.shard_numel
         chunks = self._chunks(n)
-        # the shards that read the flat gradient until they are released: views of it, or a collective's input;
-        # a chunked in-place reduction reads contiguous copies, so the buffer goes back as soon as they are made
-        users = len(chunks) if whole or len(chunks) == 1 else 0
-        lease = self.pool.take(max(users, 1)) if self.pool is not None else None
+        lease = self.pool.take(len(chunks)) if self.pool is not None else None  # each chunk's shard holds it
         if lease is not None:
             flat = lease.buf[: unit.padded]
         else:
             flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
-        _fill_flat(flat, unit, grads)
+        if whole or len(chunks) == 1:
+            _fill_flat(flat, unit, grads)
+        else:  # chunk-major: chunk k of every rank's shard side by side, the contiguous input of chunk k's collective
+            for a, b in chunks:
+                for i in range(r):
+                    _fill_flat(flat, unit, grads, i * n + a, i * n + b, at=r * a + i * (b - a))
         grads.clear()  # the compute-dtype gradients are in ``flat``: free them before the collective runs
         if self.reduce_world > 1:
             flat.div_(self.reduce_world)  # pre-divided, as DDP does
@@ -350,12 +354,12 @@ class GradRoute:
                     work = dist.all_reduce(piece, group=self.group, async_op=True)
             else:
                 # chunk k of every rank's shard, side by side: rank i receives the sum of the i-th piece
-                inp = flat if (a, b) == (0, n) else flat.view(r, n)[:, a:b].contiguous().view(-1)
+                inp = flat[r * a : r * b]
                 if self._in_place:
                     work = dist.all_reduce(inp, group=self.group, async_op=True)
                     # a pooled flat stays the shard's until the update has read it; anything else is copied out
                     # so that the full-size buffer goes as soon as the collective lands
-                    piece, copy_out = inp.view(r, b - a)[self._group_rank], not (users and lease is not None)
+                    piece, copy_out = inp.view(r, b - a)[self._group_rank], lease is None
                 else:
                     piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
                     work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
@@ -377,13 +381,11 @@ class GradRoute:
             # before the collective has read it
             keep = (flat, piece, inp) if streams else ()
             shard = ReducedShard(self.lanes, host, marker, work, keep, step, u, k, copy_out=copy_out,
-                                 liveness=self.liveness, lease=lease if users else None)  # fmt: skip
+                                 liveness=self.liveness, lease=lease)  # fmt: skip
             self._reducing.append(shard)
             if work is not None:  # a host-side collective: land the shard the moment it completes
                 self.lanes.submit("d2h", self._settle, shard)
             out.append((a, b, shard))
-        if lease is not None and not users:
-            lease.drop()  # the chunks' collectives read copies
         return out
 
     def _across(self, work, piece: torch.Tensor):

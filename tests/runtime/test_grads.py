@@ -32,6 +32,27 @@ def test_pieces_of_the_flat_gradient_add_up_to_the_whole_with_zeros_in_gaps_and_
     assert torch.equal(pieced, whole)
 
 
+def test_a_chunk_major_fill_puts_chunk_k_of_every_shard_side_by_side():
+    """The chunked reduction's layout: chunk k of every rank's shard next to each other, each exactly the unit
+    layout's elements (gaps and padding zero), so each chunk's collective reads a contiguous view."""
+    layout = layout_of(tiny_qwen3(tied=False), world_size=2)
+    unit, r = layout.units[1], 2
+    n = unit.shard_numel
+    grads = [torch.randn(s.shape) for s in unit.slots]
+    whole = torch.empty(unit.padded)
+    _fill_flat(whole, unit, grads)
+    chunked = torch.full((unit.padded,), float("nan"))
+    chunks = [(a, min(a + 1000, n)) for a in range(0, n, 1000)]
+    for a, b in chunks:
+        for i in range(r):
+            _fill_flat(chunked, unit, grads, i * n + a, i * n + b, at=r * a + i * (b - a))
+    assert not chunked.isnan().any()
+    for a, b in chunks:
+        rows = chunked[r * a : r * b].view(r, b - a)
+        for i in range(r):
+            assert torch.equal(rows[i], whole[i * n + a : i * n + b]), (a, i)
+
+
 class _Work:
     """A collective handle that completes when the test says so."""
 
