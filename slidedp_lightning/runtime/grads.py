@@ -137,9 +137,8 @@ class ReducedShard:
     """gpu_reduce: this rank's reduced shard on the host, once its marker (D2H copy) and work are done.
 
     The shard lands once: the collective is waited for, the buffers it kept alive (``keep``: the flat gradient
-    and the device piece under device streams; the work's own buffers) are dropped and, when ``copy_out``, the
-    shard (a slice of an all-reduced buffer) is copied out so that the buffer goes. Whichever thread sees it
-    first lands it: the D2H lane as the collective completes, the compute thread at the next dispatch
+    and the device piece under device streams; the work's own buffers) are dropped; a shard viewing a pooled
+    buffer (``lease``) keeps it until :meth:`release`. Whichever thread sees it first lands it: the D2H lane as the collective completes, the compute thread at the next dispatch
     (:meth:`GradRoute.reap`) or the update lane (:meth:`get`); :meth:`release` drops the shard itself."""
 
     lanes: Lanes
@@ -150,7 +149,6 @@ class ReducedShard:
     step: int = -1
     unit: int = -1
     chunk: int = -1
-    copy_out: bool = False
     liveness: Liveness | None = None  # device streams: the D2H event is polled, so a dead peer cannot hang get()
     lease: FlatLease | None = None  # the pooled flat gradient the shard (or its collective) reads, until release
     issued: float = field(default_factory=time.perf_counter)
@@ -161,9 +159,6 @@ class ReducedShard:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.copy_out:
-            self.shard = self.shard.clone()
-            self.copy_out = False
         self.keep = ()
 
     def get(self) -> np.ndarray:
@@ -198,7 +193,7 @@ class ReducedShard:
     def release(self) -> None:
         with self._lock:
             pending = self.work is not None  # never landed: its collective may still write the pooled buffer
-            self.work, self.keep, self.shard, self.copy_out = None, (), None, False
+            self.work, self.keep, self.shard = None, (), None
             lease, self.lease = self.lease, None
         if lease is not None:
             lease.drop(reusable=not pending)
@@ -347,7 +342,7 @@ class GradRoute:
         streams = self.lanes.is_stream("compute")
         out = []
         for k, (a, b) in enumerate(chunks):
-            work, copy_out, inp = None, False, None
+            work, inp = None, None
             if whole:
                 piece = flat[a:b]
                 if r > 1:
@@ -356,10 +351,10 @@ class GradRoute:
                 # chunk k of every rank's shard, side by side: rank i receives the sum of the i-th piece
                 inp = flat[r * a : r * b]
                 if self._in_place:
+                    # host tensors only, so the flat gradient is pooled: the shard stays a view of it until the
+                    # update has read it
                     work = dist.all_reduce(inp, group=self.group, async_op=True)
-                    # a pooled flat stays the shard's until the update has read it; anything else is copied out
-                    # so that the full-size buffer goes as soon as the collective lands
-                    piece, copy_out = inp.view(r, b - a)[self._group_rank], lease is None
+                    piece = inp.view(r, b - a)[self._group_rank]
                 else:
                     piece = torch.empty(b - a, dtype=torch.float32, device=self.device)
                     work = reduce_scatter_into(piece, inp, group=self.group, async_op=True)
@@ -380,8 +375,8 @@ class GradRoute:
             # orders the D2H stream; the allocator must not hand a chunk's input to the compute stream again
             # before the collective has read it
             keep = (flat, piece, inp) if streams else ()
-            shard = ReducedShard(self.lanes, host, marker, work, keep, step, u, k, copy_out=copy_out,
-                                 liveness=self.liveness, lease=lease)  # fmt: skip
+            shard = ReducedShard(self.lanes, host, marker, work, keep, step, u, k, liveness=self.liveness,
+                                 lease=lease)  # fmt: skip
             self._reducing.append(shard)
             if work is not None:  # a host-side collective: land the shard the moment it completes
                 self.lanes.submit("d2h", self._settle, shard)
