@@ -45,7 +45,7 @@ FRESH_ELEMS = 1 << 24  # 64 MiB of FP32: above it
 ROUTE_PASSES = 3  # route probes per size (each the median of its own repeats); their median is kept
 
 
-def _median(fn, group, repeats: int = REPEATS, stat=statistics.median) -> float:
+def _timed(fn, group, repeats: int = REPEATS, stat=statistics.median) -> float:
     """``stat`` (the median unless told) of ``repeats`` timed runs of ``fn`` after one untimed, its largest over the
     ranks of ``group``."""
     fn()
@@ -162,8 +162,8 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads
             holder["loss"] = torch.nn.functional.cross_entropy(holder["logits"].float().flatten(0, 1), ids.flatten())
 
         with torch.no_grad():
-            t_f = _median(fwd, group)
-            losses.append(_median(lambda: (fwd(), loss()), group) - t_f)
+            t_f = _timed(fwd, group)
+            losses.append(_timed(lambda: (fwd(), loss()), group) - t_f)
     runtime = _runtime_compute(model_name, seq, batches, threads, group)
     (f1, b1), (f2, b2) = runtime[batches[0]], runtime[batches[1]]
     x1, x2 = (b * seq * fwd_per_token for b in batches)
@@ -204,12 +204,12 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
         rs_lat, rs_rate = _fit_points([n * 4 * frac for n in SIZES], rs)
         # the update: this rank's kernel on LARGE parameters, all ranks at once
         p, m, v, g = (torch.zeros(LARGE).numpy() for _ in range(4))
-        t_upd = _median(lambda: cpu_ops.adamw_update(p, m, v, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+        t_upd = _timed(lambda: cpu_ops.adamw_update(p, m, v, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
                                                           weight_decay=0.01), group)
         upd_rate = LARGE * cpu_ops.update_bytes_per_param(4) / t_upd
         # a copy into a buffer allocated for it, too large for the allocator to keep (fresh pages each time)
         big = torch.randn(FRESH_ELEMS)
-        t_fresh = _median(lambda: torch.empty(FRESH_ELEMS).copy_(big), group)
+        t_fresh = _timed(lambda: torch.empty(FRESH_ELEMS).copy_(big), group)
         res["fresh_rate"] = FRESH_ELEMS * 4 / t_fresh
         del big
         res.update(copy_lat=copy_lat, copy_rate=copy_rate, link_lat=(ag_lat + rs_lat) / 2 / max(1, world - 1),
@@ -248,16 +248,16 @@ def _network_worker(rank: int, hosts: int, ranks: int, init: str, out_path: str,
                 if local == 0:
                     dist.all_reduce(buf, group=cross[0])
 
-            res[f"pair_alone_{n}"] = _median(alone, everyone, repeats)
+            res[f"pair_alone_{n}"] = _timed(alone, everyone, repeats)
             # the fit's input: the fastest run, since the other ranks' scheduling on shared cores only ever adds time
             # (a median at 16 KB has come out above the one at 4 MB on a loaded 2-core machine)
-            res[f"pair_alone_best_{n}"] = _median(alone, everyone, repeats, stat=min)
-            res[f"pairs_all_{n}"] = _median(lambda: dist.all_reduce(buf, group=cross[local]), everyone, repeats)
+            res[f"pair_alone_best_{n}"] = _timed(alone, everyone, repeats, stat=min)
+            res[f"pairs_all_{n}"] = _timed(lambda: dist.all_reduce(buf, group=cross[local]), everyone, repeats)
         for n in sizes[1:4]:  # the whole message over the N R ranks, each rank's piece n / (N R)
             piece, whole = torch.zeros(n // world), torch.zeros(n // world * world)
-            res[f"flat_reduce_scatter_{n}"] = _median(lambda: reduce_scatter_into(piece, whole, group=flat), everyone,
+            res[f"flat_reduce_scatter_{n}"] = _timed(lambda: reduce_scatter_into(piece, whole, group=flat), everyone,
                                                       repeats)  # fmt: skip
-            res[f"flat_all_gather_{n}"] = _median(lambda: all_gather_into(whole, piece, group=flat), everyone, repeats)
+            res[f"flat_all_gather_{n}"] = _timed(lambda: all_gather_into(whole, piece, group=flat), everyone, repeats)
         # core sharing: a CPU-bound kernel on one host's R ranks, then on all N R ranks at once; each run is timed
         # until the last rank has finished (the machine's throughput, not a lucky rank's)
         a = torch.randn(256, 256)
@@ -271,8 +271,8 @@ def _network_worker(rank: int, hosts: int, ranks: int, init: str, out_path: str,
         one, every = [], []
         kernel(True)
         for _ in range(repeats):  # alternated, so that a change of the machine's load hits both alike
-            one.append(_median(lambda: kernel(rank < ranks), everyone, 1))
-            every.append(_median(lambda: kernel(True), everyone, 1))
+            one.append(_timed(lambda: kernel(rank < ranks), everyone, 1))
+            every.append(_timed(lambda: kernel(True), everyone, 1))
         res["core_one_host"], res["core_all_hosts"] = statistics.median(one), statistics.median(every)
         if rank == 0:
             Path(out_path).write_text(json.dumps(res))
