@@ -3,7 +3,7 @@
 Every implementation runs on the same page-aligned buffers (torch and DeepSpeed optimizers are handed the
 same parameter, gradient and moment memory), once per round, in a rotating order, so that drifting memory
 bandwidth hits every case alike. One warm-up round, then ``--bench-rounds`` measured rounds; the median
-is reported. Bytes/param follow the update's traffic (see ``cpu_ops.update_bytes_per_param``).
+is reported. Bytes/param follow the update's traffic (see ``slidedp_lightning.constants.update_bytes_per_param``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from threadpoolctl import threadpool_limits
 
 from bench.report import Measurement, Ratio
 from cpu_ops import adam_shaped_copy, adamw_update, adamw_update_sum, physical_cores, set_kernel_threads
-from cpu_ops import update_bytes_per_param as bpp
+from slidedp_lightning.constants import update_bytes_per_param as bpp
 from cpu_ops import warmup as kernel_warmup
 
 SUITE = "cpu_adam"

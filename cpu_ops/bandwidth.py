@@ -9,15 +9,6 @@ from cpu_ops._validate import BF16_BITS, check_vector
 from cpu_ops.adamw import _check_state, grad_rows
 
 
-def update_bytes_per_param(grad_itemsize: int, rows: int = 1, bf16_out: bool = False) -> int:
-    """Bytes one update moves per parameter (the "28 B/param" convention for FP32 AdamW).
-
-    Reads param, exp_avg, exp_avg_sq (12 B) and ``rows`` gradients; writes param, exp_avg,
-    exp_avg_sq (12 B) and, with ``bf16_out``, the 2 B BF16 copy. Write-allocate reads are not counted.
-    """
-    return 24 + rows * grad_itemsize + (2 if bf16_out else 0)
-
-
 def adam_shaped_copy(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, grads: np.ndarray,
                      bf16_out: np.ndarray | None = None) -> None:  # fmt: skip
     """Touch the arrays exactly as :func:`cpu_ops.adamw_update` / ``adamw_update_sum`` would, trivially.

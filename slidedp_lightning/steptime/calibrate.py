@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 import cpu_ops
 from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
+from slidedp_lightning.constants import update_bytes_per_param
 from slidedp_lightning.runtime.probe import probe_routes
 from slidedp_lightning.steptime.profiles import LOOP_KEY, LOSS_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
@@ -206,7 +207,7 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
         p, m, v, g = (torch.zeros(LARGE).numpy() for _ in range(4))
         t_upd = _timed(lambda: cpu_ops.adamw_update(p, m, v, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
                                                           weight_decay=0.01), group)
-        upd_rate = LARGE * cpu_ops.update_bytes_per_param(4) / t_upd
+        upd_rate = LARGE * update_bytes_per_param(4) / t_upd
         # a copy into a buffer allocated for it, too large for the allocator to keep (fresh pages each time)
         big = torch.randn(FRESH_ELEMS)
         t_fresh = _timed(lambda: torch.empty(FRESH_ELEMS).copy_(big), group)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cpu_ops.bandwidth import update_bytes_per_param
+from slidedp_lightning.constants import update_bytes_per_param
 from slidedp_lightning.steptime.profiles import Profile
 from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, units
 

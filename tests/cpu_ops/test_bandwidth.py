@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpu_ops import adam_shaped_copy, fp32_to_bf16, update_bytes_per_param
+from cpu_ops import adam_shaped_copy, fp32_to_bf16
+from slidedp_lightning.constants import update_bytes_per_param
 
 
 def _state(n: int):
