@@ -25,6 +25,7 @@ from slidedp_lightning.runtime.grads import GRAD_ROUTES, GradRoute
 from slidedp_lightning.runtime.host_state import (
     HostLedger,
     LedgerGeometry,
+    LedgerStats,
     available_host_bytes,
     check_host_memory,
     ledger_path,
@@ -668,6 +669,18 @@ class SlideDPEngine:
             "retained_activation_bytes": self.activations.last_step.get("retained_bytes", 0),
             "offloaded_activation_bytes": self.activations.last_step.get("offloaded_bytes", 0),
         }
+
+    def ledger_stats(self) -> LedgerStats:
+        """The size of this host's ledger and the memory it holds now."""
+        assert self.ledger is not None
+        copies = self.local_world_size if self.replicated else (1 / self.hosts.count if self.host_sharded else 1)
+        return LedgerStats(
+            nbytes=self.ledger.geometry.nbytes,
+            num_params=self.layout.num_params,
+            padded_params=self.layout.total,
+            allocated_bytes=self.ledger.allocated_bytes(),
+            copies=copies,
+        )
 
     # -- state ---------------------------------------------------------------------------------------
     def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:

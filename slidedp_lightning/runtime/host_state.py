@@ -139,6 +139,21 @@ class LedgerGeometry:
         return self.world_size * self.staging_slots * self.staging_elems * self.staging_itemsize
 
 
+@dataclass(frozen=True)
+class LedgerStats:
+    """What one host's ledger holds, for reports and benchmarks (the public read interface of its size)."""
+
+    nbytes: int  # the file's size: every region, padding and guards included
+    num_params: int  # model parameters it holds (each tied parameter once)
+    padded_params: int  # elements per array, alignment and shard padding included
+    allocated_bytes: int  # memory the file holds now (a page is allocated when first written)
+    copies: float  # ledgers of this size per host: 1; R for the replicated route; 1/N when host-sharded
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.nbytes / self.num_params if self.num_params else 0.0
+
+
 def available_host_bytes() -> tuple[int, int]:
     """(MemAvailable, free bytes in the ledger directory)."""
     mem = 0
