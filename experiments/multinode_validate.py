@@ -121,19 +121,19 @@ def worker(args: argparse.Namespace) -> int:
     import lightning.pytorch as L
     import torch
 
-    from slidedp_lightning import SlideDPStrategy
+    from slidedp_lightning import LaneTrace, SlideDPStrategy
     from slidedp_lightning.recipes.finetune import FinetuneModule
 
     warnings.filterwarnings("ignore")
     CpuTime = _cpu_time_callback()
     L.seed_everything(1234, workers=True, verbose=False)
     module = FinetuneModule(model_dir=args.model_dir, batch_size=args.batch, lr=3e-3, seed=1234)
-    strategy = SlideDPStrategy(param_route=args.param_route, grad_route="gpu_reduce", trace_dir=args.trace_dir,
+    strategy = SlideDPStrategy(param_route=args.param_route, grad_route="gpu_reduce",
                                host_layout=args.host_layout)  # fmt: skip
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=DEVICES, num_nodes=args.nodes, precision="32-true",
                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[CpuTime(args.skip, args.trace_dir)])  # fmt: skip
+                        callbacks=[CpuTime(args.skip, args.trace_dir), LaneTrace(args.trace_dir)])  # fmt: skip
     trainer.fit(module)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

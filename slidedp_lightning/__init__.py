@@ -7,7 +7,8 @@ import logging
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from slidedp_lightning.callbacks import SaveHuggingFace
+from slidedp_lightning.callbacks import LaneTrace, SaveHuggingFace
+from slidedp_lightning.models.chunked_loss import use_chunked_loss
 from slidedp_lightning.precision import SlideDPPrecision
 from slidedp_lightning.strategy import SlideDPStrategy
 
@@ -21,5 +22,5 @@ if not logging.getLogger().hasHandlers() and not _logger.handlers:
 if "slidedp" not in StrategyRegistry:
     SlideDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["SaveHuggingFace", "SlideDPPrecision", "SlideDPStrategy"]
+__all__ = ["LaneTrace", "SaveHuggingFace", "SlideDPPrecision", "SlideDPStrategy", "use_chunked_loss"]
 __version__ = "0.1.0"

@@ -35,3 +35,29 @@ class SaveHuggingFace(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._strategy(trainer).save_hf(self.dirpath, self.dtype)
+
+
+class LaneTrace(pl.Callback):
+    """Record every lane operation of a SlideDP run (``docs/ARCHITECTURE.md``, "Lane traces").
+
+    Each rank writes TensorBoard scalars (busy time per lane, exposed host time, overlap fraction), a Gantt
+    figure of step 2 and ``trace_rank{r}.json`` (Chrome / Perfetto) under ``dirpath``. Read by the strategy when
+    it builds its engine; without this callback tracing costs nothing.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike) -> None:
+        self.dirpath = os.fspath(dirpath)
+
+    @staticmethod
+    def dir_for(trainer: pl.Trainer) -> str | None:
+        """The trace directory of the Trainer's LaneTrace callback, or None without one."""
+        found = [cb for cb in trainer.callbacks if isinstance(cb, LaneTrace)]
+        if len(found) > 1:
+            raise ValueError(f"one LaneTrace callback per Trainer, got {len(found)}.")
+        return found[0].dirpath if found else None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from slidedp_lightning.strategy import SlideDPStrategy
+
+        if not isinstance(trainer.strategy, SlideDPStrategy):
+            raise TypeError(f"LaneTrace records SlideDP's lanes; the Trainer runs {type(trainer.strategy).__name__}.")

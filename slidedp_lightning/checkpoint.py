@@ -77,21 +77,20 @@ def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int
 
 
 def _job_size(engine) -> int:
-    return engine.world_size if engine.host_sharded else engine.world_size * engine.hosts.count
+    return engine.topology.world_size
 
 
 def _mine(engine) -> list[str]:
     """The parameters this rank reads and writes: a balanced share of its host's (every host shares alike)."""
-    sizes = {n: engine.layout.units[u].slots[s].numel for n, (u, s) in engine.named_slots().items()}
-    if engine.host_sharded:
-        return share(sizes, engine.local_world_size)[engine.local_rank]
-    return share(sizes, engine.world_size)[engine.rank]
+    sizes = {n: engine.layout.units[u].slots[s].numel for n, (u, s) in engine.state.named_slots().items()}
+    index, count = engine.topology.checkpoint_share
+    return share(sizes, count)[index]
 
 
 def _host_chunks(engine, view: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor | None:
     """This host's elements of ``view`` (a whole parameter in a host-sharded ledger) as a tensor DCP writes and
     reads by chunk: the view itself when the host holds all of it, None when it holds none of it."""
-    lo, hi = parts[engine.hosts.index]
+    lo, hi = parts[engine.topology.host]
     if hi == lo:
         return None
     if hi - lo == view.numel():
@@ -101,11 +100,11 @@ def _host_chunks(engine, view: torch.Tensor, parts: list[tuple[int, int]]) -> to
                              memory_format=torch.contiguous_format, pin_memory=False)  # fmt: skip
     meta, local = [], []
     for host, (a, b) in enumerate(parts):
-        owner = host * engine.local_world_size + engine.local_rank  # the same share on every host
+        owner = host * engine.topology.ranks_per_host + engine.topology.local_rank  # the same share on every host
         for offsets, sizes, first in boxes(shape, a, b):
             md = ShardMetadata(list(offsets), list(sizes), f"rank:{owner}/cpu")
             meta.append(md)
-            if host == engine.hosts.index:
+            if host == engine.topology.host:
                 local.append(Shard(flat[first : first + math.prod(sizes)].view(sizes), md))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
         local, ShardedTensorMetadata(meta, view.shape, props), process_group=_job_group(engine))
@@ -114,13 +113,13 @@ def _host_chunks(engine, view: torch.Tensor, parts: list[tuple[int, int]]) -> to
 def _state(engine) -> dict[str, torch.Tensor]:
     """What this rank writes and reads: views of its share of the ledger's parameters and moments."""
     names = _mine(engine)
-    views = engine.ledger_tensors(names)
-    if not engine.host_sharded:
+    views = engine.state.ledger_tensors(names)
+    if not engine.topology.host_sharded:
         return views
-    slots = engine.named_slots()
+    slots = engine.state.named_slots()
     out = {}
     for key, view in views.items():
-        part = _host_chunks(engine, view, engine.host_parts(slots[key.split("/", 1)[1]]))
+        part = _host_chunks(engine, view, engine.state.host_parts(slots[key.split("/", 1)[1]]))
         if part is not None:
             out[key] = part
     return out
@@ -128,9 +127,7 @@ def _state(engine) -> dict[str, torch.Tensor]:
 
 def _job_group(engine):
     """Every rank of the job (several hosts: each host's ledger is complete, its ranks split the work)."""
-    if engine.hosts.count > 1:
-        return engine.hosts.world
-    return engine.group if engine.world_size > 1 else None
+    return engine.topology.job_group
 
 
 def _barrier(engine) -> None:
@@ -152,14 +149,14 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{_agree(engine, uuid.uuid4().hex[:8])}")
     engine.synchronize()
     dcp.save(_state(engine), checkpoint_id=tmp, process_group=_job_group(engine))
-    if engine.global_rank == 0:
+    if engine.topology.global_rank == 0:
         meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
         meta["slidedp"] = {"format": FORMAT, "step": engine.step, "world_size": _job_size(engine),
-                           "params": sorted(engine.named_slots()), "buffers": engine.buffers_state(),
+                           "params": sorted(engine.state.named_slots()), "buffers": engine.state.buffers(),
                            **_hf_configs(engine.model)}  # fmt: skip
         torch.save(meta, tmp / META)
     _barrier(engine)
-    if engine.global_rank == 0:
+    if engine.topology.global_rank == 0:
         _swap_in(tmp, path)
         log.info("SlideDP checkpoint (step %d, %d ranks) written to %s", engine.step, _job_size(engine), path)
     _barrier(engine)
@@ -194,7 +191,7 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
     info = meta.get("slidedp", {})
     if info.get("format") != FORMAT:
         raise ValueError(f"{path} is not a SlideDP checkpoint of format {FORMAT} (found {info.get('format')!r}).")
-    have = sorted(engine.named_slots())
+    have = sorted(engine.state.named_slots())
     if info["params"] != have:
         missing, unexpected = sorted(set(have) - set(info["params"])), sorted(set(info["params"]) - set(have))
         raise KeyError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected "

@@ -29,19 +29,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
-def _tensors(engine) -> dict[str, torch.Tensor]:
-    """The streamed model's state, keyed as its own ``state_dict()``: ledger views (tied weights once) and buffers."""
-    out, seen = {}, set()
-    for name, t in engine.model.state_dict(keep_vars=True).items():
-        where = engine._slot_of.get(id(t))
-        if where is None:
-            out[name] = t.detach()
-        elif where not in seen:
-            seen.add(where)
-            out[name] = engine.master_view(*where)
-    return out
-
-
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in (torch.bfloat16, torch.float32):
@@ -87,16 +74,14 @@ def save_hf(engine, directory: str | os.PathLike, dtype: str | torch.dtype = tor
     dtype = _dtype(dtype)
     if not hasattr(engine.model, "config") or not hasattr(engine.model.config, "save_pretrained"):
         raise TypeError(f"{type(engine.model).__name__} has no Hugging Face config to export with.")
-    engine._refuse_host_sharded("save_hf")
+    engine.state.require_whole_parameters("save_hf")
     engine.synchronize()
-    if engine.global_rank == 0:
-        tensors = _tensors(engine)
+    if engine.topology.global_rank == 0:
+        tensors = engine.state.model_tensors(engine.model)
         write_hf(directory, tensors, lambda names: tensors, engine.model.config,
                  getattr(engine.model, "generation_config", None), dtype, max_shard_size)  # fmt: skip
-    if engine.hosts.count > 1:
-        dist.barrier(group=engine.hosts.world)
-    elif engine.world_size > 1:
-        dist.barrier(group=engine.group)
+    if engine.topology.job_group is not None:
+        dist.barrier(group=engine.topology.job_group)
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, directory: str | os.PathLike,

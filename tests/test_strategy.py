@@ -131,10 +131,10 @@ def test_trainer_bf16_mixed() -> None:
 
 def test_strategy_instance_keeps_options() -> None:
     s = SlideDPStrategy(grad_route="host_reduce", prefetch_window=3, update_threads=2, meta_init=True)
-    assert s.engine_config.grad_route == "host_reduce"
-    assert s.engine_config.prefetch_window == 3
-    assert s.engine_config.update_threads == 2
-    assert s.meta_init
+    assert s.options.grad_route == "host_reduce"
+    assert s.options.prefetch_window == 3
+    assert s.options.update_threads == 2
+    assert s.options.meta_init
     t = L.Trainer(strategy=s, accelerator="cpu", devices=1, logger=False)
     assert t.strategy is s
 
@@ -147,7 +147,6 @@ def test_strategy_instance_keeps_options() -> None:
         (dict(prefetch_window=0), "prefetch_window"),
         (dict(update_threads=0), "update_threads"),
         (dict(start_method="bogus"), "start_method"),
-        (dict(restore_module="sometimes"), "restore_module"),
         (dict(chunk_bytes=0), "chunk_bytes"),
         (dict(chunk_bytes=-4096), "chunk_bytes"),
         (dict(chunk_bytes="big"), "chunk_bytes"),
@@ -156,11 +155,9 @@ def test_strategy_instance_keeps_options() -> None:
         (dict(activation_policy="segments:012"), "segments"),
         (dict(activation_policy="full@2"), "offload"),
         (dict(activation_policy="mostly"), "activation mode"),
-        (dict(memory_budget=10**9), "activation_policy='auto'"),
-        (dict(memory_budget=1.5, activation_policy="auto"), "fraction"),
         (dict(param_route="replicated", grad_route="host_reduce"), "gpu_reduce"),
         (dict(max_units_in_flight=0), "max_units_in_flight"),
-        (dict(loss_chunk_tokens=-1), "loss_chunk_tokens"),
+        (dict(meta_init="yes"), "meta_init"),
     ],
 )
 def test_bad_strategy_config_raises(kw: dict, match: str) -> None:
@@ -168,6 +165,23 @@ def test_bad_strategy_config_raises(kw: dict, match: str) -> None:
         SlideDPStrategy(**kw)
     assert repr(next(iter(kw.values()))) in str(info.value), "the message shows the rejected value"
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("removed", ["trace_dir", "loss_chunk_tokens", "memory_budget", "restore_module"])
+def test_options_that_moved_out_of_the_strategy_are_unknown(removed: str) -> None:
+    """Lane tracing is the LaneTrace callback, the chunked loss use_chunked_loss(), the memory budget AutoPolicy's."""
+    with pytest.raises(TypeError, match=removed):
+        SlideDPStrategy(**{removed: 1})
+
+
+def test_the_strategy_takes_a_small_typed_surface() -> None:
+    import inspect
+    import typing
+
+    params = inspect.signature(SlideDPStrategy.__init__).parameters
+    assert len(params) - 1 <= 13, "one concern per option: group or move new knobs (see docs/ARCHITECTURE.md)"
+    hints = typing.get_type_hints(SlideDPStrategy.__init__)
+    assert typing.get_args(hints["param_route"]) and typing.get_args(hints["host_layout"]) == ("replicated", "sharded")
 
 
 @pytest.mark.parametrize("precision", ["16-true", "bf16-true", "64-true"])

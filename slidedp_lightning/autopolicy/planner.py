@@ -78,7 +78,7 @@ class AutoPolicy:
     # -- the planner call ---------------------------------------------------------------------------
     def __call__(self, engine, u: int, args: tuple, kwargs: dict) -> ActivationPolicy:
         t0 = time.perf_counter()
-        group = engine.group if engine.world_size > 1 else None
+        group = engine.topology.shard_group
         x = args[0]
         budget = self._budget(engine)
         rates = self._probe_links(x, engine.lanes.device, group)
@@ -106,7 +106,7 @@ class AutoPolicy:
             dist.broadcast_object_list(box, group=group, group_src=0)
             plan = Plan(ActivationPolicy.from_dict(box[0]["activations"]), box[0]["routes"], box[0]["report"])
         self.plan = plan
-        if engine.rank == 0:
+        if engine.topology.global_rank == 0:
             self._log(plan)
             if self.save_to:
                 plan.save(self.save_to)
@@ -179,7 +179,7 @@ class AutoPolicy:
 
         profile = load_profile(self.profile)
         cfg = StepConfig(
-            model=load_config(engine.model.config), batch=x.shape[0], seq=x.shape[1], gpus=engine.world_size,
+            model=load_config(engine.model.config), batch=x.shape[0], seq=x.shape[1], gpus=engine.topology.shard_world,
             param_route=engine.config.param_route, grad_route=engine.config.grad_route,
             chunk_bytes=engine.config.chunk_bytes, prefetch_window=engine.config.prefetch_window,
             activation=UnitActivation(), precision="bf16-mixed" if engine.compute_dtype == torch.bfloat16 else "32-true",
@@ -194,7 +194,7 @@ class AutoPolicy:
         base = predict([baseline] * len(blocks), fixed)
         saving = base["step"] - planned["step"]
         return {
-            "shape": {"batch": x.shape[0], "seq": x.shape[1], "ranks": engine.world_size, "blocks": len(blocks)},
+            "shape": {"batch": x.shape[0], "seq": x.shape[1], "ranks": engine.topology.shard_world, "blocks": len(blocks)},
             "budget_bytes": budget if math.isfinite(budget) else None,
             "link_bytes_per_s": {"d2h": fixed.d2h_rate, "h2d": fixed.h2d_rate},
             "fixed_seconds": {"gpu": fixed.gpu, "h2d": fixed.h2d, "d2h": fixed.d2h, "host": fixed.host},

@@ -1,6 +1,6 @@
 """The causal-LM loss in sequence chunks: the head never holds the full ``[batch, seq, vocab]`` logits.
 
-:func:`install` replaces a transformers ``*ForCausalLM`` instance's forward: with ``labels`` it runs the
+:func:`use_chunked_loss` (alias :func:`install`) replaces a transformers ``*ForCausalLM`` instance's forward: with ``labels`` it runs the
 base model, then calls ``lm_head(hidden, labels=...)`` (a module call, so SlideDP's hooks make the head
 resident), whose forward is :class:`ChunkedLinearCrossEntropy`: ``chunk`` tokens at a time, logits in the
 compute dtype upcast to FP32 and summed cross-entropy, as transformers' ``ForCausalLMLoss`` computes it.
@@ -73,7 +73,7 @@ def install(model: nn.Module, chunk: int) -> None:
         raise ValueError(f"loss chunk must be a positive number of tokens, got {chunk!r}.")
     if not isinstance(getattr(model, "lm_head", None), nn.Linear) or not hasattr(model, "model"):
         raise ValueError(f"{type(model).__name__} is not a transformers causal LM with an lm_head: the chunked loss "
-                         "does not apply; leave loss_chunk_tokens unset.")  # fmt: skip
+                         "does not apply; do not call use_chunked_loss on it.")  # fmt: skip
     original = type(model).forward
     head = model.lm_head
     head.forward = MethodType(lambda self, hidden, **kw: _head_forward(self, hidden, chunk=chunk, **kw), head)
@@ -113,3 +113,14 @@ def uninstall(model: nn.Module) -> None:
     for m in (model, model.lm_head):
         m.__dict__.pop("forward", None)
     del model._slidedp_chunked_loss
+
+
+def use_chunked_loss(model: nn.Module, tokens: int) -> nn.Module:
+    """Compute a transformers causal LM's training loss (``model(..., labels=...)``) ``tokens`` tokens at a time,
+    so the head never holds the full ``[batch, seq, vocab]`` logits; returns ``model``.
+
+    Call it in ``LightningModule.configure_model`` on the ``*ForCausalLM`` instance. It works under any strategy
+    (the same module runs under ``"ddp"`` for comparison) and with SlideDP's streamed head.
+    """
+    install(model, tokens)
+    return model

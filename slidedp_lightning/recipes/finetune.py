@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
 import slidedp_lightning  # noqa: F401  (registers strategy="slidedp")
-from slidedp_lightning import SlideDPStrategy
+from slidedp_lightning import LaneTrace, SlideDPStrategy
 from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
 
 DEFAULT_CONFIG = "qwen3_tiny.json"
@@ -269,10 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
 def strategy_for(args: argparse.Namespace) -> SlideDPStrategy | str:
     """The strategy the parsed flags ask for (a configured SlideDPStrategy, or the registered name)."""
     custom = (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
-    if args.strategy != "slidedp" or not (args.trace_dir or custom):
+    if args.strategy != "slidedp" or not custom:
         return args.strategy
-    return SlideDPStrategy(param_route=args.param_route, grad_route=args.grad_route, chunk_bytes=args.chunk_bytes,
-                           trace_dir=args.trace_dir)
+    return SlideDPStrategy(param_route=args.param_route, grad_route=args.grad_route, chunk_bytes=args.chunk_bytes)
 
 
 @rank_zero_only
@@ -323,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         precision=args.precision,
         max_steps=args.max_steps,
         logger=logger,
-        callbacks=[LearningRateMonitor(logging_interval="step")],
+        callbacks=[LearningRateMonitor(logging_interval="step"), *([LaneTrace(args.trace_dir)] if args.trace_dir else [])],
         enable_checkpointing=False,
         log_every_n_steps=10,
         num_sanity_val_steps=0,

@@ -306,7 +306,7 @@ class GradRoute:
         if self.pool is not None:
             self.pool.clear()
 
-    def _chunks(self, n: int) -> list[tuple[int, int]]:
+    def chunks(self, n: int) -> list[tuple[int, int]]:
         c = self.chunk_elems or n
         return [(a, min(a + c, n)) for a in range(0, n, c)]
 
@@ -322,7 +322,7 @@ class GradRoute:
         r = self.world_size
         whole = r == 1 or self.route == "all_reduce"  # this rank's ledger range is the whole unit
         n = unit.padded if whole else unit.shard_numel
-        chunks = self._chunks(n)
+        chunks = self.chunks(n)
         lease = self.pool.take(len(chunks)) if self.pool is not None else None  # each chunk's shard holds it
         if lease is not None:
             flat = lease.buf[: unit.padded]
@@ -420,11 +420,11 @@ class GradRoute:
         ready = self.lanes.mark("compute")
         # every owner's chunks in slot order: the copy order that lets each owner start as early as possible
         n = unit.shard_numel
-        pieces = [(o * n + a, o * n + b) for o in range(unit.world_size) for a, b in self._chunks(n)]
+        pieces = [(o * n + a, o * n + b) for o in range(unit.world_size) for a, b in self.chunks(n)]
         self._published = [f for f in self._published if not f.done() or f.exception() is not None]
         self._published.append(self.lanes.submit("d2h", self._publish, u, grads, k, gen, pieces, ready, step))
         s0 = unit.shard(self.rank)[0]
-        mine = self._chunks(n)
+        mine = self.chunks(n)
         return [
             (a, b, StagedSlots(self.ledger, self.liveness, self.rank, k, gen, s0 + a, s0 + b, self.tracer, step, u,
                                i == len(mine) - 1, i))

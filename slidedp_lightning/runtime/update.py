@@ -185,6 +185,11 @@ class UpdateLane:
                 self._units_in_flight += 1
         self._queue.put(task)
 
+    @property
+    def units_in_flight(self) -> int:
+        """Units whose last chunk is queued or running."""
+        return self._units_in_flight
+
     def wait_units_below(self, limit: int, liveness=None) -> None:
         """Block while ``limit`` or more units' gradients wait for (or are in) the update: backpressure that
         bounds the gradient memory held for the update lane, however far it falls behind backward."""

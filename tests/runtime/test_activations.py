@@ -107,13 +107,15 @@ def test_policy_round_trips_through_json(tmp_path):
 def test_long_sequence_accounting_grows_linearly_with_chunked_loss_and_offload():
     """With full checkpointing, half offloaded and the loss in chunks, the device bytes a step retains are
     proportional to the sequence length (no term in seq^2 or seq x vocab stays on the device)."""
+    from slidedp_lightning import use_chunked_loss
     from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
     from tests.runtime.test_engine import CPU, VOCAB
 
     retained = {}
     for seq in (8, 16, 32):
         model = tiny_model(True)
-        config = EngineConfig(activation_policy=ActivationPolicy.coerce("full@0.5"), loss_chunk_tokens=8)
+        use_chunked_loss(model, 8)
+        config = EngineConfig(activation_policy=ActivationPolicy.coerce("full@0.5"))
         engine = SlideDPEngine(model, config, device=CPU, compute_dtype=torch.float32)
         try:
             engine.attach_optimizer(adamw_groups(model))

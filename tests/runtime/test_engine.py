@@ -649,13 +649,6 @@ def test_engine_finds_model_inside_wrapper(engines) -> None:
     assert_rel_close({k.removeprefix("net."): v for k, v in sd.items()}, ref.state_dict())
 
 
-def test_multi_host_world_rejected() -> None:
-    with pytest.raises(ValueError, match="single host"):
-        SlideDPEngine(
-            tiny_model(), EngineConfig(), device=CPU, compute_dtype=torch.float32, world_size=4, local_world_size=2
-        )
-
-
 @pytest.mark.parametrize(
     "kw, match",
     [

@@ -193,8 +193,9 @@ def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypat
         assert len(set().union(*used)) == pool.buffers, "every step took its buffers from the same few"
         assert engine.device_memory()["grad_buffer_bytes"] == pool.buffers * engine.layout.max_unit * 4
     finally:
+        pool = engine.routes.pool
         engine.close()
-    assert engine.routes.pool.buffers == 0
+    assert pool.buffers == 0
 
 
 def _gloo_reduce_scatter_vs_all_reduce(rank: int, world: int, port: int, out: str) -> None:

@@ -6,6 +6,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.build import InitialWeights
 
 
 def test_meta_model_is_materialized_one_unit_at_a_time(monkeypatch):
@@ -14,13 +15,13 @@ def test_meta_model_is_materialized_one_unit_at_a_time(monkeypatch):
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
     peaks = []
-    original = SlideDPEngine._materialize
+    original = InitialWeights._materialize
 
     def watched(self, module):
         original(self, module)
         peaks.append(sum(p.numel() for p in model.parameters() if not p.is_meta))
 
-    monkeypatch.setattr(SlideDPEngine, "_materialize", watched)
+    monkeypatch.setattr(InitialWeights, "_materialize", watched)
     engine = SlideDPEngine(model, EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
     try:
         largest = max(sum(s.numel for s in u.slots) for u in engine.layout.units)

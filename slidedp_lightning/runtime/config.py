@@ -1,0 +1,74 @@
+"""What the user chooses for one engine; everything else is derived (see :class:`EngineConfig`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from slidedp_lightning.constants import GRAD_ROUTES, PARAM_ROUTES, UPDATE_MODES
+from slidedp_lightning.runtime.activations import ActivationPolicy
+
+
+def _lane_delay_from_env() -> float:
+    return float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's choices. ``"auto"`` routes and chunk sizes are measured at setup (the resolved config is
+    ``engine.config``)."""
+
+    grad_route: str = "gpu_reduce"
+    param_route: str = "full"
+    prefetch_window: int = 2
+    update_threads: int | None = None
+    staging_slots: int = 2
+    timeout_s: float = 1800.0
+    trace_dir: str | None = None
+    chunk_bytes: int | str | None = None  # gradient path: FP32 bytes per reduce + update chunk; None = one per unit
+    activation_policy: ActivationPolicy = ActivationPolicy()  # per decoder block: checkpointing + offload ratio
+    # "immediate": a unit is updated as soon as its (last micro-batch's) gradient lands; "deferred": gradients
+    # are accumulated until the step ends, then checked (non-finite: the step is skipped), clipped and applied
+    update: str = "immediate"
+    accumulate: int = 1  # backward passes (micro-batches) per optimizer step
+    max_units_in_flight: int = 2  # units whose gradient may wait for the CPU update before backward waits
+    # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
+    lane_delay_ms: float = field(default_factory=_lane_delay_from_env)
+
+    def __post_init__(self) -> None:
+        if self.grad_route not in GRAD_ROUTES + ("auto",):
+            raise ValueError(f"grad_route must be one of {GRAD_ROUTES + ('auto',)}, got {self.grad_route!r}.")
+        if self.param_route not in PARAM_ROUTES + ("auto",):
+            raise ValueError(f"param_route must be one of {PARAM_ROUTES + ('auto',)}, got {self.param_route!r}.")
+        if self.param_route == "replicated" and self.grad_route not in ("gpu_reduce", "auto"):
+            raise ValueError(
+                "param_route='replicated' (every rank keeps and updates its own ledger) reduces gradients with an "
+                f"all-reduce on the devices; grad_route={self.grad_route!r} does not apply: use 'gpu_reduce'."
+            )
+        _positive_int("prefetch_window", self.prefetch_window)
+        _positive_int("max_units_in_flight", self.max_units_in_flight)
+        _positive_int("accumulate", self.accumulate)
+        _positive_int("staging_slots", self.staging_slots)
+        if self.update_threads is not None:
+            _positive_int("update_threads", self.update_threads, "None (auto) or ")
+        if self.chunk_bytes not in (None, "auto") and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 64):
+            raise ValueError(
+                f"chunk_bytes must be None (one chunk per unit), 'auto' or an integer >= 64, got {self.chunk_bytes!r}."
+            )
+        if not isinstance(self.activation_policy, ActivationPolicy):
+            raise TypeError(
+                "EngineConfig.activation_policy must be an ActivationPolicy; use ActivationPolicy.coerce(...) for "
+                "strings, dicts and JSON paths."
+            )
+        if self.update not in UPDATE_MODES:
+            raise ValueError(f"update must be one of {UPDATE_MODES}, got {self.update!r}.")
+
+    @property
+    def chunk_elems(self) -> int | None:
+        """FP32 elements per gradient chunk (a multiple of 16), or None for one chunk per unit."""
+        return self.chunk_bytes // 4 // 16 * 16 if isinstance(self.chunk_bytes, int) else None
+
+
+def _positive_int(name: str, value: object, alternatives: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be {alternatives}an integer >= 1, got {value!r}.")

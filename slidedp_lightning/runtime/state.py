@@ -1,0 +1,210 @@
+"""The ledger as named tensors: state dicts, optimizer state, checkpoint and export views.
+
+:class:`LedgerState` maps the root module's state-dict names to ledger slots and reads or writes the FP32
+master and both moments there. It never synchronizes by itself: the engine waits for every update before
+calling a reader and evicts every resident unit before calling a writer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slidedp_lightning.runtime.host_state import HostLedger
+from slidedp_lightning.runtime.layout import Layout
+from slidedp_lightning.runtime.topology import Topology
+
+Slot = tuple[int, int]  # (unit index, slot index) of one parameter in the layout
+
+
+class UnsupportedLayoutError(RuntimeError):
+    """An operation that needs whole parameters on a host, asked of host-sharded ledgers."""
+
+
+class LedgerState:
+    """Named views of one host's ledger (parameters keyed as ``root.state_dict()``, tied ones once)."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        layout: Layout,
+        ledger: HostLedger,
+        topology: Topology,
+        slot_of: dict[int, Slot],
+        host_ranges: list[tuple[int, int]] | None,
+    ) -> None:
+        self.root, self.layout, self.ledger, self.topology = root, layout, ledger, topology
+        self._slot_of = slot_of  # id(parameter) -> its slot
+        self._host_ranges = host_ranges
+
+    def require_whole_parameters(self, what: str) -> None:
+        if self.topology.host_sharded:
+            raise UnsupportedLayoutError(
+                f"{what} reads whole parameters, and with host-sharded ledgers each host holds 1/N of them. Save "
+                "distributed checkpoints (checkpoint_format='distributed', the default): they resume with either "
+                "host layout, and `python -m slidedp_lightning.export CHECKPOINT OUT` exports one offline."
+            )
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def slot_of(self, tensor: torch.Tensor) -> Slot | None:
+        """The ledger slot of a parameter of the streamed model (None for buffers and other tensors)."""
+        return self._slot_of.get(id(tensor))
+
+    def _view(self, where: Slot, region: str) -> torch.Tensor:
+        unit = self.layout.units[where[0]]
+        slot = unit.slots[where[1]]
+        start = unit.offset + slot.offset
+        return getattr(self.ledger, region)[start : start + slot.numel].view(slot.shape)
+
+    def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
+        return self._view((unit_index, slot_index), "master")
+
+    def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        where = (unit_index, slot_index)
+        return self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
+
+    def named_slots(self) -> dict[str, Slot]:
+        """Each ledger parameter once (a tied one under its first name), keyed as ``root.state_dict()``."""
+        out: dict[str, Slot] = {}
+        seen: set[Slot] = set()
+        for name, t in self.root.state_dict(keep_vars=True).items():
+            where = self._slot_of.get(id(t))
+            if where is not None and where not in seen:
+                seen.add(where)
+                out[name] = where
+        return out
+
+    def ledger_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Views for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>``
+        (writing into them writes the ledger). With host-sharded ledgers only this host's elements of each view
+        (:meth:`host_parts`) are valid."""
+        slots = self.named_slots()
+        out = {}
+        for name in names:
+            where = slots[name]
+            m, v = self.moments(*where)
+            out[f"model/{name}"], out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = self.master_view(*where), m, v
+        return out
+
+    def host_parts(self, where: Slot) -> list[tuple[int, int]]:
+        """Each host's elements ``[lo, hi)`` of a parameter, counted from its first element (``lo == hi``: none).
+        One host holding everything unless the ledgers are host-sharded."""
+        unit = self.layout.units[where[0]]
+        slot = unit.slots[where[1]]
+        if not self.topology.host_sharded:
+            return [(0, slot.numel)]
+        per_host = self.topology.ranks_per_host * unit.shard_numel
+        parts = []
+        for h in range(self.topology.hosts):
+            lo = min(max(h * per_host, slot.offset), slot.offset + slot.numel)
+            hi = max(min((h + 1) * per_host, slot.offset + slot.numel), lo)
+            parts.append((lo - slot.offset, hi - slot.offset))
+        return parts
+
+    def model_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s state keyed as its own ``state_dict()``: master views (tied weights once) and buffers."""
+        out, seen = {}, set()
+        for name, t in module.state_dict(keep_vars=True).items():
+            where = self._slot_of.get(id(t))
+            if where is None:
+                out[name] = t.detach()
+            elif where not in seen:
+                seen.add(where)
+                out[name] = self.master_view(*where)
+        return out
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The root's state entries that are not ledger parameters (persistent buffers), as copies."""
+        return {
+            n: t.detach().clone() for n, t in self.root.state_dict(keep_vars=True).items() if id(t) not in self._slot_of
+        }
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The root module's state dict with FP32 master weights (copies), keyed as ``root.state_dict()``."""
+        self.require_whole_parameters("state_dict")
+        out = {}
+        for name, t in self.root.state_dict(keep_vars=True).items():
+            where = self._slot_of.get(id(t))
+            out[name] = self.master_view(*where).clone() if where is not None else t.detach().clone()
+        return out
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, step: int) -> dict:
+        """``optimizer.state_dict()`` as torch's Adam/AdamW would return it, with the moments from the ledger."""
+        self.require_whole_parameters("optimizer_state_dict")
+        groups = optimizer.state_dict()["param_groups"]
+        state, index = {}, 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if step > 0:
+                    exp_avg, exp_avg_sq = self.moments(*self._slot_of[id(p)])
+                    state[index] = {
+                        "step": torch.tensor(float(step)),
+                        "exp_avg": exp_avg.clone(),
+                        "exp_avg_sq": exp_avg_sq.clone(),
+                    }
+                index += 1
+        return {"state": state, "param_groups": groups}
+
+    # -- writing ------------------------------------------------------------------------------------------
+    def _write(self, where: Slot, value: torch.Tensor, region: str) -> None:
+        slot = self.layout.units[where[0]].slots[where[1]]
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(f"{slot.name}: checkpoint shape {tuple(value.shape)} != model shape {slot.shape}.")
+        self._view(where, region).copy_(value.reshape(slot.shape))
+
+    def _barrier(self) -> None:
+        if self.topology.shard_group is not None:
+            dist.barrier(group=self.topology.shard_group)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Write weights (keyed as ``root.state_dict()``) into the FP32 master and its BF16 copy."""
+        self.require_whole_parameters("load_state_dict")
+        own = self.root.state_dict(keep_vars=True)
+        if strict:
+            missing = sorted(set(own) - set(state_dict))
+            unexpected = sorted(set(state_dict) - set(own))
+            if missing or unexpected:
+                raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        if self.topology.writes_ledger:
+            for name, value in state_dict.items():
+                where = self._slot_of.get(id(own[name])) if name in own else None
+                if where is not None:
+                    self._write(where, value, "master")
+                elif name in own:
+                    own[name].data.copy_(value)
+            self.ledger.refresh_bf16()
+        self._barrier()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> int:
+        """Restore moments, step count and group hyper-parameters saved by :meth:`optimizer_state_dict`; returns
+        the step count."""
+        self.require_whole_parameters("load_optimizer_state_dict")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = state.get("state", {})
+        steps = {int(s["step"]) for s in saved.values()} or {0}
+        if len(steps) != 1:
+            raise ValueError(f"SlideDP keeps one step count for all parameters; the checkpoint has {sorted(steps)}.")
+        if self.topology.writes_ledger:
+            for index, s in saved.items():
+                where = self._slot_of[id(params[int(index)])]
+                self._write(where, s["exp_avg"], "exp_avg")
+                self._write(where, s["exp_avg_sq"], "exp_avg_sq")
+            self.ledger.version[:] = steps.pop() if steps else 0
+        for group, saved_group in zip(optimizer.param_groups, state.get("param_groups", [])):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        self._barrier()
+        return int(self.ledger.version.min())
+
+    def restored(self, step: int, buffers: dict[str, torch.Tensor]) -> None:
+        """After every rank wrote its part of a checkpoint into the ledger: buffers, BF16 copy and stamps."""
+        own = self.root.state_dict(keep_vars=True)
+        for name, value in buffers.items():
+            if name in own and id(own[name]) not in self._slot_of:
+                own[name].data.copy_(value)
+        self._barrier()
+        if self.topology.writes_ledger:
+            self.ledger.refresh_bf16(self._host_ranges)
+            self.ledger.version[:] = step
+        self._barrier()
+

@@ -1,0 +1,283 @@
+"""One training step: the hooks that stream units and collect gradients, and the step boundary.
+
+:class:`StepDriver` installs the module and parameter hooks (arXiv 2609.34162, §3; ``docs/ARCHITECTURE.md``,
+"One step"): a forward pre-hook acquires a module's units, a forward hook releases them and registers an
+output-gradient hook that acquires them again for backward; each parameter's post-accumulate-grad hook
+collects its gradient and, once a unit is complete, dispatches it on the gradient route and queues its update
+on the CPU lane. :meth:`StepDriver.end_step` closes the optimizer step (deferred updates, clipping, skipped
+non-finite steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+import cpu_ops
+from slidedp_lightning.runtime.activations import ActivationManager
+from slidedp_lightning.runtime.config import EngineConfig
+from slidedp_lightning.runtime.grads import GradRoute
+from slidedp_lightning.runtime.host_state import trim_host_heap
+from slidedp_lightning.runtime.lanes import Lanes
+from slidedp_lightning.runtime.layout import Layout
+from slidedp_lightning.runtime.params import UnitResidency
+from slidedp_lightning.runtime.sync import Liveness, lane_delay
+from slidedp_lightning.runtime.topology import Topology
+from slidedp_lightning.runtime.trace import Tracer
+from slidedp_lightning.runtime.update import AdamHyper, UpdateLane, UpdateTask, read_hyper
+
+log = logging.getLogger(__name__)
+
+
+class StepDriver:
+    """The hooks of one rank's model and the optimizer-step boundary."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: Layout,
+        config: EngineConfig,
+        topology: Topology,
+        residency: UnitResidency,
+        activations: ActivationManager,
+        routes: GradRoute,
+        lane: UpdateLane,
+        lanes: Lanes,
+        tracer: Tracer,
+        liveness: Liveness,
+    ) -> None:
+        self.layout, self.config, self.topology = layout, config, topology
+        self.residency, self.activations, self.routes, self.lane = residency, activations, routes, lane
+        self.lanes, self.tracer, self.liveness = lanes, tracer, liveness
+        self.step = 0  # optimizer steps whose updates have all been dispatched
+        self.skipped = False  # the last end_step skipped a step with a non-finite gradient
+        self.last_grad_norm: float | None = None  # deferred mode: the last step's global gradient norm
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.slot_of: dict[int, tuple[int, int]] = {}  # id(parameter) -> (unit, slot)
+        self._handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(lambda m, a: self.residency.begin_forward())
+        ]
+        for module, units in layout.compute_modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
+            self._handles.append(module.register_forward_hook(self._post_forward_hook(units)))
+        for ui, unit in enumerate(layout.units):
+            for si in range(len(unit.slots)):
+                p = residency.param(ui, si)
+                self.slot_of[id(p)] = (ui, si)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._reset_step()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- per backward pass and per step -------------------------------------------------------------------
+    def _reset_backward(self) -> None:
+        self._grads: list[list[torch.Tensor | None]] = [[None] * len(u.slots) for u in self.layout.units]
+        self._pending = [len(u.slots) for u in self.layout.units]
+        self._callback_queued = False
+
+    def _reset_step(self) -> None:
+        self._reset_backward()
+        self._micro = 0  # backward passes completed in this optimizer step
+        self._any_grad = False
+        self._hyper: list[AdamHyper] | None = None
+        self._step_t0: float | None = None  # tracing: the step's first training forward
+        self._mark: Any = None  # tracing: when the compute lane last resumed compute (see Lanes.stamp)
+
+    def _stamp(self) -> Any:
+        """Tracing: a timestamp on the compute lane (None when tracing is off)."""
+        return self.lanes.stamp("compute") if self.tracer.enabled else None
+
+    def _compute_until_now(self, unit: int) -> None:
+        """Tracing: the compute thread ran backward from the last mark until this hook."""
+        if self.tracer.enabled and self._mark is not None:
+            self.tracer.record("compute", "backward", self.step, self._mark, self._stamp(), unit)
+
+    # -- forward ------------------------------------------------------------------------------------------
+    def _pre_forward_hook(self, units: tuple[int, ...]) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.lane.raise_if_failed()
+            lane_delay()
+            if self.tracer.enabled and self._step_t0 is None and torch.is_grad_enabled():
+                self._step_t0 = time.perf_counter()
+            self.residency.acquire(units, self.step, backward=False)
+            self._mark = self._stamp()
+
+        return hook
+
+    def _post_forward_hook(self, units: tuple[int, ...]) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.tracer.enabled and torch.is_grad_enabled():
+                self.tracer.record("compute", "forward", self.step, self._mark, self._stamp(), units[-1])
+                self._mark = None  # loss, logging and the loop run outside the units: backward starts at its hook
+            self.residency.release(units)
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: self._on_output_grad(units))
+
+        return hook
+
+    # -- backward -----------------------------------------------------------------------------------------
+    def _on_output_grad(self, units: tuple[int, ...]) -> None:
+        if self._micro >= self.config.accumulate:
+            raise RuntimeError(
+                f"SlideDP received a second gradient for this optimizer step: backward pass {self._micro + 1} with "
+                f"accumulate={self.config.accumulate}. Close each step (optimizer_step / end_step) after "
+                f"{self.config.accumulate} backward pass(es), or raise accumulate_grad_batches."
+            )
+        done = [self.layout.units[u].name for u in units if self._pending[u] == 0]
+        if done:
+            # the unit's gradient already went to the update lane and its device buffer is gone: stop before
+            # autograd reads it
+            raise RuntimeError(
+                f"SlideDP: one backward pass reached unit(s) {done} a second time, after their gradient was "
+                "reduced and handed to the CPU update (a module called twice in one forward, or retain_graph "
+                "backward passes); each unit takes part in a forward pass once."
+            )
+        self._compute_until_now(units[-1])
+        self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
+        for u in units:
+            self.activations.prefetch(u)
+        self._mark = self._stamp()
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        ui, si = self.slot_of[id(param)]
+        grad, param.grad = param.grad, None
+        if self._grads[ui][si] is not None or self._pending[ui] == 0:
+            raise RuntimeError(
+                f"SlideDP received a second gradient for {self.layout.units[ui].slots[si].name} in one backward "
+                "pass; each parameter takes part in a forward pass once."
+            )
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._check_backward_complete)
+            self._callback_queued = True
+        self._any_grad = True
+        self._grads[ui][si] = grad
+        self._pending[ui] -= 1
+        if self._pending[ui] == 0:
+            self._unit_ready(ui)
+
+    def _unit_ready(self, u: int) -> None:
+        self._compute_until_now(u)
+        self.residency.release_backward(u)
+        grads, self._grads[u] = self._grads[u], [None] * len(self._grads[u])
+        if self.optimizer is None:
+            raise RuntimeError("SlideDP got gradients but no optimizer is attached; call attach_optimizer first.")
+        if self._hyper is None:
+            self._hyper = read_hyper(self.optimizer)
+        if self.lane.units_in_flight >= self.config.max_units_in_flight:
+            with self.tracer.span("stall", "wait update lane", self.step, u):
+                self.lane.wait_units_below(self.config.max_units_in_flight, self.liveness)
+        with self.tracer.span("reduce", "issue", self.step, u):
+            chunks = self.routes.dispatch(u, grads, self.step)
+        action = self._action()
+        for k, (lo, hi, source) in enumerate(chunks):
+            last = k == len(chunks) - 1
+            task = UpdateTask(u, self.step + 1, self._hyper, source, lo, hi, last, k, self.routes.grad_scale, action,
+                              first=self._micro == 0)  # fmt: skip
+            self.lane.submit(task)
+        self._mark = self._stamp()
+
+    def _action(self) -> str:
+        """What the update lane does with the gradient of the backward pass now running."""
+        if self.config.update == "deferred" or self._micro < self.config.accumulate - 1:
+            return "accumulate"
+        return "accumulate_update" if self._micro else "update"
+
+    def _check_backward_complete(self) -> None:
+        self._compute_until_now(0)
+        self._mark = None
+        self._callback_queued = False
+        missing = [
+            s.name
+            for ui, u in enumerate(self.layout.units)
+            if self._pending[ui]
+            for s, g in zip(u.slots, self._grads[ui])
+            if g is None
+        ]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} parameters received no gradient in this backward pass (e.g. {missing[:3]}). "
+                "SlideDP updates each unit once per step and needs every parameter to take part in the loss."
+            )
+        self._micro += 1
+        self._reset_backward()
+
+    # -- the step boundary --------------------------------------------------------------------------------
+    def end_step(self, clip_norm: float | None = None, clip_value: float | None = None, grad_scale: float = 1.0) -> bool:
+        """Close the optimizer step: True when it produced updates (all of them are now dispatched).
+
+        Deferred mode (or an accumulation window that ended early): the accumulated gradient is applied here,
+        multiplied by ``grad_scale`` (e.g. 1 / loss scale) and clipped to the global norm ``clip_norm`` or to
+        ``[-clip_value, clip_value]``; a non-finite gradient on any rank skips the step on every rank (False).
+        """
+        self.lane.raise_if_failed()
+        self.skipped = False
+        if not self._any_grad:
+            return False
+        if self._callback_queued:  # a backward pass whose completion check has not run
+            self._check_backward_complete()
+        if self.tracer.enabled:
+            self.tracer.mark_step(self.step, self._step_t0 or time.perf_counter(), time.perf_counter())
+        self.activations.end_step()
+        applied = True
+        if self.config.update == "deferred" or self._micro < self.config.accumulate:
+            applied = self._apply_accumulated(clip_norm, clip_value, grad_scale)
+        elif clip_norm or clip_value or grad_scale != 1.0:
+            raise RuntimeError(
+                "clipping and gradient scaling need update='deferred' (the engine was built with update='immediate')"
+            )
+        if applied:
+            self.step += 1
+            if self.step == 1:  # the first step's one-off allocations (JIT, warm-up) are done
+                trim_host_heap()
+        self._reset_step()
+        return applied
+
+    def _global_norm(self, grad_scale: float) -> float:
+        """The exact global norm of the accumulated gradient (float64 sum of squares of every rank's shards)."""
+        squares = self.lane.call(lambda: cpu_ops.sum_squares(self.lane.accumulator())).result()
+        total = torch.tensor([squares], dtype=torch.float64)
+        group = self.topology.shard_group
+        if group is not None and not self.topology.ledger_per_rank:  # shards are disjoint: the norm sums them
+            dist.all_reduce(total, group=group)
+        elif group is not None:  # every rank holds the whole gradient: agree on non-finite values
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        return float(total.sqrt()) * abs(grad_scale)
+
+    def _apply_accumulated(self, clip_norm: float | None, clip_value: float | None, grad_scale: float) -> bool:
+        """Check, clip and apply this rank's accumulated shards (forward order: the next step needs unit 0 first)."""
+        assert self.optimizer is not None
+        if self._hyper is None:
+            self._hyper = read_hyper(self.optimizer)
+        self.lane.wait_idle(self.liveness)
+        norm = self.last_grad_norm = self._global_norm(grad_scale)
+        if not math.isfinite(norm):
+            log.warning(
+                "SlideDP: non-finite gradient (global norm %s) in step %d: the step is skipped on every rank, "
+                "weights and moments untouched.", norm, self.step,
+            )  # fmt: skip
+            self.skipped = True
+            return False
+        scale = grad_scale
+        if clip_norm:
+            scale *= min(1.0, clip_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s coefficient
+        clamp = clip_value / abs(grad_scale) if clip_value else None  # in the accumulator's (scaled) units
+        owner = self.topology.owner_rank
+        for u, unit in enumerate(self.layout.units):
+            s0, s1 = unit.shard(owner)
+            chunks = self.routes.chunks(s1 - s0)
+            for k, (lo, hi) in enumerate(chunks):
+                task = UpdateTask(u, self.step + 1, self._hyper, None, lo, hi, k == len(chunks) - 1, k, scale,
+                                  "update_from_acc", clamp=clamp)  # fmt: skip
+                self.lane.submit(task)
+        return True
