@@ -70,6 +70,10 @@ class TinyLM(L.LightningModule):
             self.model = Qwen3MoeForCausalLM(tiny_moe_config(self.cfg.get("layers", 2)))
         else:
             self.model = Qwen3ForCausalLM(tiny_config(self.cfg["tied"], self.cfg.get("layers", 2)))
+        if self.cfg.get("loss_chunk"):
+            from slidedp_lightning import use_chunked_loss
+
+            use_chunked_loss(self.model, self.cfg["loss_chunk"])
         if self.cfg.get("init_from"):
             self.load_state_dict(torch.load(self.cfg["init_from"]))
 
@@ -132,8 +136,8 @@ class TinyLM(L.LightningModule):
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6 and "slidedp-" in parts[5]:
                     mapped.add((parts[4], parts[5].strip()))
-        info = {"mapped": sorted(mapped), "nbytes": engine.ledger.geometry.nbytes,
-                "num_params": engine.layout.num_params}  # fmt: skip
+        stats = engine.ledger_stats()
+        info = {"mapped": sorted(mapped), "nbytes": stats.nbytes, "num_params": stats.num_params}  # fmt: skip
         with open(os.path.join(self.cfg["out"], f"ledger_rank{self.global_rank}.json"), "w") as f:
             json.dump(info, f)
 
@@ -142,7 +146,8 @@ class TinyLM(L.LightningModule):
         engine = getattr(self.trainer.strategy, "engine", None)
         if engine is not None:  # memory the ledger file holds after training (pages are allocated when written)
             with open(os.path.join(out, f"allocated_rank{self.global_rank}.json"), "w") as f:
-                json.dump({"allocated": engine.ledger.allocated_bytes(), "nbytes": engine.ledger.geometry.nbytes}, f)
+                stats = engine.ledger_stats()
+                json.dump({"allocated": stats.allocated_bytes, "nbytes": stats.nbytes}, f)
         with open(os.path.join(out, f"losses_rank{self.global_rank}.json"), "w") as f:
             json.dump(self.losses, f)
 
@@ -173,6 +178,11 @@ class SaveAt(L.Callback):
 def fit(cfg: dict) -> int:
     """Train one configuration; returns the global rank."""
     if cfg["strategy"] == "slidedp":
+        from slidedp_lightning.autopolicy import AutoPolicy
+
+        activations = cfg.get("activations")
+        if cfg.get("memory_budget") is not None:
+            activations = AutoPolicy(memory_budget=cfg["memory_budget"])
         strategy = SlideDPStrategy(
             grad_route=cfg.get("grad_route", "gpu_reduce"),
             param_route=cfg.get("param_route", "full"),
@@ -180,12 +190,9 @@ def fit(cfg: dict) -> int:
             update_threads=cfg.get("update_threads"),
             prefetch_window=cfg.get("window", 2),
             meta_init=cfg.get("meta_init", False),
-            trace_dir=cfg.get("trace_dir"),
-            activation_policy=cfg.get("activations"),
-            memory_budget=cfg.get("memory_budget"),
+            activation_policy=activations,
             update=cfg.get("update", "auto"),
             checkpoint_format=cfg.get("checkpoint_format", "distributed"),
-            loss_chunk_tokens=cfg.get("loss_chunk"),
             host_layout=cfg.get("host_layout", "replicated"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
         )  # fmt: skip
@@ -205,7 +212,11 @@ def fit(cfg: dict) -> int:
 
             plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
         precision = None
-    callbacks = []
+    callbacks: list = []
+    if cfg.get("trace_dir") and cfg["strategy"] == "slidedp":
+        from slidedp_lightning import LaneTrace
+
+        callbacks.append(LaneTrace(cfg["trace_dir"]))
     if "save_at" in cfg:
         path = cfg.get("save_path", os.path.join(cfg["out"], "ck"))
         callbacks.append(SaveAt(cfg["save_at"], path, cfg.get("kill_in_save")))

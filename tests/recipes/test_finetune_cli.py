@@ -10,7 +10,7 @@ def test_route_flags_configure_the_strategy():
     args = build_parser().parse_args(["--param-route", "sharded", "--grad-route", "host_reduce", "--chunk-bytes", "4096"])
     s = strategy_for(args)
     assert isinstance(s, SlideDPStrategy)
-    assert (s.engine_config.param_route, s.engine_config.grad_route, s.engine_config.chunk_bytes) == ("sharded", "host_reduce", 4096)
+    assert (s.options.param_route, s.options.grad_route, s.options.chunk_bytes) == ("sharded", "host_reduce", 4096)
 
 
 def test_defaults_keep_the_registered_strategy():
