@@ -31,8 +31,17 @@ class Job:
     memory: bool = False  # its host memory is reported (then it holds exactly one run)
 
 
-def _shape(name: str, hidden: int, layers: int, inter: int, heads: int, kv: int, vocab: int, tied: bool = True,
-           head_dim: int = 64) -> ModelShape:  # fmt: skip
+def _shape(
+    name: str,
+    hidden: int,
+    layers: int,
+    inter: int,
+    heads: int,
+    kv: int,
+    vocab: int,
+    tied: bool = True,
+    head_dim: int = 64,
+) -> ModelShape:
     return ModelShape(name, hidden, layers, inter, heads, kv, head_dim, vocab, tied)
 
 
@@ -63,17 +72,44 @@ def _moe(name: str, hidden: int, layers: int, experts: int, top: int, moe_inter:
     """A Qwen3-MoE shape (4 query heads per KV head, head_dim 64 on the CPU scale, 128 beyond)."""
     head_dim = 64 if hidden <= 512 else 128
     heads = hidden // head_dim
-    return ModelShape(name, hidden, layers, moe_inter, heads, max(1, heads // 4), head_dim, vocab, tied=False,
-                      experts=experts, experts_per_tok=top, moe_intermediate=moe_inter)  # fmt: skip
+    return ModelShape(
+        name,
+        hidden,
+        layers,
+        moe_inter,
+        heads,
+        max(1, heads // 4),
+        head_dim,
+        vocab,
+        tied=False,
+        experts=experts,
+        experts_per_tok=top,
+        moe_intermediate=moe_inter,
+    )
 
 
 def scale(name: str, ranks: int | None = None) -> Scale:
     if name == "cpu":
         slope = tuple(_shape(f"h512-L{n}", 512, n, 1408, 8, 4, 4096) for n in (2, 8, 14, 20, 26))
-        return Scale("cpu", "cpu", ranks or 2, slope, batch=2, seq=32, steps=7, warmup=2, precision="bf16-mixed",
-                     loss_shape=_shape("h128-L2", 128, 2, 384, 4, 2, 512, head_dim=32), loss_batch=8, loss_seq=32,
-                     loss_steps=200, chunk_bytes=1 << 20, timeout_s=240,
-                     moe_shape=_moe("moe-h256-E8", 256, 2, 8, 2, 256, 4096), long_seq=512)  # fmt: skip
+        return Scale(
+            "cpu",
+            "cpu",
+            ranks or 2,
+            slope,
+            batch=2,
+            seq=32,
+            steps=7,
+            warmup=2,
+            precision="bf16-mixed",
+            loss_shape=_shape("h128-L2", 128, 2, 384, 4, 2, 512, head_dim=32),
+            loss_batch=8,
+            loss_seq=32,
+            loss_steps=200,
+            chunk_bytes=1 << 20,
+            timeout_s=240,
+            moe_shape=_moe("moe-h256-E8", 256, 2, 8, 2, 256, 4096),
+            long_seq=512,
+        )
     if name == "gpu":
         v = 151936
         slope = (
@@ -82,10 +118,25 @@ def scale(name: str, ranks: int | None = None) -> Scale:
             _shape("qwen3-14b", 5120, 40, 17408, 40, 8, v, tied=False, head_dim=128),
         )
         r = ranks or 4
-        return Scale("gpu", "cuda", r, slope, batch=16 * r, seq=1024, steps=12, warmup=3, precision="bf16-mixed",
-                     loss_shape=_shape("qwen3-0.6b", 1024, 28, 3072, 16, 8, v, tied=True, head_dim=128),
-                     loss_batch=8 * r, loss_seq=512, loss_steps=200, chunk_bytes=32 << 20, timeout_s=3600,
-                     moe_shape=_moe("qwen3-30b-a3b", 2048, 48, 128, 8, 768, v), long_seq=32768)  # fmt: skip
+        return Scale(
+            "gpu",
+            "cuda",
+            r,
+            slope,
+            batch=16 * r,
+            seq=1024,
+            steps=12,
+            warmup=3,
+            precision="bf16-mixed",
+            loss_shape=_shape("qwen3-0.6b", 1024, 28, 3072, 16, 8, v, tied=True, head_dim=128),
+            loss_batch=8 * r,
+            loss_seq=512,
+            loss_steps=200,
+            chunk_bytes=32 << 20,
+            timeout_s=3600,
+            moe_shape=_moe("qwen3-30b-a3b", 2048, 48, 128, 8, 768, v),
+            long_seq=32768,
+        )
     raise ValueError(f"unknown scale {name!r}; one of {SCALES}")
 
 
@@ -106,11 +157,21 @@ def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
     init = init or init_file_for
 
     def spec(system: str, shape: ModelShape, **kw) -> JobSpec:
-        base = dict(system=system, model=shape, ranks=sc.ranks, global_batch=sc.batch, seq=sc.seq, steps=sc.steps,
-                    warmup=sc.warmup, precision=sc.precision, accelerator=sc.accelerator, timeout_s=sc.timeout_s)
+        base = dict(
+            system=system,
+            model=shape,
+            ranks=sc.ranks,
+            global_batch=sc.batch,
+            seq=sc.seq,
+            steps=sc.steps,
+            warmup=sc.warmup,
+            precision=sc.precision,
+            accelerator=sc.accelerator,
+            timeout_s=sc.timeout_s,
+        )
         base.update(kw)
         base["init_file"] = str(init(shape, base["seq"], init_root))
-        return JobSpec(**base)  # fmt: skip
+        return JobSpec(**base)
 
     jobs: list[Job] = []
     for shape in sc.slope_shapes:
@@ -124,20 +185,29 @@ def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
         variants.runs.append(Run(f"variants/{system}", spec(system, small, global_batch=g), "variants"))
     for route, knobs in ROUTES.items():
         if route != DEFAULT_ROUTE:
-            variants.runs.append(Run(f"routes/{route}", spec("slidedp", small, global_batch=g, knobs=knobs), "variants"))
+            variants.runs.append(
+                Run(f"routes/{route}", spec("slidedp", small, global_batch=g, knobs=knobs), "variants")
+            )
     for label, chunk in (("on", sc.chunk_bytes), ("auto", "auto")):
         knobs = {"chunk_bytes": chunk}
         variants.runs.append(Run(f"chunking/{label}", spec("slidedp", small, global_batch=g, knobs=knobs), "variants"))
     autopolicy = Job("autopolicy")
     for label, policy in (("off", "full"), ("on", "auto")):
         knobs = {"activation_policy": policy}
-        autopolicy.runs.append(Run(f"autopolicy/{label}", spec("slidedp", small, global_batch=g, knobs=knobs), "variants"))
+        autopolicy.runs.append(
+            Run(f"autopolicy/{label}", spec("slidedp", small, global_batch=g, knobs=knobs), "variants")
+        )
     jobs += [variants, autopolicy]
     one = Job("scaling-R1")  # R = 1 at the same global batch (strong) and at the same per-rank batch (weak)
     for system in ("slidedp", "replicated"):
         for kind, batch in (("strong", g), ("weak", g // sc.ranks)):
-            one.runs.append(Run(f"scaling/R1-{kind}/{system}", spec(system, small, ranks=1, global_batch=batch),
-                                f"scaling/R1-{kind}"))  # fmt: skip
+            one.runs.append(
+                Run(
+                    f"scaling/R1-{kind}/{system}",
+                    spec(system, small, ranks=1, global_batch=batch),
+                    f"scaling/R1-{kind}",
+                )
+            )
     jobs.append(one)
     if sc.moe_shape is not None:
         for system in SYSTEMS:
@@ -152,8 +222,17 @@ def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
     for system in ("slidedp", "fsdp2"):
         job = Job(f"loss/{system}")
         for precision in ("32-true", "bf16-mixed"):
-            s = spec(system, sc.loss_shape, global_batch=sc.loss_batch, seq=sc.loss_seq, steps=sc.loss_steps,
-                     warmup=2, precision=precision, checkpointing=False, timeout_s=sc.timeout_s * 2)  # fmt: skip
+            s = spec(
+                system,
+                sc.loss_shape,
+                global_batch=sc.loss_batch,
+                seq=sc.loss_seq,
+                steps=sc.loss_steps,
+                warmup=2,
+                precision=precision,
+                checkpointing=False,
+                timeout_s=sc.timeout_s * 2,
+            )
             job.runs.append(Run(f"loss/{precision}/{system}", s, f"loss/{precision}"))
         jobs.append(job)
     return jobs

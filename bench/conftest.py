@@ -20,8 +20,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("slidedp benchmarks")
     group.addoption("--benchmark", action="store_true", default=False, help="run the benchmark suites in bench/")
     group.addoption("--bench-results", default=None, help="results directory (default results/bench-<UTC time>)")
-    group.addoption("--bench-sizes", type=int, nargs="+", default=[4, 16, 64, 256],
-                    help="parameter counts in millions for the CPU update benchmark")  # fmt: skip
+    group.addoption(
+        "--bench-sizes",
+        type=int,
+        nargs="+",
+        default=[4, 16, 64, 256],
+        help="parameter counts in millions for the CPU update benchmark",
+    )
     group.addoption("--bench-rounds", type=int, default=5, help="measured interleaved rounds per configuration")
     group.addoption("--scale", choices=("cpu", "gpu"), default="cpu", help="systems suite scale (gpu needs CUDA)")
     group.addoption("--bench-ranks", type=int, default=None, help="ranks of the systems suite (cpu: 2, gpu: 4)")

@@ -34,13 +34,31 @@ from slidedp_lightning.runtime.activations import ActivationPolicy
 
 def qwen3_config(tiny: bool) -> Qwen3Config:
     if tiny:
-        return Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-                           max_position_embeddings=4096, attn_implementation="sdpa")  # fmt: skip
+        return Qwen3Config(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+            attn_implementation="sdpa",
+        )
     # Qwen3-1.7B shapes: ~1.7 B parameters with tied embeddings
-    return Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                       max_position_embeddings=40960, attn_implementation="sdpa")  # fmt: skip
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        attn_implementation="sdpa",
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -103,8 +121,9 @@ def train(model, data: list[torch.Tensor], warmup: int, device: torch.device, fi
     return times, losses
 
 
-def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device,
-              checkpointing: bool) -> dict:  # fmt: skip
+def run_plain(
+    cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device, checkpointing: bool
+) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = seeded_model(cfg).to(device)
@@ -117,9 +136,13 @@ def run_plain(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: t
         opt.zero_grad(set_to_none=True)
 
     times, losses = train(model, data, warmup, device, finish)
-    result = {"step_s": statistics.median(times), "peak_device_bytes": peak_device_bytes(device),
-              "host_rss_bytes": rss_bytes(), "losses": losses}  # fmt: skip
-    del model, opt
+    result = {
+        "step_s": statistics.median(times),
+        "peak_device_bytes": peak_device_bytes(device),
+        "host_rss_bytes": rss_bytes(),
+        "losses": losses,
+    }
+    finish = opt = model = None  # free the device memory before empty_cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -131,8 +154,15 @@ def seeded_model(cfg: Qwen3Config) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg)
 
 
-def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device: torch.device,
-                trace_dir: Path | None, checkpointing: bool, meta_init: bool) -> dict:  # fmt: skip
+def run_slidedp(
+    cfg: Qwen3Config,
+    data: list[torch.Tensor],
+    warmup: int,
+    device: torch.device,
+    trace_dir: Path | None,
+    checkpointing: bool,
+    meta_init: bool,
+) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -141,8 +171,10 @@ def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device:
             model = Qwen3ForCausalLM(cfg)
     else:
         model = seeded_model(cfg)
-    config = EngineConfig(trace_dir=str(trace_dir) if trace_dir else None,
-                          activation_policy=ActivationPolicy.coerce("full" if checkpointing else None))  # fmt: skip
+    config = EngineConfig(
+        trace_dir=str(trace_dir) if trace_dir else None,
+        activation_policy=ActivationPolicy.coerce("full" if checkpointing else None),
+    )
     engine = SlideDPEngine(model, config, device=device, compute_dtype=torch.bfloat16)
     setup_s = time.perf_counter() - t0
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
@@ -166,14 +198,16 @@ def run_slidedp(cfg: Qwen3Config, data: list[torch.Tensor], warmup: int, device:
     return result
 
 
-def compare(cfg: Qwen3Config, batch: int, checkpointing: bool, args, device: torch.device,
-            trace_dir: Path | None, save) -> dict:  # fmt: skip
+def compare(
+    cfg: Qwen3Config, batch: int, checkpointing: bool, args, device: torch.device, trace_dir: Path | None, save
+) -> dict:
     """Plain PyTorch, then SlideDP, on the same batches; a failure (OOM, host-memory refusal) is a result too."""
     data = batches(cfg.vocab_size, batch, args.seq, args.steps, device)
     case = {"batch": batch, "checkpointing": checkpointing}
-    for name, fn in (("plain", lambda: run_plain(cfg, data, args.warmup, device, checkpointing)),
-                     ("slidedp", lambda: run_slidedp(cfg, data, args.warmup, device, trace_dir, checkpointing,
-                                                     args.meta_init))):  # fmt: skip
+    for name, fn in (
+        ("plain", lambda: run_plain(cfg, data, args.warmup, device, checkpointing)),
+        ("slidedp", lambda: run_slidedp(cfg, data, args.warmup, device, trace_dir, checkpointing, args.meta_init)),
+    ):
         try:
             case[name] = fn()
             case[name]["tokens_per_s"] = batch * args.seq / case[name]["step_s"]
@@ -197,8 +231,10 @@ def table_row(name: str, batch: int, checkpointing: bool, r: dict) -> str:
     ledger = f"{r['ledger_bytes'] / gib:.2f}" if "ledger_bytes" in r else "-"
     exposed = f"{r['exposed_host']:.3f}" if r.get("exposed_host") is not None else "-"
     overlap = f"{r['overlap_fraction']:.2f}" if r.get("overlap_fraction") is not None else "-"
-    return head + (f"| {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {dev} | {r['host_rss_bytes'] / gib:.2f} "
-                   f"| {ledger} | {exposed} | {overlap} | |")  # fmt: skip
+    return head + (
+        f"| {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {dev} | {r['host_rss_bytes'] / gib:.2f} "
+        f"| {ledger} | {exposed} | {overlap} | |"
+    )
 
 
 def main() -> None:
@@ -222,9 +258,12 @@ def main() -> None:
         n_params = sum(p.numel() for p in Qwen3ForCausalLM(cfg).parameters())
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "params": n_params, "batch": args.batch, "seq": args.seq,
+        "torch": torch.__version__,
+        "params": n_params,
+        "batch": args.batch,
+        "seq": args.seq,
         "copies": copy_bandwidth(device, args.copy_mib << 20),
-    }  # fmt: skip
+    }
 
     def save(key: str):
         def write(case: dict) -> None:
@@ -244,16 +283,20 @@ def main() -> None:
     print(f"\n{report['device']}, torch {report['torch']}, {n_params / 1e9:.2f} B params, seq {args.seq}")
     for k, v in report["copies"].items():
         print(f"  {k}: {v:.1f}")
-    print("| system | batch | checkpointing | tokens/s | step s | peak device GiB | host RSS GiB | ledger GiB "
-          "| exposed host s | overlap | error |")  # fmt: skip
+    print(
+        "| system | batch | checkpointing | tokens/s | step s | peak device GiB | host RSS GiB | ledger GiB "
+        "| exposed host s | overlap | error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         for name in ("plain", "slidedp"):
             print(table_row(name, case["batch"], case["checkpointing"], case[name]))
     for case in cases:
         if "max_abs_loss_diff" in case:
-            print(f"batch {case['batch']}: max |plain - SlideDP| per-step loss {case['max_abs_loss_diff']:.4f} "
-                  f"(same initial weights and batches; BF16 weights vs FP32 weights under BF16 autocast)")
+            print(
+                f"batch {case['batch']}: max |plain - SlideDP| per-step loss {case['max_abs_loss_diff']:.4f} "
+                f"(same initial weights and batches; BF16 weights vs FP32 weights under BF16 autocast)"
+            )
     print(f"json: {out / 'gpu_check.json'}; SlideDP lanes: tensorboard --logdir {out / 'slidedp_trace'}")
 
 

@@ -162,14 +162,20 @@ class BenchReport:
         head = f"# Benchmark results\n\nmachine: {json.dumps(info)}\n\n"
         md.write_text(head + "\n\n".join(self.markdown_sections()) + "\n")
         js = self.out / "results.json"
-        js.write_text(json.dumps({
-            "machine": info,
-            "measurements": [asdict(m) | {"gparam_s": m.gparam_s, "gb_s": m.gb_s} for m in self.measurements],
-            "ratios": [asdict(r) | {"ok": r.ok} for r in self.ratios],
-            "notes": dict(self.notes),
-            "tables": [asdict(t) for t in self.tables],
-            "runs": self.runs,
-        }, indent=1, default=str))  # fmt: skip
+        js.write_text(
+            json.dumps(
+                {
+                    "machine": info,
+                    "measurements": [asdict(m) | {"gparam_s": m.gparam_s, "gb_s": m.gb_s} for m in self.measurements],
+                    "ratios": [asdict(r) | {"ok": r.ok} for r in self.ratios],
+                    "notes": dict(self.notes),
+                    "tables": [asdict(t) for t in self.tables],
+                    "runs": self.runs,
+                },
+                indent=1,
+                default=str,
+            )
+        )
         csv_dir = self.out / "csv"
         if self.tables:
             csv_dir.mkdir(exist_ok=True)

@@ -47,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{job.name}: {r.status}: {r.reason}", flush=True)
             return 1
         exact = r.private_peak / GB if r.private_peak is not None else float("nan")
-        print(f"{job.name}: {r.spec.model.num_params / 1e6:.1f} M params, host peak {r.host_peak / GB:.3f} GB "
-              f"(shared {r.host_peak_shmem / GB:.3f}), ranks' exact private peak {exact:.3f} GB, "
-              f"step {r.step_median * 1e3:.0f} ms", flush=True)  # fmt: skip
+        print(
+            f"{job.name}: {r.spec.model.num_params / 1e6:.1f} M params, host peak {r.host_peak / GB:.3f} GB "
+            f"(shared {r.host_peak_shmem / GB:.3f}), ranks' exact private peak {exact:.3f} GB, "
+            f"step {r.step_median * 1e3:.0f} ms",
+            flush=True,
+        )
         xs.append(r.spec.model.num_params / 1e9)
         ys.append(r.host_peak / GB)
         private.append(exact)

@@ -49,9 +49,11 @@ def system_runs(res: dict[str, RunResult], sc: Scale) -> dict[str, dict[str, Run
 def throughput(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     by = system_runs(res, sc)
     first = next(iter(by.values()))["slidedp"].spec
-    head = f"{sc.ranks} ranks, global batch {first.global_batch}, seq {first.seq}, {first.precision}, full-layer " \
-           f"activation checkpointing in every system; median of {first.steps - first.warmup - 1} measured steps " \
-           f"after {first.warmup} warm-up steps"  # fmt: skip
+    head = (
+        f"{sc.ranks} ranks, global batch {first.global_batch}, seq {first.seq}, {first.precision}, full-layer "
+        f"activation checkpointing in every system; median of {first.steps - first.warmup - 1} measured steps "
+        f"after {first.warmup} warm-up steps"
+    )
     rows, ratios = [], {b: [] for b in BASELINES}
     for shape, runs in by.items():
         s = runs["slidedp"]
@@ -61,12 +63,23 @@ def throughput(res: dict[str, RunResult], sc: Scale) -> list[Table]:
                 ratio = s.tokens_per_s / r.tokens_per_s
                 ratios[system].append(ratio)
             rows.append([shape, f"{r.spec.model.num_params / 1e6:.1f}", system, _tps(r), _ms(r), ratio])
-    t1 = Table(SUITE, "Throughput at matched batch", ["model", "M params", "system", "tokens/s", "step ms (median)",
-               "SlideDP / system"], rows, [head] + _why([r for v in by.values() for r in v.values()]))  # fmt: skip
-    summary = [[b, len(v), geomean(v) if v else "-", min(v) if v else "-", max(v) if v else "-"] for b, v in ratios.items()]
-    t2 = Table(SUITE, "SlideDP throughput ratio vs each baseline (geometric mean over model sizes)",
-               ["baseline", "sizes", "geomean ratio", "min", "max"], summary,
-               ["paper (GPU hosts): 1.46x-2.64x vs SlideFormer / MegaTrain / ZeRO-Offload at matched batch"])  # fmt: skip
+    t1 = Table(
+        SUITE,
+        "Throughput at matched batch",
+        ["model", "M params", "system", "tokens/s", "step ms (median)", "SlideDP / system"],
+        rows,
+        [head] + _why([r for v in by.values() for r in v.values()]),
+    )
+    summary = [
+        [b, len(v), geomean(v) if v else "-", min(v) if v else "-", max(v) if v else "-"] for b, v in ratios.items()
+    ]
+    t2 = Table(
+        SUITE,
+        "SlideDP throughput ratio vs each baseline (geometric mean over model sizes)",
+        ["baseline", "sizes", "geomean ratio", "min", "max"],
+        summary,
+        ["paper (GPU hosts): 1.46x-2.64x vs SlideFormer / MegaTrain / ZeRO-Offload at matched batch"],
+    )
     return [t1, t2]
 
 
@@ -78,10 +91,15 @@ def _device(r: RunResult) -> str:
         return f"n/a ({r.device_note})"
     if "max_allocated_bytes" in d:
         return f"{d['max_allocated_bytes'] / GB:.3f} GB allocator peak"
-    params, acts, grads = (d["peak_resident_param_bytes"], d["retained_activation_bytes"],
-                           d.get("grad_buffer_bytes", 0))  # fmt: skip
-    return (f"{(params + acts + grads) / 1e6:.1f} MB (params {params / 1e6:.1f} + activations {acts / 1e6:.1f} + "
-            f"gradient buffers {grads / 1e6:.1f})")
+    params, acts, grads = (
+        d["peak_resident_param_bytes"],
+        d["retained_activation_bytes"],
+        d.get("grad_buffer_bytes", 0),
+    )
+    return (
+        f"{(params + acts + grads) / 1e6:.1f} MB (params {params / 1e6:.1f} + activations {acts / 1e6:.1f} + "
+        f"gradient buffers {grads / 1e6:.1f})"
+    )
 
 
 def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:
@@ -89,9 +107,10 @@ def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     runs = system_runs(res, sc)[shape.name]
     rows = []
     for system, r in runs.items():
-        gb = (lambda v: round(v / GB, 3)) if r.ok else (lambda v: r.status)
-        rows.append([system, gb(r.host_peak), gb(r.host_peak_shmem), gb(r.rss_sum_peak), gb(r.host_peak_run),
-                     _device(r)])  # fmt: skip
+        gb = (lambda v: round(v / GB, 3)) if r.ok else (lambda v, status=r.status: status)
+        rows.append(
+            [system, gb(r.host_peak), gb(r.host_peak_shmem), gb(r.rss_sum_peak), gb(r.host_peak_run), _device(r)]
+        )
     notes = [
         f"model {shape.name} ({shape.num_params / 1e6:.1f} M params), {sc.ranks} ranks, the same global batch for "
         "every system",
@@ -101,9 +120,23 @@ def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:
         "loading the initial weights",
         "on CPU the device is host memory: device-side bytes are inside the host columns; SlideDP's device column "
         "is its runtime's accounting (peak resident unit parameters + activations retained in the last step)",
-    ] + _why(list(runs.values()))  # fmt: skip
-    return [Table(SUITE, "Memory at equal batch", ["system", "host peak GB (training steps)", "of which shmem GB",
-                  "RSS sum GB (same sample)", "host peak GB (whole job)", "device memory"], rows, notes)]  # fmt: skip
+    ] + _why(list(runs.values()))
+    return [
+        Table(
+            SUITE,
+            "Memory at equal batch",
+            [
+                "system",
+                "host peak GB (training steps)",
+                "of which shmem GB",
+                "RSS sum GB (same sample)",
+                "host peak GB (whole job)",
+                "device memory",
+            ],
+            rows,
+            notes,
+        )
+    ]
 
 
 def host_slopes(res: dict[str, RunResult], sc: Scale) -> tuple[Table, dict[str, float]]:
@@ -128,10 +161,15 @@ def host_slopes(res: dict[str, RunResult], sc: Scale) -> tuple[Table, dict[str, 
         f"parameter count (billions) over {len(shapes)} model sizes, {sc.ranks} ranks: GB per billion parameters "
         "= bytes per parameter; constant costs (interpreters, libraries) fall into the intercept",
         "SlideDP's ledger holds 14 B/param (FP32 master + 2 FP32 moments + BF16 copy) once per host; the "
-        f"replicated mode one ledger per rank; paper: SlideDP 14.2 GB/B vs 19.8-22.9 GB/B for the baselines",
-    ] + _why([r for v in by.values() for r in v.values()])  # fmt: skip
-    headers = ["system", *[f"{s} ({by[s]['slidedp'].spec.model.num_params / 1e6:.1f} M) GB" for s in shapes],
-               "slope GB per B params", "intercept GB", "slope / replicated"]  # fmt: skip
+        "replicated mode one ledger per rank; paper: SlideDP 14.2 GB/B vs 19.8-22.9 GB/B for the baselines",
+    ] + _why([r for v in by.values() for r in v.values()])
+    headers = [
+        "system",
+        *[f"{s} ({by[s]['slidedp'].spec.model.num_params / 1e6:.1f} M) GB" for s in shapes],
+        "slope GB per B params",
+        "intercept GB",
+        "slope / replicated",
+    ]
     return Table(SUITE, "Host memory slope", headers, rows, notes), slopes
 
 
@@ -151,28 +189,72 @@ def scaling(res: dict[str, RunResult], sc: Scale) -> list[Table]:
             one = res[f"scaling/R1-{kind}/{system}"]
             speed = two.tokens_per_s / one.tokens_per_s if one.ok and two.ok else "-"
             eff = speed / sc.ranks if speed != "-" else "-"
-            rows.append([system, kind, f"{one.spec.global_batch} / {two.spec.global_batch}",
-                         f"{one.spec.batch_per_rank} / {two.spec.batch_per_rank}", _ms(one), _ms(two), _tps(one),
-                         _tps(two), speed, eff])  # fmt: skip
-    notes = ["strong: the same global batch on 1 and R ranks; weak: the same per-rank batch",
-             "speed-up = tokens/s on R ranks / tokens/s on 1 rank; efficiency = speed-up / R"]  # fmt: skip
+            rows.append(
+                [
+                    system,
+                    kind,
+                    f"{one.spec.global_batch} / {two.spec.global_batch}",
+                    f"{one.spec.batch_per_rank} / {two.spec.batch_per_rank}",
+                    _ms(one),
+                    _ms(two),
+                    _tps(one),
+                    _tps(two),
+                    speed,
+                    eff,
+                ]
+            )
+    notes = [
+        "strong: the same global batch on 1 and R ranks; weak: the same per-rank batch",
+        "speed-up = tokens/s on R ranks / tokens/s on 1 rank; efficiency = speed-up / R",
+    ]
     if sc.accelerator == "cpu":
-        notes.append(f"CPU scale: R = {sc.ranks} ranks share {sc.ranks} cores with the CPU update, the collectives and "
-                     "the host-memory sampler; 1 rank gets all cores for compute")  # fmt: skip
+        notes.append(
+            f"CPU scale: R = {sc.ranks} ranks share {sc.ranks} cores with the CPU update, the collectives and "
+            "the host-memory sampler; 1 rank gets all cores for compute"
+        )
     runs = [res[k] for k in res if k.startswith("scaling/") or k in ("variants/slidedp", "variants/replicated")]
-    return [Table(SUITE, f"Scaling with rank count (1 -> {sc.ranks})", ["system", "scaling", "global batch 1 / R",
-                  "per-rank batch 1 / R", "step ms 1", f"step ms {sc.ranks}", "tokens/s 1", f"tokens/s {sc.ranks}",
-                  "speed-up", "efficiency"], rows, notes + _why(runs))]  # fmt: skip
+    return [
+        Table(
+            SUITE,
+            f"Scaling with rank count (1 -> {sc.ranks})",
+            [
+                "system",
+                "scaling",
+                "global batch 1 / R",
+                "per-rank batch 1 / R",
+                "step ms 1",
+                f"step ms {sc.ranks}",
+                "tokens/s 1",
+                f"tokens/s {sc.ranks}",
+                "speed-up",
+                "efficiency",
+            ],
+            rows,
+            notes + _why(runs),
+        )
+    ]
 
 
 def chunking(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     base = res["variants/slidedp"]
-    pairs = [("off (one chunk per unit)", base), (f"on ({sc.chunk_bytes >> 10} KiB)", res["chunking/on"]),
-             ("auto (probed)", res["chunking/auto"])]  # fmt: skip
-    notes = ["gradient-path chunking: each landed chunk of a unit's reduced gradient goes to the CPU update at once",
-             "paper: Qwen3-8B, 4 GPUs 3218 -> 3465 tokens/s (+7.7 %); 1 GPU +33.6 %"] + _why([r for _, r in pairs])
-    return [Table(SUITE, "Chunking on/off (SlideDP)", ["chunking", "step ms", "tokens/s", "speed vs off"],
-                  _pair_rows(pairs, base), notes)]  # fmt: skip
+    pairs = [
+        ("off (one chunk per unit)", base),
+        (f"on ({sc.chunk_bytes >> 10} KiB)", res["chunking/on"]),
+        ("auto (probed)", res["chunking/auto"]),
+    ]
+    notes = [
+        "gradient-path chunking: each landed chunk of a unit's reduced gradient goes to the CPU update at once",
+        "paper: Qwen3-8B, 4 GPUs 3218 -> 3465 tokens/s (+7.7 %); 1 GPU +33.6 %",
+    ] + _why([r for _, r in pairs])
+    return [
+        Table(
+            SUITE,
+            "Chunking on/off (SlideDP)",
+            ["chunking", "step ms", "tokens/s", "speed vs off"],
+            _pair_rows(pairs, base),
+            notes,
+        )
+    ]
 
 
 def autopolicy(res: dict[str, RunResult], sc: Scale) -> list[Table]:
@@ -181,25 +263,45 @@ def autopolicy(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     for row, r in zip(rows, (off, on)):
         row.append(round(r.host_peak / GB, 3) if r.ok and r.host_peak else "n/a (shared job)")
         row.append(_device(r))
-    notes = ["the first steps (warm-up) include AutoPolicy's probe, calibration and solve; they are not measured",
-             "host peak is reported only for runs with a job of their own (these two share processes)",
-             "paper (4x H100, Qwen3-14B, batch 32): 17 370 -> 19 530 tokens/s (+12.4 %), host 261.9 -> 200.6 GB"]
+    notes = [
+        "the first steps (warm-up) include AutoPolicy's probe, calibration and solve; they are not measured",
+        "host peak is reported only for runs with a job of their own (these two share processes)",
+        "paper (4x H100, Qwen3-14B, batch 32): 17 370 -> 19 530 tokens/s (+12.4 %), host 261.9 -> 200.6 GB",
+    ]
     if sc.accelerator == "cpu":
-        notes.append("on CPU there is no device memory limit (budget: unlimited) and offload moves activations "
-                     "from host memory to host memory")  # fmt: skip
-    return [Table(SUITE, "AutoPolicy on/off (SlideDP)", ["AutoPolicy", "step ms", "tokens/s", "speed vs off",
-                  "host peak GB", "device memory"], rows, notes + _why([off, on]))]  # fmt: skip
+        notes.append(
+            "on CPU there is no device memory limit (budget: unlimited) and offload moves activations "
+            "from host memory to host memory"
+        )
+    return [
+        Table(
+            SUITE,
+            "AutoPolicy on/off (SlideDP)",
+            ["AutoPolicy", "step ms", "tokens/s", "speed vs off", "host peak GB", "device memory"],
+            rows,
+            notes + _why([off, on]),
+        )
+    ]
 
 
 def routes(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     base = res["variants/slidedp"]
     pairs = [(DEFAULT_ROUTE, base)] + [(k, res[f"routes/{k}"]) for k in ROUTES if k != DEFAULT_ROUTE]
-    notes = ["speed vs the default route (full + gpu_reduce); 'auto' probes the routes at setup",
-             "paper (A800): no route wins everywhere; a fixed choice loses 20-30 % on some hardware"]
+    notes = [
+        "speed vs the default route (full + gpu_reduce); 'auto' probes the routes at setup",
+        "paper (A800): no route wins everywhere; a fixed choice loses 20-30 % on some hardware",
+    ]
     if sc.accelerator == "cpu":
         notes.append("on CPU 'host->device' copies are memcpys within host memory and every collective is gloo")
-    return [Table(SUITE, "Route comparison (SlideDP)", ["route (param + grad)", "step ms", "tokens/s", "speed vs default"],
-                  _pair_rows(pairs, base), notes + _why([r for _, r in pairs]))]  # fmt: skip
+    return [
+        Table(
+            SUITE,
+            "Route comparison (SlideDP)",
+            ["route (param + grad)", "step ms", "tokens/s", "speed vs default"],
+            _pair_rows(pairs, base),
+            notes + _why([r for _, r in pairs]),
+        )
+    ]
 
 
 def loss_equivalence(res: dict[str, RunResult]) -> tuple[Table, dict[str, float]]:
@@ -215,11 +317,19 @@ def loss_equivalence(res: dict[str, RunResult]) -> tuple[Table, dict[str, float]
             rows.append([precision, len(d), max(d), sum(d) / len(d), a.losses[0], a.losses[-1], b.losses[-1], bound])
         else:
             rows.append([precision, "-", a.status, b.status, "-", "-", "-", bound])
-    notes = ["per-step loss = mean over ranks of each rank's local loss; the same initial weights file, data and "
-             "optimizer hyper-parameters; FSDP2 bf16-mixed = MixedPrecisionPolicy(bf16 params, fp32 reduce) + BF16 "
-             "autocast, as SlideDP's bf16-mixed", "paper: 200 steps vs FSDP2, max abs difference 0.00063"] + _why(runs)
-    return Table(SUITE, "Loss equivalence: SlideDP vs FSDP2", ["precision", "steps", "max abs diff", "mean abs diff",
-                 "loss step 0", "SlideDP final", "FSDP2 final", "bound"], rows, notes), diffs  # fmt: skip
+    notes = [
+        "per-step loss = mean over ranks of each rank's local loss; the same initial weights file, data and "
+        "optimizer hyper-parameters; FSDP2 bf16-mixed = MixedPrecisionPolicy(bf16 params, fp32 reduce) + BF16 "
+        "autocast, as SlideDP's bf16-mixed",
+        "paper: 200 steps vs FSDP2, max abs difference 0.00063",
+    ] + _why(runs)
+    return Table(
+        SUITE,
+        "Loss equivalence: SlideDP vs FSDP2",
+        ["precision", "steps", "max abs diff", "mean abs diff", "loss step 0", "SlideDP final", "FSDP2 final", "bound"],
+        rows,
+        notes,
+    ), diffs
 
 
 def moe(res: dict[str, RunResult], sc: Scale) -> list[Table]:
@@ -230,10 +340,12 @@ def moe(res: dict[str, RunResult], sc: Scale) -> list[Table]:
         r = res[f"moe/{s}"]
         row[3] = round(r.step_median / base.step_median, 3) if r.ok and base.ok else "-"  # SlideDP speed-up
     shape = sc.moe_shape
-    notes = [f"{shape.name}: {shape.experts} experts of width {shape.moe_intermediate}, top-{shape.experts_per_tok}, "
-             f"{shape.num_params / 1e6:.1f} M params; router auxiliary loss on",
-             "speed-up = system step time / SlideDP step time; paper (Qwen3.6-35B-A3B, Gemma4-26B-A4B): 1.98x-3.21x vs "
-             "ZeRO-Offload"] + _why([res[f"moe/{s}"] for s in SYSTEMS])  # fmt: skip
+    notes = [
+        f"{shape.name}: {shape.experts} experts of width {shape.moe_intermediate}, top-{shape.experts_per_tok}, "
+        f"{shape.num_params / 1e6:.1f} M params; router auxiliary loss on",
+        "speed-up = system step time / SlideDP step time; paper (Qwen3.6-35B-A3B, Gemma4-26B-A4B): 1.98x-3.21x vs "
+        "ZeRO-Offload",
+    ] + _why([res[f"moe/{s}"] for s in SYSTEMS])
     return [Table(SUITE, "MoE throughput", ["system", "step ms", "tokens/s", "SlideDP speed-up"], rows, notes)]
 
 
@@ -244,12 +356,23 @@ def long_context(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     for row, (_, r) in zip(rows, runs):
         row.append(round(r.host_peak / GB, 3) if r.ok and r.host_peak else r.status)
         row.append(_device(r))
-    notes = [f"sequence {sc.long_seq}, batch 1 per rank; SlideDP: loss in 256-token chunks (no full logits), full "
-             "checkpointing with half of each retained tensor offloaded; DDP/FSDP2: full-layer checkpointing",
-             "the longest trainable sequence at a device budget: experiments/long_context.py; paper: SlideDP trains "
-             "Qwen3-14B at 256 K tokens on 4x H100 where FSDP2 and Megatron run out of memory at 64 K"]
+    notes = [
+        f"sequence {sc.long_seq}, batch 1 per rank; SlideDP: loss in 256-token chunks (no full logits), full "
+        "checkpointing with half of each retained tensor offloaded; DDP/FSDP2: full-layer checkpointing",
+        "the longest trainable sequence at a device budget: experiments/long_context.py; paper: SlideDP trains "
+        "Qwen3-14B at 256 K tokens on 4x H100 where FSDP2 and Megatron run out of memory at 64 K",
+    ]
     if sc.accelerator == "cpu":
-        notes.append("on CPU, offload moves activations from host memory to host memory: the host peak includes "
-                     "both; the device column is SlideDP's runtime accounting")  # fmt: skip
-    return [Table(SUITE, "Long sequence", ["system", "step ms", "tokens/s", "speed vs SlideDP", "host peak GB",
-                                           "device memory"], rows, notes + _why([r for _, r in runs]))]  # fmt: skip
+        notes.append(
+            "on CPU, offload moves activations from host memory to host memory: the host peak includes "
+            "both; the device column is SlideDP's runtime accounting"
+        )
+    return [
+        Table(
+            SUITE,
+            "Long sequence",
+            ["system", "step ms", "tokens/s", "speed vs SlideDP", "host peak GB", "device memory"],
+            rows,
+            notes + _why([r for _, r in runs]),
+        )
+    ]

@@ -19,8 +19,8 @@ from threadpoolctl import threadpool_limits
 
 from bench.report import Measurement, Ratio
 from cpu_ops import adam_shaped_copy, adamw_update, adamw_update_sum, physical_cores, set_kernel_threads
-from slidedp_lightning.constants import update_bytes_per_param as bpp
 from cpu_ops import warmup as kernel_warmup
+from slidedp_lightning.constants import update_bytes_per_param as bpp
 
 SUITE = "cpu_adam"
 PAGE = 4096
@@ -60,8 +60,14 @@ class Buffers:
 
     def torch_adamw(self, **kw) -> torch.optim.AdamW:
         """A torch AdamW over the shared parameter whose moments are the shared buffers."""
-        opt = torch.optim.AdamW([self.tp], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                                eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], **kw)  # fmt: skip
+        opt = torch.optim.AdamW(
+            [self.tp],
+            lr=HYPER["lr"],
+            betas=(HYPER["beta1"], HYPER["beta2"]),
+            eps=HYPER["eps"],
+            weight_decay=HYPER["weight_decay"],
+            **kw,
+        )
         opt.state[self.tp] = {"step": torch.tensor(0.0), "exp_avg": self.tm, "exp_avg_sq": self.tv}
         return opt
 
@@ -127,8 +133,14 @@ def build_cases(b: Buffers) -> dict[str, tuple[Callable[[], None], int]]:
     }
     ds_cls, _ = deepspeed_adam()
     if ds_cls is not None:
-        ds = ds_cls([b.tp], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-                    weight_decay=HYPER["weight_decay"], adamw_mode=True)  # fmt: skip
+        ds = ds_cls(
+            [b.tp],
+            lr=HYPER["lr"],
+            betas=(HYPER["beta1"], HYPER["beta2"]),
+            eps=HYPER["eps"],
+            weight_decay=HYPER["weight_decay"],
+            adamw_mode=True,
+        )
         ds.state[b.tp] = {"step": 0, "exp_avg": b.tm, "exp_avg_sq": b.tv}
         cases["DeepSpeedCPUAdam fp32"] = (ds.step, bpp(4))
     return cases
@@ -137,16 +149,28 @@ def build_cases(b: Buffers) -> dict[str, tuple[Callable[[], None], int]]:
 ALL = max(THREADS)
 RATIOS = [
     # (label, numerator case, denominator case, target, sizes where it applies (None: all), threads (None: all))
-    ("bf16 grad + bf16 copy / its ceiling", "cpu_ops bf16 grad + bf16 copy", "ceiling bf16 grad + bf16 copy", 0.95,
-     (64, 256), None),
-    ("bf16 grad + bf16 copy / torch doing the same job", "cpu_ops bf16 grad + bf16 copy",
-     "torch bf16 job (cast up, fused, cast down)", 1.5, None, None),
+    (
+        "bf16 grad + bf16 copy / its ceiling",
+        "cpu_ops bf16 grad + bf16 copy",
+        "ceiling bf16 grad + bf16 copy",
+        0.95,
+        (64, 256),
+        None,
+    ),
+    (
+        "bf16 grad + bf16 copy / torch doing the same job",
+        "cpu_ops bf16 grad + bf16 copy",
+        "torch bf16 job (cast up, fused, cast down)",
+        1.5,
+        None,
+        None,
+    ),
     ("fp32 / its ceiling", "cpu_ops fp32 grad", "ceiling fp32 grad", 0.95, None, None),
     ("fp32 / torch AdamW fused", "cpu_ops fp32 grad", "torch AdamW fused=True", 1.0, (16, 64, 256), (ALL,)),
     ("fp32 / DeepSpeedCPUAdam", "cpu_ops fp32 grad", "DeepSpeedCPUAdam fp32", 1.0, (16, 64, 256), (ALL,)),
     ("sum R=2 / its ceiling", "cpu_ops sum R=2 bf16 + bf16 copy", "ceiling sum R=2 bf16 + bf16 copy", 0.9, None, None),
     ("sum R=4 / its ceiling", "cpu_ops sum R=4 bf16 + bf16 copy", "ceiling sum R=4 bf16 + bf16 copy", 0.9, None, None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("threads", THREADS, ids=lambda t: f"{t}T")
@@ -156,8 +180,11 @@ def test_cpu_adam(benchmark, bench_report, bench_rounds, size_m, threads):
     if ds_why:
         print(ds_why)
         bench_report.note(SUITE, ds_why)
-    bench_report.note(SUITE, "GB/s = Gparam/s x the case's bytes/param (reads + writes; write-allocate not counted); "
-                             "fp32 AdamW moves 28 B/param")  # fmt: skip
+    bench_report.note(
+        SUITE,
+        "GB/s = Gparam/s x the case's bytes/param (reads + writes; write-allocate not counted); "
+        "fp32 AdamW moves 28 B/param",
+    )
     with threadpool_limits(limits=threads):
         torch.set_num_threads(threads)
         set_kernel_threads(threads)
@@ -167,7 +194,7 @@ def test_cpu_adam(benchmark, bench_report, bench_rounds, size_m, threads):
         order = list(cases)
         times: dict[str, list[float]] = defaultdict(list)
 
-        def one_round() -> None:
+        def one_round(cases: dict = cases) -> None:
             for name in order:
                 fn = cases[name][0]
                 t0 = time.perf_counter()
@@ -186,7 +213,8 @@ def test_cpu_adam(benchmark, bench_report, bench_rounds, size_m, threads):
         if num in medians and den in medians:
             applies = (sizes is None or size_m in sizes) and (thread_counts is None or threads in thread_counts)
             # throughput ratio = time ratio inverted
-            bench_report.ratio(Ratio(SUITE, label, size_m, threads, medians[den] / medians[num],
-                                     target if applies else 0.0))  # fmt: skip
+            bench_report.ratio(
+                Ratio(SUITE, label, size_m, threads, medians[den] / medians[num], target if applies else 0.0)
+            )
     benchmark.extra_info.update({name: n / t / 1e9 for name, t in medians.items()})
     del buffers, cases

@@ -59,9 +59,12 @@ def results(bench_scale, bench_report) -> Results:
     jobs = plan(bench_scale, bench_report.out / "init")
     bench_report.note(SUITE, f"scale {bench_scale.name}: {bench_scale.ranks} ranks on {bench_scale.accelerator}")
     if bench_scale.accelerator == "cpu":
-        bench_report.note(SUITE, "CPU-only machine: the accelerator is the CPU, so 'offload' (ZeRO-Offload, FSDP2 "
-                                 "CPUOffloadPolicy, SlideDP's streaming) moves no data across PCIe; host-to-device "
-                                 "copies are copies within host memory")  # fmt: skip
+        bench_report.note(
+            SUITE,
+            "CPU-only machine: the accelerator is the CPU, so 'offload' (ZeRO-Offload, FSDP2 "
+            "CPUOffloadPolicy, SlideDP's streaming) moves no data across PCIe; host-to-device "
+            "copies are copies within host memory",
+        )
     return Results(jobs, bench_report.out, bench_report)
 
 

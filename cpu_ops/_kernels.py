@@ -85,8 +85,23 @@ def _summed_grad(grads, i, grad_scale):
 
 
 @njit(**_INLINE)
-def _adam_element(p, m, v, g, apply_decay, decay, apply_l2, weight_decay, lerp_small, lerp_coeff,
-                  beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size):
+def _adam_element(
+    p,
+    m,
+    v,
+    g,
+    apply_decay,
+    decay,
+    apply_l2,
+    weight_decay,
+    lerp_small,
+    lerp_coeff,
+    beta2,
+    one_minus_beta2,
+    bc2_sqrt,
+    eps,
+    neg_step_size,
+):
     """One element of torch's ``_single_tensor_adam`` (float32, same operation order)."""
     if apply_decay:  # param.mul_(1 - lr * weight_decay)
         p = p * decay
@@ -104,30 +119,89 @@ def _adam_element(p, m, v, g, apply_decay, decay, apply_l2, weight_decay, lerp_s
 
 
 @njit(**KERNEL_OPTIONS)
-def adamw_kernel(param, exp_avg, exp_avg_sq, grads, grad_scale, apply_decay, decay, apply_l2,
-                 weight_decay, lerp_small, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps,
-                 neg_step_size):
+def adamw_kernel(
+    param,
+    exp_avg,
+    exp_avg_sq,
+    grads,
+    grad_scale,
+    apply_decay,
+    decay,
+    apply_l2,
+    weight_decay,
+    lerp_small,
+    lerp_coeff,
+    beta2,
+    one_minus_beta2,
+    bc2_sqrt,
+    eps,
+    neg_step_size,
+):
     """Fused Adam/AdamW step; ``grads`` is a tuple of R float32 or uint16 (bf16) rows."""
     for i in prange(param.shape[0]):
         g = _summed_grad(grads, i, grad_scale)
-        p, m, v = _adam_element(param[i], exp_avg[i], exp_avg_sq[i], g, apply_decay, decay,
-                                apply_l2, weight_decay, lerp_small, lerp_coeff, beta2,
-                                one_minus_beta2, bc2_sqrt, eps, neg_step_size)
+        p, m, v = _adam_element(
+            param[i],
+            exp_avg[i],
+            exp_avg_sq[i],
+            g,
+            apply_decay,
+            decay,
+            apply_l2,
+            weight_decay,
+            lerp_small,
+            lerp_coeff,
+            beta2,
+            one_minus_beta2,
+            bc2_sqrt,
+            eps,
+            neg_step_size,
+        )
         param[i] = p
         exp_avg[i] = m
         exp_avg_sq[i] = v
 
 
 @njit(**KERNEL_OPTIONS)
-def adamw_bf16_out_kernel(param, exp_avg, exp_avg_sq, grads, bf16_out, grad_scale, apply_decay,
-                          decay, apply_l2, weight_decay, lerp_small, lerp_coeff, beta2,
-                          one_minus_beta2, bc2_sqrt, eps, neg_step_size):
+def adamw_bf16_out_kernel(
+    param,
+    exp_avg,
+    exp_avg_sq,
+    grads,
+    bf16_out,
+    grad_scale,
+    apply_decay,
+    decay,
+    apply_l2,
+    weight_decay,
+    lerp_small,
+    lerp_coeff,
+    beta2,
+    one_minus_beta2,
+    bc2_sqrt,
+    eps,
+    neg_step_size,
+):
     """:func:`adamw_kernel` that also writes the bf16 bits of the new param to ``bf16_out``."""
     for i in prange(param.shape[0]):
         g = _summed_grad(grads, i, grad_scale)
-        p, m, v = _adam_element(param[i], exp_avg[i], exp_avg_sq[i], g, apply_decay, decay,
-                                apply_l2, weight_decay, lerp_small, lerp_coeff, beta2,
-                                one_minus_beta2, bc2_sqrt, eps, neg_step_size)
+        p, m, v = _adam_element(
+            param[i],
+            exp_avg[i],
+            exp_avg_sq[i],
+            g,
+            apply_decay,
+            decay,
+            apply_l2,
+            weight_decay,
+            lerp_small,
+            lerp_coeff,
+            beta2,
+            one_minus_beta2,
+            bc2_sqrt,
+            eps,
+            neg_step_size,
+        )
         param[i] = p
         exp_avg[i] = m
         exp_avg_sq[i] = v

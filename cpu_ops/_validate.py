@@ -12,8 +12,9 @@ def _dtype_names(dtypes: tuple[np.dtype, ...]) -> str:
     return " or ".join(str(d) for d in dtypes)
 
 
-def check_array(name: str, a: object, dtypes: tuple[np.dtype, ...], ndim: int = 1,
-                writeable: bool = False) -> np.ndarray:
+def check_array(
+    name: str, a: object, dtypes: tuple[np.dtype, ...], ndim: int = 1, writeable: bool = False
+) -> np.ndarray:
     """Check type, dtype and rank of ``a``; return it."""
     if not isinstance(a, np.ndarray):
         raise TypeError(
@@ -30,8 +31,9 @@ def check_array(name: str, a: object, dtypes: tuple[np.dtype, ...], ndim: int = 
     return a
 
 
-def check_vector(name: str, a: object, n: int | None, dtypes: tuple[np.dtype, ...],
-                 writeable: bool = False) -> np.ndarray:
+def check_vector(
+    name: str, a: object, n: int | None, dtypes: tuple[np.dtype, ...], writeable: bool = False
+) -> np.ndarray:
     """Check that ``a`` is a C-contiguous 1-D array of one of ``dtypes`` and length ``n``."""
     check_array(name, a, dtypes, 1, writeable)
     if n is not None and a.shape[0] != n:

@@ -30,19 +30,32 @@ def _check_real(name: str, value: object) -> float:
     return float(value)
 
 
-def _hyperparameters(step: int, lr: float, beta1: float, beta2: float, eps: float,
-                     weight_decay: float, decoupled: bool, grad_scale: float) -> tuple:
+def _hyperparameters(
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    grad_scale: float,
+) -> tuple:
     """Validate like torch and return the kernel's scalar arguments (all float32 or bool)."""
     if isinstance(step, bool) or not isinstance(step, Integral):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     if step < 1:
-        raise ValueError(
-            f"step must be >= 1 (1-based count of updates including this one), got {step}"
-        )
+        raise ValueError(f"step must be >= 1 (1-based count of updates including this one), got {step}")
     lr, beta1, beta2, eps, weight_decay, grad_scale = (
-        _check_real(name, value) for name, value in (
-            ("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
-            ("weight_decay", weight_decay), ("grad_scale", grad_scale)))
+        _check_real(name, value)
+        for name, value in (
+            ("lr", lr),
+            ("beta1", beta1),
+            ("beta2", beta2),
+            ("eps", eps),
+            ("weight_decay", weight_decay),
+            ("grad_scale", grad_scale),
+        )
+    )
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate: {lr} (need lr >= 0)")
     if not 0.0 <= eps:
@@ -66,10 +79,17 @@ def _hyperparameters(step: int, lr: float, beta1: float, beta2: float, eps: floa
     lerp_coeff = lerp_weight if lerp_small else lerp_weight - _F32(1)
     return (
         _F32(grad_scale),
-        bool(decoupled and weight_decay != 0), _F32(1 - lr * weight_decay),
-        bool(not decoupled and weight_decay != 0), _F32(weight_decay),
-        lerp_small, lerp_coeff,
-        _F32(beta2), _F32(1 - beta2), _F32(bias_correction2_sqrt), _F32(eps), _F32(-step_size),
+        bool(decoupled and weight_decay != 0),
+        _F32(1 - lr * weight_decay),
+        bool(not decoupled and weight_decay != 0),
+        _F32(weight_decay),
+        lerp_small,
+        lerp_coeff,
+        _F32(beta2),
+        _F32(1 - beta2),
+        _F32(bias_correction2_sqrt),
+        _F32(eps),
+        _F32(-step_size),
     )
 
 
@@ -81,8 +101,14 @@ def _check_state(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray)
     return n
 
 
-def _run(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, rows: tuple,
-         bf16_out: np.ndarray | None, hyper: tuple) -> None:
+def _run(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    rows: tuple,
+    bf16_out: np.ndarray | None,
+    hyper: tuple,
+) -> None:
     if bf16_out is None:
         _kernels.adamw_kernel(param, exp_avg, exp_avg_sq, rows, *hyper)
     else:
@@ -90,10 +116,22 @@ def _run(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, rows: t
         _kernels.adamw_bf16_out_kernel(param, exp_avg, exp_avg_sq, rows, bf16_out, *hyper)
 
 
-def adamw_update(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
-                 grad: np.ndarray, *, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float, weight_decay: float, decoupled: bool = True,
-                 grad_scale: float = 1.0, bf16_out: np.ndarray | None = None) -> None:
+def adamw_update(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    grad: np.ndarray,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool = True,
+    grad_scale: float = 1.0,
+    bf16_out: np.ndarray | None = None,
+) -> None:
     """In-place fused Adam/AdamW step on 1-D contiguous numpy arrays.
 
     ``param``, ``exp_avg``, ``exp_avg_sq``: float32, same length n.  ``grad``: float32 or
@@ -110,10 +148,22 @@ def adamw_update(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
     _run(param, exp_avg, exp_avg_sq, (grad,), bf16_out, hyper)
 
 
-def adamw_update_sum(param: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray,
-                     grads: np.ndarray, *, step: int, lr: float, beta1: float, beta2: float,
-                     eps: float, weight_decay: float, decoupled: bool = True,
-                     grad_scale: float = 1.0, bf16_out: np.ndarray | None = None) -> None:
+def adamw_update_sum(
+    param: np.ndarray,
+    exp_avg: np.ndarray,
+    exp_avg_sq: np.ndarray,
+    grads: np.ndarray,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool = True,
+    grad_scale: float = 1.0,
+    bf16_out: np.ndarray | None = None,
+) -> None:
     """:func:`adamw_update` with the gradient ``sum_r(grads[r] * grad_scale)`` (host reduce).
 
     ``grads`` is a 2-D float32 or uint16 (bf16 bits) array of shape (R, n) whose rows are

@@ -35,8 +35,12 @@ def measure(config, policy: str, seq: int, batch: int) -> int:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    engine = SlideDPEngine(model, EngineConfig(activation_policy=ActivationPolicy.coerce(policy)),
-                           device=torch.device("cpu"), compute_dtype=torch.float32)  # fmt: skip
+    engine = SlideDPEngine(
+        model,
+        EngineConfig(activation_policy=ActivationPolicy.coerce(policy)),
+        device=torch.device("cpu"),
+        compute_dtype=torch.float32,
+    )
     try:
         engine.attach_optimizer(torch.optim.AdamW(model.parameters()))
         x = torch.randint(0, config.vocab_size, (batch, seq))
@@ -111,8 +115,10 @@ def main(argv=None) -> None:
 
     budget = args.budget_gib * (1 << 30)
     rows = {name: longest(fn, budget) for name, fn in (("SlideDP", slidedp), ("FSDP2", fsdp2), ("DDP", ddp))}
-    print(f"device budget {args.budget_gib:g} GiB per rank, {args.ranks} ranks, batch {b}, {n_params:,} params, "
-          f"SlideDP policy {args.policy}, loss chunk {args.loss_chunk or 'none'}")  # fmt: skip
+    print(
+        f"device budget {args.budget_gib:g} GiB per rank, {args.ranks} ranks, batch {b}, {n_params:,} params, "
+        f"SlideDP policy {args.policy}, loss chunk {args.loss_chunk or 'none'}"
+    )
     print("| system | longest sequence |\n|---|---|")
     for name, s in rows.items():
         print(f"| {name} | {s:,} |")

@@ -42,15 +42,36 @@ CONFIGS = [  # (model, per-rank batch, param_route, host_layout)
 ]
 # "mid": the recipe's tiny Qwen3 with 2x wider blocks (0.79 M parameters per block, 3.2 M in all), random-init and
 # written with save_pretrained into the output folder (nothing is downloaded)
-MID = dict(vocab_size=64, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=True, use_cache=False,
-           bos_token_id=1, eos_token_id=3, pad_token_id=0)  # fmt: skip
+MID = dict(
+    vocab_size=64,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+    use_cache=False,
+    bos_token_id=1,
+    eos_token_id=3,
+    pad_token_id=0,
+)
 # the training loop's time per step is measured on one host (2 ranks, route full) at a batch none of CONFIGS uses,
 # and carried to the 2 x 2 jobs by the model (it is work on the cores the co-located hosts share)
 REFERENCE_BATCH = 16
 MAX_UNITS_IN_FLIGHT = 2  # EngineConfig's default, which these jobs run with
-LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+LAUNCH_VARS = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GLOBAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def machine_cpu() -> tuple[int, int]:
@@ -106,10 +127,18 @@ def _cpu_time_callback():
             now = thread_cpu()
             steps = trainer.global_step - first
             busy2, total2 = machine_cpu()
-            Path(self.out, f"cpu_rank{trainer.global_rank}.json").write_text(json.dumps(
-                {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall, "steps": steps,
-                 "machine_busy": (busy2 - busy) / max(1, total2 - total),
-                 "threads": {k: v - threads.get(k, 0.0) for k, v in now.items()}, "marks": self.marks}))  # fmt: skip
+            Path(self.out, f"cpu_rank{trainer.global_rank}.json").write_text(
+                json.dumps(
+                    {
+                        "cpu_s": time.process_time() - cpu,
+                        "wall_s": time.perf_counter() - wall,
+                        "steps": steps,
+                        "machine_busy": (busy2 - busy) / max(1, total2 - total),
+                        "threads": {k: v - threads.get(k, 0.0) for k, v in now.items()},
+                        "marks": self.marks,
+                    }
+                )
+            )
 
     return CpuTime
 
@@ -128,12 +157,22 @@ def worker(args: argparse.Namespace) -> int:
     CpuTime = _cpu_time_callback()
     L.seed_everything(1234, workers=True, verbose=False)
     module = FinetuneModule(model_dir=args.model_dir, batch_size=args.batch, lr=3e-3, seed=1234)
-    strategy = SlideDPStrategy(param_route=args.param_route, grad_route="gpu_reduce",
-                               host_layout=args.host_layout)  # fmt: skip
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=DEVICES, num_nodes=args.nodes, precision="32-true",
-                        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[CpuTime(args.skip, args.trace_dir), LaneTrace(args.trace_dir)])  # fmt: skip
+    strategy = SlideDPStrategy(param_route=args.param_route, grad_route="gpu_reduce", host_layout=args.host_layout)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=DEVICES,
+        num_nodes=args.nodes,
+        precision="32-true",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[CpuTime(args.skip, args.trace_dir), LaneTrace(args.trace_dir)],
+    )
     trainer.fit(module)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -146,18 +185,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(model_dir: str | None, batch: int, param: str, layout: str, steps: int, trace_dir: str,
-            timeout: float, nodes: int = NODES) -> None:  # fmt: skip
+def run_job(
+    model_dir: str | None,
+    batch: int,
+    param: str,
+    layout: str,
+    steps: int,
+    trace_dir: str,
+    timeout: float,
+    nodes: int = NODES,
+) -> None:
     """``nodes`` node launchers on this machine (distinct NODE_RANK, one rendezvous); raises on failure or timeout."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--batch", str(batch), "--param-route", param,
-           "--host-layout", layout, "--steps", str(steps), "--trace-dir", trace_dir, "--nodes", str(nodes)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "worker",
+        "--batch",
+        str(batch),
+        "--param-route",
+        param,
+        "--host-layout",
+        layout,
+        "--steps",
+        str(steps),
+        "--trace-dir",
+        trace_dir,
+        "--nodes",
+        str(nodes),
+    ]
     if model_dir:
         cmd += ["--model-dir", model_dir]
     logs = [open(os.path.join(trace_dir, f"node{n}.log"), "w") for n in range(nodes)]
-    procs = [subprocess.Popen(cmd, stdout=logs[n], stderr=subprocess.STDOUT, env={**base, "NODE_RANK": str(n)},
-                              start_new_session=True) for n in range(nodes)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cmd, stdout=logs[n], stderr=subprocess.STDOUT, env={**base, "NODE_RANK": str(n)}, start_new_session=True
+        )
+        for n in range(nodes)
+    ]
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -224,9 +290,28 @@ def foreign_cpu(trace_dir: Path, cores: int) -> float:
 
 
 def calibrate(path: Path, model: str, timeout: float) -> None:
-    subprocess.run([sys.executable, "-m", "slidedp_lightning.steptime", "calibrate", "--hosts", str(NODES), "--ranks",
-                    str(DEVICES), "--model", model, "--seq", str(SEQ), "--out", str(path)], check=True, timeout=timeout,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slidedp_lightning.steptime",
+            "calibrate",
+            "--hosts",
+            str(NODES),
+            "--ranks",
+            str(DEVICES),
+            "--model",
+            model,
+            "--seq",
+            str(SEQ),
+            "--out",
+            str(path),
+        ],
+        check=True,
+        timeout=timeout,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> int:
@@ -241,14 +326,19 @@ def main() -> int:
     wk.add_argument("--trace-dir", required=True)
     wk.add_argument("--skip", type=int, default=3)
     wk.add_argument("--nodes", type=int, default=NODES)
-    ap.add_argument("--profile", default=None, help="profile JSON with a network (default: calibrate --hosts 2 before "
-                    "each job)")  # fmt: skip
+    ap.add_argument(
+        "--profile", default=None, help="profile JSON with a network (default: calibrate --hosts 2 before each job)"
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the median")
     ap.add_argument("--out", default=None, help="folder for the traces (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
-    ap.add_argument("--quiet-wait", type=float, default=120.0, help="seconds to wait for an idle machine before "
-                    "each calibration and job (other jobs share the cores)")  # fmt: skip
+    ap.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait for an idle machine before each calibration and job (other jobs share the cores)",
+    )
     ap.add_argument("--only", default=None, help="comma-separated indices into CONFIGS")
     args = ap.parse_args()
     if args.cmd == "worker":
@@ -292,32 +382,69 @@ def main() -> int:
         profile = with_loop(load_profile(profile_path), references[name], REFERENCE_BATCH * SEQ)
         (trace / "profile_with_loop.json").write_text(json.dumps(profile.to_json(), indent=1))
         meas = measured(trace, skip=args.skip, ranks=NODES * DEVICES)
-        cfg = StepConfig(shape, batch, SEQ, DEVICES, param, "gpu_reduce", precision="32-true", hosts=NODES,
-                         host_layout=layout, max_units_in_flight=MAX_UNITS_IN_FLIGHT, loss_sync=True)  # fmt: skip
+        cfg = StepConfig(
+            shape,
+            batch,
+            SEQ,
+            DEVICES,
+            param,
+            "gpu_reduce",
+            precision="32-true",
+            hosts=NODES,
+            host_layout=layout,
+            max_units_in_flight=MAX_UNITS_IN_FLIGHT,
+            loss_sync=True,
+        )
         sim = simulate(cfg, profile)
         err = (sim.step_time / meas["step_time"] - 1) * 100
         other = foreign_cpu(trace, cores)
-        rows.append(dict(model=name, batch=batch, param_route=param, host_layout=layout, predicted_ms=sim.step_time * 1e3,
-                         measured_ms=meas["step_time"] * 1e3, window_ms=meas["window"] * 1e3,
-                         other_threads_cpu_ms=(other_threads_cpu(trace) or float("nan")) * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,
-                         error_pct=err, steps=meas["steps"], predicted_label=sim.bottleneck,
-                         traced_label=meas["bottleneck"], traced_busy_ms={k: v * 1e3 for k, v in meas["busy"].items()},
-                         predicted_busy_ms={k: v * 1e3 for k, v in sim.busy.items()},
-                         predicted_exposed_ms={k: v * 1e3 for k, v in sim.exposed.items()},
-                         traced_stall_ms=meas["stall"] * 1e3, load=load, busy_before=busy_before, foreign_cpu=other,
-                         profile=str(profile_path), colocated_cores=profile.values.get("colocated_cores"),
-                         gpu_flops=profile.gpu_flops))  # fmt: skip
-        print(f"{name} b{batch} {param}/{layout}: predicted {sim.step_time * 1e3:.1f} ms, measured "
-              f"{meas['step_time'] * 1e3:.1f} ms ({err:+.1f} %), load {load}, other jobs {other:.0%} of the cores",
-              flush=True)  # fmt: skip
-    print(f"\n{'model':5s} {'batch':>5s} {'params':>8s} {'layout':>10s} {'pred ms':>8s} {'meas ms':>8s} {'p25-p75':>13s} "
-          f"{'err %':>6s}  {'model label':19s} {'traced label':19s} {'load (1 min)':>12s} {'other jobs':>10s}")
+        rows.append(
+            dict(
+                model=name,
+                batch=batch,
+                param_route=param,
+                host_layout=layout,
+                predicted_ms=sim.step_time * 1e3,
+                measured_ms=meas["step_time"] * 1e3,
+                window_ms=meas["window"] * 1e3,
+                other_threads_cpu_ms=(other_threads_cpu(trace) or float("nan")) * 1e3,
+                p25_ms=meas["p25"] * 1e3,
+                p75_ms=meas["p75"] * 1e3,
+                error_pct=err,
+                steps=meas["steps"],
+                predicted_label=sim.bottleneck,
+                traced_label=meas["bottleneck"],
+                traced_busy_ms={k: v * 1e3 for k, v in meas["busy"].items()},
+                predicted_busy_ms={k: v * 1e3 for k, v in sim.busy.items()},
+                predicted_exposed_ms={k: v * 1e3 for k, v in sim.exposed.items()},
+                traced_stall_ms=meas["stall"] * 1e3,
+                load=load,
+                busy_before=busy_before,
+                foreign_cpu=other,
+                profile=str(profile_path),
+                colocated_cores=profile.values.get("colocated_cores"),
+                gpu_flops=profile.gpu_flops,
+            )
+        )
+        print(
+            f"{name} b{batch} {param}/{layout}: predicted {sim.step_time * 1e3:.1f} ms, measured "
+            f"{meas['step_time'] * 1e3:.1f} ms ({err:+.1f} %), load {load}, other jobs {other:.0%} of the cores",
+            flush=True,
+        )
+    print(
+        f"\n{'model':5s} {'batch':>5s} {'params':>8s} {'layout':>10s} {'pred ms':>8s} {'meas ms':>8s} {'p25-p75':>13s} "
+        f"{'err %':>6s}  {'model label':19s} {'traced label':19s} {'load (1 min)':>12s} {'other jobs':>10s}"
+    )
     for r in rows:
-        print(f"{r['model']:5s} {r['batch']:5d} {r['param_route']:>8s} {r['host_layout']:>10s} {r['predicted_ms']:8.1f} "
-              f"{r['measured_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:6.1f} {r['error_pct']:+6.1f}  "
-              f"{r['predicted_label']:19s} {r['traced_label']:19s} {r['load'].split()[0]:>12s} {r['foreign_cpu']:10.0%}")
+        print(
+            f"{r['model']:5s} {r['batch']:5d} {r['param_route']:>8s} {r['host_layout']:>10s} {r['predicted_ms']:8.1f} "
+            f"{r['measured_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:6.1f} {r['error_pct']:+6.1f}  "
+            f"{r['predicted_label']:19s} {r['traced_label']:19s} {r['load'].split()[0]:>12s} {r['foreign_cpu']:10.0%}"
+        )
     within = sum(abs(r["error_pct"]) <= 25 for r in rows)
-    print(f"within +-25 %: {within}/{len(rows)}; median |error| {statistics.median(abs(r['error_pct']) for r in rows):.1f} %")
+    print(
+        f"within +-25 %: {within}/{len(rows)}; median |error| {statistics.median(abs(r['error_pct']) for r in rows):.1f} %"
+    )
     (out / "multinode_validation.json").write_text(json.dumps(rows, indent=1))
     return 0
 

@@ -44,9 +44,21 @@ CONFIGS = [  # (model, per-rank batch, param_route, grad_route)
 # per model, the reference job that measures the training loop (batch, param_route, grad_route): none of CONFIGS
 REFERENCE = {"tiny": (24, "full", "gpu_reduce"), "wide": (2, "sharded", "gpu_reduce")}
 # The host-bound model: Qwen3 shapes, vocabulary 32768 (untied head), hidden 256, one block.
-WIDE = dict(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, max_position_embeddings=128, tie_word_embeddings=False,
-            use_cache=False, bos_token_id=1, eos_token_id=3, pad_token_id=0)  # fmt: skip
+WIDE = dict(
+    vocab_size=32768,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    use_cache=False,
+    bos_token_id=1,
+    eos_token_id=3,
+    pad_token_id=0,
+)
 
 
 def write_wide_model(path: Path) -> Path:
@@ -60,12 +72,29 @@ def write_wide_model(path: Path) -> Path:
     return path
 
 
-def run_job(model_dir: str | None, batch: int, param: str, grad: str, steps: int, trace_dir: str,
-            timeout: float) -> None:  # fmt: skip
+def run_job(
+    model_dir: str | None, batch: int, param: str, grad: str, steps: int, trace_dir: str, timeout: float
+) -> None:
     exe = Path(sys.executable).with_name("slidedp-finetune")
-    cmd = [str(exe), "--devices", "2", "--precision", "32-true", "--max-steps", str(steps), "--batch-size", str(batch),
-           "--param-route", param, "--grad-route", grad, "--trace-dir", trace_dir, "--log-dir",
-           os.path.join(trace_dir, "logs")]  # fmt: skip
+    cmd = [
+        str(exe),
+        "--devices",
+        "2",
+        "--precision",
+        "32-true",
+        "--max-steps",
+        str(steps),
+        "--batch-size",
+        str(batch),
+        "--param-route",
+        param,
+        "--grad-route",
+        grad,
+        "--trace-dir",
+        trace_dir,
+        "--log-dir",
+        os.path.join(trace_dir, "logs"),
+    ]
     if model_dir:
         cmd += ["--model", model_dir]
     done = subprocess.run(cmd, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -92,8 +121,20 @@ def main() -> int:
         profile_path = args.profile
         if profile_path is None:  # calibrated on the model's own shapes, as a user would
             profile_path = str(out / f"this_machine_{name}.json")
-            subprocess.run([sys.executable, "-m", "slidedp_lightning.steptime", "calibrate", "--out", profile_path,
-                            "--model", models[name][0] or "qwen3-tiny"], check=True, timeout=args.timeout)  # fmt: skip
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "slidedp_lightning.steptime",
+                    "calibrate",
+                    "--out",
+                    profile_path,
+                    "--model",
+                    models[name][0] or "qwen3-tiny",
+                ],
+                check=True,
+                timeout=args.timeout,
+            )
         profile = load_profile(profile_path)
         trace = str(out / f"reference_{name}_b{batch}_{param}_{grad}")
         run_job(models[name][0], batch, param, grad, args.steps, trace, args.timeout)
@@ -110,28 +151,50 @@ def main() -> int:
         run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout)
         meas = measured(trace)
         # the jobs run with the engine's backpressure (2 units) and the recipe logs its loss with sync_dist=True
-        sim = simulate(StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true", max_units_in_flight=2,
-                                  loss_sync=True), profile)  # fmt: skip
+        sim = simulate(
+            StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true", max_units_in_flight=2, loss_sync=True),
+            profile,
+        )
         err = (sim.step_time / meas["step_time"] - 1) * 100
-        rows.append(dict(model=name, batch=batch, param_route=param, grad_route=grad, predicted_ms=sim.step_time * 1e3,
-                         measured_ms=meas["step_time"] * 1e3, window_ms=meas["window"] * 1e3,
-                         other_threads_cpu_ms=(other_threads_cpu(trace) or float("nan")) * 1e3, p25_ms=meas["p25"] * 1e3, p75_ms=meas["p75"] * 1e3,
-                         error_pct=err, predicted_label=sim.bottleneck, traced_label=meas["bottleneck"],
-                         predicted_exposed_ms=(sim.step_time - sim.busy["compute"]) * 1e3,
-                         traced_exposed_host_ms=meas["exposed_host"] * 1e3, traced_stall_ms=meas["stall"] * 1e3,
-                         traced_busy_ms={k: v * 1e3 for k, v in meas["busy"].items()},
-                         predicted_busy_ms={k: v * 1e3 for k, v in sim.busy.items()}))  # fmt: skip
-    print(f"{'model':5s} {'batch':>5s} {'params':>10s} {'grads':>11s} {'pred ms':>8s} {'meas ms':>8s} {'p25-p75':>13s} "
-          f"{'err %':>6s}  {'model label':19s} {'traced label':19s} {'exp pred':>8s} {'exp meas':>8s} {'stall':>6s}")
+        rows.append(
+            dict(
+                model=name,
+                batch=batch,
+                param_route=param,
+                grad_route=grad,
+                predicted_ms=sim.step_time * 1e3,
+                measured_ms=meas["step_time"] * 1e3,
+                window_ms=meas["window"] * 1e3,
+                other_threads_cpu_ms=(other_threads_cpu(trace) or float("nan")) * 1e3,
+                p25_ms=meas["p25"] * 1e3,
+                p75_ms=meas["p75"] * 1e3,
+                error_pct=err,
+                predicted_label=sim.bottleneck,
+                traced_label=meas["bottleneck"],
+                predicted_exposed_ms=(sim.step_time - sim.busy["compute"]) * 1e3,
+                traced_exposed_host_ms=meas["exposed_host"] * 1e3,
+                traced_stall_ms=meas["stall"] * 1e3,
+                traced_busy_ms={k: v * 1e3 for k, v in meas["busy"].items()},
+                predicted_busy_ms={k: v * 1e3 for k, v in sim.busy.items()},
+            )
+        )
+    print(
+        f"{'model':5s} {'batch':>5s} {'params':>10s} {'grads':>11s} {'pred ms':>8s} {'meas ms':>8s} {'p25-p75':>13s} "
+        f"{'err %':>6s}  {'model label':19s} {'traced label':19s} {'exp pred':>8s} {'exp meas':>8s} {'stall':>6s}"
+    )
     for r in rows:
-        print(f"{r['model']:5s} {r['batch']:5d} {r['param_route']:>10s} {r['grad_route']:>11s} {r['predicted_ms']:8.1f} "
-              f"{r['measured_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:6.1f} {r['error_pct']:+6.1f}  "
-              f"{r['predicted_label']:19s} {r['traced_label']:19s} {r['predicted_exposed_ms']:8.1f} "
-              f"{r['traced_exposed_host_ms']:8.1f} {r['traced_stall_ms']:6.1f}")
+        print(
+            f"{r['model']:5s} {r['batch']:5d} {r['param_route']:>10s} {r['grad_route']:>11s} {r['predicted_ms']:8.1f} "
+            f"{r['measured_ms']:8.1f} {r['p25_ms']:6.1f}-{r['p75_ms']:6.1f} {r['error_pct']:+6.1f}  "
+            f"{r['predicted_label']:19s} {r['traced_label']:19s} {r['predicted_exposed_ms']:8.1f} "
+            f"{r['traced_exposed_host_ms']:8.1f} {r['traced_stall_ms']:6.1f}"
+        )
     agree = sum(r["predicted_label"] == r["traced_label"] for r in rows)
     host = [r for r in rows if r["traced_label"] != "gpu-bound"]
-    print(f"labels agree: {agree}/{len(rows)}; host-bound by the traces: {len(host)} "
-          f"(model says host-bound for {sum(r['predicted_label'] != 'gpu-bound' for r in host)} of them)")
+    print(
+        f"labels agree: {agree}/{len(rows)}; host-bound by the traces: {len(host)} "
+        f"(model says host-bound for {sum(r['predicted_label'] != 'gpu-bound' for r in host)} of them)"
+    )
     (out / "validation.json").write_text(json.dumps(rows, indent=1))
     return 0
 

@@ -12,8 +12,12 @@ class SaveHuggingFace(pl.Callback):
     """At the end of training (and every ``every_n_train_steps`` if given), export the model from the host ledger
     as a Hugging Face ``save_pretrained`` directory (``dirpath``, or ``dirpath/step=<n>`` for periodic exports)."""
 
-    def __init__(self, dirpath: str | os.PathLike, dtype: str | torch.dtype = torch.bfloat16,
-                 every_n_train_steps: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        dtype: str | torch.dtype = torch.bfloat16,
+        every_n_train_steps: int | None = None,
+    ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be >= 1 or None, got {every_n_train_steps}.")
         self.dirpath, self.dtype, self.every = dirpath, dtype, every_n_train_steps
@@ -23,8 +27,10 @@ class SaveHuggingFace(pl.Callback):
         from slidedp_lightning.strategy import SlideDPStrategy
 
         if not isinstance(trainer.strategy, SlideDPStrategy):
-            raise TypeError(f"SaveHuggingFace exports from SlideDP's ledger; the Trainer runs "
-                            f"{type(trainer.strategy).__name__}. Use save_pretrained on the model instead.")  # fmt: skip
+            raise TypeError(
+                f"SaveHuggingFace exports from SlideDP's ledger; the Trainer runs "
+                f"{type(trainer.strategy).__name__}. Use save_pretrained on the model instead."
+            )
         return trainer.strategy
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -96,8 +96,13 @@ def _host_chunks(engine, view: torch.Tensor, parts: list[tuple[int, int]]) -> to
     if hi - lo == view.numel():
         return view
     shape, flat = tuple(view.shape), view.reshape(-1)
-    props = TensorProperties(dtype=view.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)  # fmt: skip
+    props = TensorProperties(
+        dtype=view.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
     meta, local = [], []
     for host, (a, b) in enumerate(parts):
         owner = host * engine.topology.ranks_per_host + engine.topology.local_rank  # the same share on every host
@@ -107,7 +112,8 @@ def _host_chunks(engine, view: torch.Tensor, parts: list[tuple[int, int]]) -> to
             if host == engine.topology.host:
                 local.append(Shard(flat[first : first + math.prod(sizes)].view(sizes), md))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, ShardedTensorMetadata(meta, view.shape, props), process_group=_job_group(engine))
+        local, ShardedTensorMetadata(meta, view.shape, props), process_group=_job_group(engine)
+    )
 
 
 def _state(engine) -> dict[str, torch.Tensor]:
@@ -151,9 +157,14 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     dcp.save(_state(engine), checkpoint_id=tmp, process_group=_job_group(engine))
     if engine.topology.global_rank == 0:
         meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        meta["slidedp"] = {"format": FORMAT, "step": engine.step, "world_size": _job_size(engine),
-                           "params": sorted(engine.state.named_slots()), "buffers": engine.state.buffers(),
-                           **_hf_configs(engine.model)}  # fmt: skip
+        meta["slidedp"] = {
+            "format": FORMAT,
+            "step": engine.step,
+            "world_size": _job_size(engine),
+            "params": sorted(engine.state.named_slots()),
+            "buffers": engine.state.buffers(),
+            **_hf_configs(engine.model),
+        }
         torch.save(meta, tmp / META)
     _barrier(engine)
     if engine.topology.global_rank == 0:
@@ -194,12 +205,18 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
     have = sorted(engine.state.named_slots())
     if info["params"] != have:
         missing, unexpected = sorted(set(have) - set(info["params"])), sorted(set(info["params"]) - set(have))
-        raise KeyError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected "
-                       f"{unexpected[:5]}")  # fmt: skip
+        raise KeyError(
+            f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     engine.synchronize()
     engine.drop_resident()
     dcp.load(_state(engine), checkpoint_id=path, process_group=_job_group(engine))
     engine.restored(info["step"], info["buffers"])
-    log.info("SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks", path, info["step"],
-             info["world_size"], _job_size(engine))  # fmt: skip
+    log.info(
+        "SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks",
+        path,
+        info["step"],
+        info["world_size"],
+        _job_size(engine),
+    )
     return meta

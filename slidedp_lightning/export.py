@@ -36,9 +36,15 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
-def write_hf(directory: str | os.PathLike, meta: dict[str, torch.Tensor],
-             read: Callable[[list[str]], dict[str, torch.Tensor]], config, generation, dtype: torch.dtype,
-             max_shard_size: str | int) -> None:  # fmt: skip
+def write_hf(
+    directory: str | os.PathLike,
+    meta: dict[str, torch.Tensor],
+    read: Callable[[list[str]], dict[str, torch.Tensor]],
+    config,
+    generation,
+    dtype: torch.dtype,
+    max_shard_size: str | int,
+) -> None:
     """Write the tensors named by ``meta`` (shape and dtype only) one shard at a time, each shard's tensors
     fetched by ``read(names)``, then the config (and generation config, if any)."""
     directory = Path(directory)
@@ -48,15 +54,18 @@ def write_hf(directory: str | os.PathLike, meta: dict[str, torch.Tensor],
         return dtype if t.is_floating_point() else t.dtype
 
     meta = {n: torch.empty(t.shape, dtype=target(t), device="meta") for n, t in meta.items()}
-    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)  # fmt: skip
+    split = split_torch_state_dict_into_shards(
+        meta, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
     for filename, names in split.filename_to_tensors.items():
         tensors = read(names)
         shard = {n: tensors[n].to(meta[n].dtype, copy=True).contiguous() for n in names}
         save_file(shard, str(directory / filename), metadata={"format": "pt"})
     if split.is_sharded:
-        index = {"metadata": {"total_size": sum(m.numel() * m.element_size() for m in meta.values())},
-                 "weight_map": split.tensor_to_filename}  # fmt: skip
+        index = {
+            "metadata": {"total_size": sum(m.numel() * m.element_size() for m in meta.values())},
+            "weight_map": split.tensor_to_filename,
+        }
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config.save_pretrained(directory)
     settings = json.loads((directory / "config.json").read_text())
@@ -64,12 +73,14 @@ def write_hf(directory: str | os.PathLike, meta: dict[str, torch.Tensor],
     (directory / "config.json").write_text(json.dumps(settings, indent=2))
     if generation is not None:
         generation.save_pretrained(directory)
-    log.info("SlideDP: Hugging Face export (%s, %d file(s)) written to %s", dtype, len(split.filename_to_tensors),
-             directory)  # fmt: skip
+    log.info(
+        "SlideDP: Hugging Face export (%s, %d file(s)) written to %s", dtype, len(split.filename_to_tensors), directory
+    )
 
 
-def save_hf(engine, directory: str | os.PathLike, dtype: str | torch.dtype = torch.bfloat16,
-            max_shard_size: str | int = "5GB") -> None:  # fmt: skip
+def save_hf(
+    engine, directory: str | os.PathLike, dtype: str | torch.dtype = torch.bfloat16, max_shard_size: str | int = "5GB"
+) -> None:
     """Write ``directory`` so that ``AutoModelForCausalLM.from_pretrained(directory)`` loads the trained weights."""
     dtype = _dtype(dtype)
     if not hasattr(engine.model, "config") or not hasattr(engine.model.config, "save_pretrained"):
@@ -78,15 +89,26 @@ def save_hf(engine, directory: str | os.PathLike, dtype: str | torch.dtype = tor
     engine.synchronize()
     if engine.topology.global_rank == 0:
         tensors = engine.state.model_tensors(engine.model)
-        write_hf(directory, tensors, lambda names: tensors, engine.model.config,
-                 getattr(engine.model, "generation_config", None), dtype, max_shard_size)  # fmt: skip
+        write_hf(
+            directory,
+            tensors,
+            lambda names: tensors,
+            engine.model.config,
+            getattr(engine.model, "generation_config", None),
+            dtype,
+            max_shard_size,
+        )
     if engine.topology.job_group is not None:
         dist.barrier(group=engine.topology.job_group)
 
 
-def export_checkpoint(checkpoint: str | os.PathLike, directory: str | os.PathLike,
-                      dtype: str | torch.dtype = torch.bfloat16, max_shard_size: str | int = "5GB",
-                      config: str | os.PathLike | None = None) -> None:  # fmt: skip
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    directory: str | os.PathLike,
+    dtype: str | torch.dtype = torch.bfloat16,
+    max_shard_size: str | int = "5GB",
+    config: str | os.PathLike | None = None,
+) -> None:
     """Write a ``save_pretrained`` directory from a distributed SlideDP checkpoint, in one process, without the
     training job: one shard's tensors are read from the checkpoint at a time (whatever host layout, number of
     hosts or ranks saved it). ``config``: a Hugging Face model directory or ``config.json``, needed only when the
@@ -114,8 +136,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, directory: str | os.PathLik
     first = next(iter(model.state_dict()))
     found = [c for c in sorted(set(info["params"]) | set(info["buffers"])) if c == first or c.endswith("." + first)]
     if len(found) != 1:
-        raise KeyError(f"{checkpoint} does not hold {first!r} once (found {found}): was it saved from a "
-                       f"{type(model).__name__}?")  # fmt: skip
+        raise KeyError(
+            f"{checkpoint} does not hold {first!r} once (found {found}): was it saved from a {type(model).__name__}?"
+        )
     prefix = found[0][: len(found[0]) - len(first)]
     stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     meta, seen = {}, set()

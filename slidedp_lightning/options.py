@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, replace
-from typing import Literal, Union
+from typing import Literal
 
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.constants import (
@@ -25,7 +25,7 @@ from slidedp_lightning.constants import (
 from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
 from slidedp_lightning.runtime.config import EngineConfig
 
-ActivationOption = Union[str, dict, ActivationPolicy, UnitPolicy, AutoPolicy, None]
+ActivationOption = str | dict | ActivationPolicy | UnitPolicy | AutoPolicy | None
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,9 @@ class SlideDPOptions:
                 f"{cfg.chunk_bytes!r})."
             )
 
-    def engine_config(self, *, clipping: bool, scales_loss: bool, accumulate: int, timeout_s: float,
-                      trace_dir: str | None) -> EngineConfig:  # fmt: skip
+    def engine_config(
+        self, *, clipping: bool, scales_loss: bool, accumulate: int, timeout_s: float, trace_dir: str | None
+    ) -> EngineConfig:
         """The engine config for one fit: deferred updates when clipping needs the global norm (or the precision
         needs unscaling and a finite check) before any update; the Trainer's accumulation window."""
         needs_deferred = clipping or scales_loss

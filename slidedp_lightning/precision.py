@@ -19,8 +19,9 @@ class SlideDPPrecision(Precision):
     ``torch.amp.GradScaler``: start at 2**16, halve on a non-finite step, which is skipped, double after 2000
     finite steps); the engine unscales while applying the deferred update."""
 
-    def __init__(self, precision: str = "32-true", device: str = "cpu", init_scale: float = 2.0**16,
-                 growth_interval: int = 2000) -> None:  # fmt: skip
+    def __init__(
+        self, precision: str = "32-true", device: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000
+    ) -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(
                 f"SlideDP supports precision {SUPPORTED_PRECISION}, got {precision!r}. The FP32 master lives on the "

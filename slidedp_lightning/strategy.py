@@ -59,8 +59,11 @@ def process_group_backend_for(device: torch.device, requested: str | None = None
         return backend
     combined = f"cpu:gloo,cuda:{backend.split(':')[-1]}"
     if requested:
-        log.info("SlideDP: process group backend %r has no CPU mapping; using %r (the runtime also reduces host "
-                 "tensors)", requested, combined)  # fmt: skip
+        log.info(
+            "SlideDP: process group backend %r has no CPU mapping; using %r (the runtime also reduces host tensors)",
+            requested,
+            combined,
+        )
     return combined
 
 
@@ -249,8 +252,9 @@ class SlideDPStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, process_group_backend_for(self.root_device),
-                              timeout=self._timeout)  # fmt: skip
+        _init_dist_connection(
+            self.cluster_environment, process_group_backend_for(self.root_device), timeout=self._timeout
+        )
 
     def _topology(self) -> Topology:
         """Every process group the runtime uses, created once per process (collectively, on every rank)."""
@@ -288,9 +292,13 @@ class SlideDPStrategy(ParallelStrategy):
             config = replace(config, activation_policy=planner.plan.activations)
             planner = None
         self.engine = SlideDPEngine(
-            self.model, config, device=self.root_device, compute_dtype=self.precision_plugin.compute_dtype,
-            topology=self._topology(), planner=planner,
-        )  # fmt: skip
+            self.model,
+            config,
+            device=self.root_device,
+            compute_dtype=self.precision_plugin.compute_dtype,
+            topology=self._topology(),
+            planner=planner,
+        )
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
@@ -405,16 +413,20 @@ class SlideDPStrategy(ParallelStrategy):
         if self.engine is None or self.checkpoint_format == "full":
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
-            raise TypeError("SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or "
-                            "pass checkpoint_format='full'.")  # fmt: skip
+            raise TypeError(
+                "SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or "
+                "pass checkpoint_format='full'."
+            )
         sharded.save(self.engine, checkpoint, filepath)
 
     def save_hf(self, directory: Any, dtype: str | torch.dtype = torch.bfloat16, max_shard_size: str = "5GB") -> None:
         """Write a Hugging Face ``save_pretrained`` directory (safetensors + config) straight from the ledger, in
         BF16 or FP32, without materializing the model; call it on every rank (rank 0 writes)."""
         if self.engine is None:
-            raise RuntimeError("save_hf reads the host ledger, which exists only while the Trainer runs (fit or "
-                               "validate): call it from a callback or use SaveHuggingFace.")  # fmt: skip
+            raise RuntimeError(
+                "save_hf reads the host ledger, which exists only while the Trainer runs (fit or "
+                "validate): call it from a callback or use SaveHuggingFace."
+            )
         export.save_hf(self.engine, directory, dtype, max_shard_size)
 
     @override
@@ -423,9 +435,11 @@ class SlideDPStrategy(ParallelStrategy):
             meta = sharded.load(self.engine, checkpoint_path)
             return {**meta, "state_dict": {}, _LOADED: True}
         if sharded.is_sharded(checkpoint_path):
-            raise ValueError(f"{checkpoint_path} is a SlideDP distributed checkpoint: load it with "
-                             "Trainer(strategy=SlideDPStrategy(...)).fit(ckpt_path=...), which reads it into the "
-                             "ledger.")  # fmt: skip
+            raise ValueError(
+                f"{checkpoint_path} is a SlideDP distributed checkpoint: load it with "
+                "Trainer(strategy=SlideDPStrategy(...)).fit(ckpt_path=...), which reads it into the "
+                "ledger."
+            )
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override

@@ -86,10 +86,15 @@ def test_offline_export_of_a_distributed_checkpoint_equals_the_live_export(tmp_p
 
     trainer(max_steps=3, callbacks=[SaveBoth()]).fit(module_cls(), data())
     assert main([str(tmp_path / "ck"), str(tmp_path / "offline"), "--dtype", "fp32"]) == 0
-    live, offline = load_file(tmp_path / "live" / "model.safetensors"), load_file(tmp_path / "offline" / "model.safetensors")
+    live, offline = (
+        load_file(tmp_path / "live" / "model.safetensors"),
+        load_file(tmp_path / "offline" / "model.safetensors"),
+    )
     assert sorted(live) == sorted(offline)
     assert all(torch.equal(live[n], offline[n]) for n in live)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "offline", dtype=torch.float32, attn_implementation="eager")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "offline", dtype=torch.float32, attn_implementation="eager"
+    )
     expected = AutoModelForCausalLM.from_pretrained(tmp_path / "live", dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=X).logits, expected(input_ids=X).logits)

@@ -33,10 +33,17 @@ def _quiet_and_clean():
 def tiny_model(tied: bool = True) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=tied,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
     return Qwen3ForCausalLM(cfg)
 
 
@@ -79,9 +86,14 @@ def trainer(**kw) -> L.Trainer:
     kw.setdefault("strategy", "slidedp")
     kw.setdefault("max_steps", 1)
     return L.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, **kw,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 def slidedp_shm() -> set[str]:
@@ -113,9 +125,15 @@ def test_trainer_builds_with_registered_names() -> None:
 
 @pytest.mark.parametrize(
     "device, requested, expected",
-    [("cpu", None, "gloo"), ("cuda", None, "cpu:gloo,cuda:nccl"), ("cuda", "nccl", "cpu:gloo,cuda:nccl"),
-     ("cuda", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"), ("cuda", "gloo", "gloo"), ("cpu", "gloo", "gloo")],
-)  # fmt: skip
+    [
+        ("cpu", None, "gloo"),
+        ("cuda", None, "cpu:gloo,cuda:nccl"),
+        ("cuda", "nccl", "cpu:gloo,cuda:nccl"),
+        ("cuda", "cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
+        ("cuda", "gloo", "gloo"),
+        ("cpu", "gloo", "gloo"),
+    ],
+)
 def test_process_group_backend_reduces_host_tensors_on_cuda(device: str, requested, expected: str) -> None:
     """The runtime reduces host tensors as well as device tensors: on CUDA the group needs gloo beside NCCL."""
     from slidedp_lightning.strategy import process_group_backend_for
@@ -360,9 +378,15 @@ def test_checkpoint_during_fit_and_resume(tmp_path) -> None:
     ref_opt = adamw(ref.parameters())
     cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="ck")
     t = L.Trainer(
-        strategy=SlideDPStrategy(checkpoint_format="full"), accelerator="cpu", devices=1, max_steps=2, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
-    )  # fmt: skip
+        strategy=SlideDPStrategy(checkpoint_format="full"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
     t.fit(module, data())
     train_reference(ref, ref_opt, module.batches)
     ckpt = torch.load(tmp_path / "ck.ckpt", weights_only=False)
@@ -409,9 +433,15 @@ def test_distributed_checkpoint_during_fit_resumes_exactly(tmp_path) -> None:
     ref_opt = adamw(ref.parameters())
     cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="ck")
     t = L.Trainer(
-        strategy="slidedp", accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[cb],
-    )  # fmt: skip
+        strategy="slidedp",
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
     t.fit(module, data())
     train_reference(ref, ref_opt, module.batches)
     path = tmp_path / "ck.ckpt"
@@ -467,9 +497,17 @@ def test_validation_between_steps_sees_current_weights() -> None:
     ref = copy.deepcopy(module.model)
     val = DataLoader(data().dataset[:2], batch_size=2)
     t = L.Trainer(
-        strategy="slidedp", accelerator="cpu", devices=1, max_steps=4, val_check_interval=2, num_sanity_val_steps=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy="slidedp",
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        val_check_interval=2,
+        num_sanity_val_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     t.fit(module, data(), val)
     assert len(module.batches) == 4
     val_batch = next(iter(val))

@@ -37,8 +37,11 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
     rec = Recorder(out, rank)
     h = spec.hyper
     opt, rec.extra["adamw"] = _adamw(model, h)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if spec.precision == "bf16-mixed"
-                else contextlib.nullcontext())  # fmt: skip
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if spec.precision == "bf16-mixed"
+        else contextlib.nullcontext()
+    )
     model.train()
     for batch in rank_loader(spec, rank):
         rec.step_start()
@@ -58,8 +61,9 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
 def _adamw(model: torch.nn.Module, h: dict) -> tuple[torch.optim.Optimizer, str]:
     """torch AdamW, fused if one step on these (DTensor) parameters works, else foreach (state reset after)."""
     for kind in ("fused", "foreach"):
-        opt = torch.optim.AdamW(adamw_groups(model, h), lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"],
-                                **{kind: True})  # fmt: skip
+        opt = torch.optim.AdamW(
+            adamw_groups(model, h), lr=h["lr"], betas=tuple(h["betas"]), eps=h["eps"], **{kind: True}
+        )
         try:
             _probe(opt)
             return opt, kind

@@ -79,8 +79,13 @@ def sample(root: int) -> Sample:
 class Sampler(threading.Thread):
     """Samples the tree under ``root`` until stopped; calls ``on_limit`` once if PSS exceeds ``limit`` bytes."""
 
-    def __init__(self, root: int, interval: float = INTERVAL_S, limit: int | None = None,
-                 on_limit: Callable[[Sample], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: int,
+        interval: float = INTERVAL_S,
+        limit: int | None = None,
+        on_limit: Callable[[Sample], None] | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.root, self.interval, self.limit, self.on_limit = root, interval, limit, on_limit
         self.samples: list[Sample] = []

@@ -31,10 +31,12 @@ def _launch_plain(ranks: int) -> tuple[int, list[subprocess.Popen]]:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(ranks)}
     os.environ.update(env, RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(ranks))
     children = [
-        subprocess.Popen([sys.executable, "-m", "bench.baselines.job", *sys.argv[1:]],
-                         env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r)})
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.baselines.job", *sys.argv[1:]],
+            env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
         for r in range(1, ranks)
-    ]  # fmt: skip
+    ]
     return 0, children
 
 

@@ -57,10 +57,19 @@ def fit(spec: JobSpec, strategy, out: str, hf_checkpointing: bool, fused_adamw: 
     rec = Recorder(out, rank=0)
     module = BenchLM(spec, rec, hf_checkpointing, fused_adamw)
     trainer = L.Trainer(
-        strategy=strategy, accelerator=spec.accelerator, devices=spec.ranks, precision=spec.precision,
-        max_steps=spec.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out, use_distributed_sampler=False,
-    )  # fmt: skip
+        strategy=strategy,
+        accelerator=spec.accelerator,
+        devices=spec.ranks,
+        precision=spec.precision,
+        max_steps=spec.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
+        use_distributed_sampler=False,
+    )
     rec.rank = trainer.global_rank
     trainer.fit(module)
     return trainer, module

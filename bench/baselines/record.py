@@ -56,10 +56,18 @@ class Recorder:
         self._private_peak()  # loops that do not mark the end of their steps: read at the write
         self.out.mkdir(parents=True, exist_ok=True)
         data = {
-            "rank": self.rank, "starts": self.starts, "walls": self.walls, "end": self.end or time.perf_counter(),
-            "end_wall": self.end_wall or time.time(), "losses": self.losses, "tokens": self.tokens,
-            "device_memory": device_memory, "device_note": device_note, "pid": os.getpid(), **self.extra,
-        }  # fmt: skip
+            "rank": self.rank,
+            "starts": self.starts,
+            "walls": self.walls,
+            "end": self.end or time.perf_counter(),
+            "end_wall": self.end_wall or time.time(),
+            "losses": self.losses,
+            "tokens": self.tokens,
+            "device_memory": device_memory,
+            "device_note": device_note,
+            "pid": os.getpid(),
+            **self.extra,
+        }
         (self.out / f"result_rank{self.rank}.json").write_text(json.dumps(data))
 
 
@@ -74,7 +82,10 @@ def cuda_peak() -> dict | None:
     """The CUDA caching allocator's peak (None on CPU: there is no device allocator to ask)."""
     if not torch.cuda.is_available():
         return None
-    return {"max_allocated_bytes": torch.cuda.max_memory_allocated(), "max_reserved_bytes": torch.cuda.max_memory_reserved()}
+    return {
+        "max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "max_reserved_bytes": torch.cuda.max_memory_reserved(),
+    }
 
 
 NO_DEVICE_ALLOCATOR = "no device allocator on CPU: the device is host memory, its bytes are in the host column"

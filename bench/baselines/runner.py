@@ -66,9 +66,24 @@ class RunResult:
         return self.spec.tokens_per_step / self.step_median
 
     def summary(self) -> dict:
-        d = {k: getattr(self, k) for k in ("name", "status", "reason", "step_s", "losses", "host_peak",
-                                            "host_peak_run", "host_peak_shmem", "rss_sum_peak", "private_peak", "device",
-                                            "device_note", "extra")}  # fmt: skip
+        d = {
+            k: getattr(self, k)
+            for k in (
+                "name",
+                "status",
+                "reason",
+                "step_s",
+                "losses",
+                "host_peak",
+                "host_peak_run",
+                "host_peak_shmem",
+                "rss_sum_peak",
+                "private_peak",
+                "device",
+                "device_note",
+                "extra",
+            )
+        }
         d["spec"] = json.loads(self.spec.to_json())
         if self.ok:
             d |= {"step_median_s": self.step_median, "tokens_per_s": self.tokens_per_s}
@@ -80,8 +95,14 @@ def estimate_host_bytes(spec: JobSpec) -> int:
     measurement): bytes/param of the states each system keeps on the host at once, plus ~1.5 GB per rank."""
     n, r = spec.model.num_params, spec.ranks
     model = 4 * n * r  # every rank builds the FP32 model and loads the initial weights (mmapped file)
-    per_system = {"slidedp": 14 * n, "replicated": 14 * n * r, "ddp": 12 * n * r, "fsdp2": 16 * n,
-                  "fsdp2_offload": 16 * n, "zero_offload": 4 * n * r + 16 * n}  # fmt: skip
+    per_system = {
+        "slidedp": 14 * n,
+        "replicated": 14 * n * r,
+        "ddp": 12 * n * r,
+        "fsdp2": 16 * n,
+        "fsdp2_offload": 16 * n,
+        "zero_offload": 4 * n * r + 16 * n,
+    }
     if spec.accelerator == "cuda":
         model = 4 * n * r if spec.system in ("slidedp", "replicated") else 4 * n * r
         per_system["ddp"] = per_system["fsdp2"] = 0
@@ -90,31 +111,48 @@ def estimate_host_bytes(spec: JobSpec) -> int:
 
 def _launch_env(spec: JobSpec) -> dict[str, str]:
     cores = os.cpu_count() or 1
-    env = {**os.environ, **MALLOC_ENV, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(max(1, cores // spec.ranks)),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}  # fmt: skip
+    env = {
+        **os.environ,
+        **MALLOC_ENV,
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": str(max(1, cores // spec.ranks)),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(REPO),
+    }
     if spec.system == "zero_offload" and spec.accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     return env
 
 
-def run_job(runs: list[tuple[str, JobSpec]], out: Path, mem_limit: int | None = None,
-            interval: float = INTERVAL_S) -> list[RunResult]:  # fmt: skip
+def run_job(
+    runs: list[tuple[str, JobSpec]], out: Path, mem_limit: int | None = None, interval: float = INTERVAL_S
+) -> list[RunResult]:
     """Run ``runs`` (one system, one after the other in the same R processes) and collect their results."""
     out.mkdir(parents=True, exist_ok=True)
     first = runs[0][1]
     limit = mem_limit if mem_limit is not None else int(mem_available() * 0.9)
     need = max(estimate_host_bytes(s) for _, s in runs)
     if need > limit:
-        why = (f"infeasible: the preflight estimate of host memory is {need / GB:.1f} GB "
-               f"(states and per-rank models of {first.model.num_params / 1e6:.0f} M params x {first.ranks} ranks), "
-               f"the limit is {limit / GB:.1f} GB (90 % of MemAvailable)")  # fmt: skip
+        why = (
+            f"infeasible: the preflight estimate of host memory is {need / GB:.1f} GB "
+            f"(states and per-rank models of {first.model.num_params / 1e6:.0f} M params x {first.ranks} ranks), "
+            f"the limit is {limit / GB:.1f} GB (90 % of MemAvailable)"
+        )
         return [RunResult(name, spec, "infeasible", why) for name, spec in runs]
     cfg = out / "config.json"
-    cfg.write_text(json.dumps({"out": str(out), "runs": [{"name": n, "spec": json.loads(s.to_json())} for n, s in runs]}))
+    cfg.write_text(
+        json.dumps({"out": str(out), "runs": [{"name": n, "spec": json.loads(s.to_json())} for n, s in runs]})
+    )
     logf = open(out / "output.log", "w")  # noqa: SIM115
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.baselines.job", str(cfg)], cwd=REPO, env=_launch_env(first),
-                            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.baselines.job", str(cfg)],
+        cwd=REPO,
+        env=_launch_env(first),
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     killed: list[str] = []
 
     def kill(why: str) -> None:
@@ -124,9 +162,15 @@ def run_job(runs: list[tuple[str, JobSpec]], out: Path, mem_limit: int | None = 
         except ProcessLookupError:
             pass
 
-    sampler = Sampler(proc.pid, interval, limit,
-                      lambda s: kill(f"oom: the job's host memory (PSS sum) reached {s.pss / GB:.2f} GB, over the "
-                                     f"limit of {limit / GB:.1f} GB; stopped"))  # fmt: skip
+    sampler = Sampler(
+        proc.pid,
+        interval,
+        limit,
+        lambda s: kill(
+            f"oom: the job's host memory (PSS sum) reached {s.pss / GB:.2f} GB, over the "
+            f"limit of {limit / GB:.1f} GB; stopped"
+        ),
+    )
     sampler.start()
     timeout = sum(s.timeout_s for _, s in runs)
     try:

@@ -21,6 +21,7 @@ def run(spec: JobSpec, out: str) -> int:
     strategy = SlideDPStrategy(**knobs, activation_policy=activations, timeout=timedelta(seconds=spec.timeout_s))
     trainer, module = lit.fit(spec, strategy, out, hf_checkpointing=False, fused_adamw=False)
     device = module.rec.extra.pop("device_memory", None)
-    module.rec.write(device, "SlideDP runtime accounting (resident unit parameters + retained activations + pooled "
-                             "gradient buffers)")
+    module.rec.write(
+        device, "SlideDP runtime accounting (resident unit parameters + retained activations + pooled gradient buffers)"
+    )
     return trainer.global_rank

@@ -39,14 +39,25 @@ class ModelShape:
         from transformers import Qwen3Config, Qwen3MoeConfig
 
         common = dict(
-            vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim, max_position_embeddings=max_positions, tie_word_embeddings=self.tied,
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=self.tied,
             attn_implementation="sdpa",
-        )  # fmt: skip
+        )
         if self.experts:
-            return Qwen3MoeConfig(**common, num_experts=self.experts, num_experts_per_tok=self.experts_per_tok,
-                                  moe_intermediate_size=self.moe_intermediate, output_router_logits=True)  # fmt: skip
+            return Qwen3MoeConfig(
+                **common,
+                num_experts=self.experts,
+                num_experts_per_tok=self.experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate,
+                output_router_logits=True,
+            )
         return Qwen3Config(**common)
 
     @property
@@ -98,11 +109,17 @@ class JobSpec:
     def workload(self) -> dict:
         """Everything that must be equal between systems compared in one table."""
         return {
-            "model": asdict(self.model), "global_batch": self.global_batch, "seq": self.seq, "steps": self.steps,
-            "warmup": self.warmup, "precision": self.precision, "checkpointing": self.checkpointing,
+            "model": asdict(self.model),
+            "global_batch": self.global_batch,
+            "seq": self.seq,
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "precision": self.precision,
+            "checkpointing": self.checkpointing,
             "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in self.hyper.items()},
-            "init_file": self.init_file, "data_seed": self.data_seed,
-        }  # fmt: skip
+            "init_file": self.init_file,
+            "data_seed": self.data_seed,
+        }
 
     def to_json(self) -> str:
         d = asdict(self)

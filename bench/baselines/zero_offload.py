@@ -19,14 +19,19 @@ def ds_config(spec: JobSpec) -> dict:
         "train_batch_size": spec.global_batch,
         "train_micro_batch_size_per_gpu": spec.batch_per_rank,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": spec.accelerator == "cuda"}},
-        "optimizer": {"type": "AdamW", "params": {"lr": h["lr"], "betas": list(h["betas"]), "eps": h["eps"],
-                                                  "weight_decay": h["weight_decay"]}},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": spec.accelerator == "cuda"},
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": h["lr"], "betas": list(h["betas"]), "eps": h["eps"], "weight_decay": h["weight_decay"]},
+        },
         "bf16": {"enabled": spec.precision == "bf16-mixed"},
         "gradient_clipping": 0.0,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-    }  # fmt: skip
+    }
 
 
 def run(spec: JobSpec, out: str, rank: int) -> None:
@@ -36,8 +41,9 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
     model.config.use_cache = False
     if spec.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=adamw_groups(model, spec.hyper),
-                                           config=ds_config(spec))  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=adamw_groups(model, spec.hyper), config=ds_config(spec)
+    )
     rec = Recorder(out, rank)
     rec.extra["optimizer"] = type(engine.optimizer.optimizer).__name__ if hasattr(engine.optimizer, "optimizer") else ""
     engine.train()

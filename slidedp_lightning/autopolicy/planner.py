@@ -59,11 +59,19 @@ class AutoPolicy:
         save_to: where rank 0 writes the plan JSON.
     """
 
-    def __init__(self, memory_budget: int | float | None = None, profile: str | Path | None = None,
-                 modes: tuple[str, ...] = MODES, ratios: tuple[float, ...] = RATIOS,
-                 save_to: str | Path | None = None, repeats: int = 2) -> None:  # fmt: skip
+    def __init__(
+        self,
+        memory_budget: int | float | None = None,
+        profile: str | Path | None = None,
+        modes: tuple[str, ...] = MODES,
+        ratios: tuple[float, ...] = RATIOS,
+        save_to: str | Path | None = None,
+        repeats: int = 2,
+    ) -> None:
         if memory_budget is not None and (not isinstance(memory_budget, (int, float)) or memory_budget <= 0):
-            raise ValueError(f"memory_budget must be bytes (int > 0), a fraction in (0, 1] or None; got {memory_budget!r}")
+            raise ValueError(
+                f"memory_budget must be bytes (int > 0), a fraction in (0, 1] or None; got {memory_budget!r}"
+            )
         if isinstance(memory_budget, float) and memory_budget > 1:
             raise ValueError(f"a float memory_budget is a fraction of device memory in (0, 1]; got {memory_budget}")
         self.candidates = [UnitPolicy.parse(f"{m}@{r:g}") for m in modes for r in ratios]  # validates them
@@ -82,8 +90,9 @@ class AutoPolicy:
         x = args[0]
         budget = self._budget(engine)
         rates = self._probe_links(x, engine.lanes.device, group)
-        measured = {m: engine.activations.measure(u, UnitPolicy.parse(m), args, kwargs, self.repeats)
-                    for m in self.modes}  # fmt: skip
+        measured = {
+            m: engine.activations.measure(u, UnitPolicy.parse(m), args, kwargs, self.repeats) for m in self.modes
+        }
         measured = _max_over_ranks(measured, group)
         options = self._options(measured)
         fixed = self._fixed(engine, x, rates)
@@ -92,15 +101,24 @@ class AutoPolicy:
             choice = solve(blocks, options, fixed, budget)
         except InfeasibleBudget as err:
             smallest = err.needed + self._reserve(engine)
-            raise ValueError(f"AutoPolicy: {err} The smallest feasible memory_budget is {smallest:,.0f} bytes "
-                             f"({smallest / 2**20:.2f} MiB); raise it, or lower the batch size or sequence "
-                             "length.") from None  # fmt: skip
+            raise ValueError(
+                f"AutoPolicy: {err} The smallest feasible memory_budget is {smallest:,.0f} bytes "
+                f"({smallest / 2**20:.2f} MiB); raise it, or lower the batch size or sequence "
+                "length."
+            ) from None
         policy = ActivationPolicy(UnitPolicy(), {b: UnitPolicy.parse(o.policy) for b, o in zip(blocks, choice)})
         search_s = time.perf_counter() - t0
         baseline = next(o for o in options if o.policy == f"{BASELINE}@0")
         report = self._report(measured, options, choice, blocks, fixed, budget, baseline, search_s, x, engine)
-        plan = Plan(policy, {"param_route": engine.config.param_route, "grad_route": engine.config.grad_route,
-                             "chunk_bytes": engine.config.chunk_bytes}, report)  # fmt: skip
+        plan = Plan(
+            policy,
+            {
+                "param_route": engine.config.param_route,
+                "grad_route": engine.config.grad_route,
+                "chunk_bytes": engine.config.chunk_bytes,
+            },
+            report,
+        )
         if group is not None:  # every rank runs rank 0's plan, whatever rounding did elsewhere
             box = [plan.to_dict()]
             dist.broadcast_object_list(box, group=group, group_src=0)
@@ -110,8 +128,9 @@ class AutoPolicy:
             self._log(plan)
             if self.save_to:
                 plan.save(self.save_to)
-                log.info("AutoPolicy plan saved to %s (reuse it with activation_policy=%r)", self.save_to,
-                         str(self.save_to))  # fmt: skip
+                log.info(
+                    "AutoPolicy plan saved to %s (reuse it with activation_policy=%r)", self.save_to, str(self.save_to)
+                )
         return plan.activations
 
     # -- the steps --------------------------------------------------------------------------------------
@@ -121,8 +140,11 @@ class AutoPolicy:
         device = engine.lanes.device
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            budget = total * 0.9 if self.memory_budget is None else (
-                total * self.memory_budget if isinstance(self.memory_budget, float) else self.memory_budget)
+            budget = (
+                total * 0.9
+                if self.memory_budget is None
+                else (total * self.memory_budget if isinstance(self.memory_budget, float) else self.memory_budget)
+            )
         elif isinstance(self.memory_budget, float):
             raise ValueError("a fractional memory_budget needs a CUDA device; give bytes on the CPU.")
         else:
@@ -179,22 +201,37 @@ class AutoPolicy:
 
         profile = load_profile(self.profile)
         cfg = StepConfig(
-            model=load_config(engine.model.config), batch=x.shape[0], seq=x.shape[1], gpus=engine.topology.shard_world,
-            param_route=engine.config.param_route, grad_route=engine.config.grad_route,
-            chunk_bytes=engine.config.chunk_bytes, prefetch_window=engine.config.prefetch_window,
-            activation=UnitActivation(), precision="bf16-mixed" if engine.compute_dtype == torch.bfloat16 else "32-true",
-        )  # fmt: skip
+            model=load_config(engine.model.config),
+            batch=x.shape[0],
+            seq=x.shape[1],
+            gpus=engine.topology.shard_world,
+            param_route=engine.config.param_route,
+            grad_route=engine.config.grad_route,
+            chunk_bytes=engine.config.chunk_bytes,
+            prefetch_window=engine.config.prefetch_window,
+            activation=UnitActivation(),
+            precision="bf16-mixed" if engine.compute_dtype == torch.bfloat16 else "32-true",
+        )
         bounds = analyze(cfg, profile).bounds
-        return Fixed(h2d=bounds.get("h2d", 0.0), d2h=bounds.get("d2h", 0.0),
-                     host=max(bounds.get("cpu", 0.0), bounds.get("dram", 0.0)), h2d_rate=h2d_rate,
-                     d2h_rate=d2h_rate)  # fmt: skip
+        return Fixed(
+            h2d=bounds.get("h2d", 0.0),
+            d2h=bounds.get("d2h", 0.0),
+            host=max(bounds.get("cpu", 0.0), bounds.get("dram", 0.0)),
+            h2d_rate=h2d_rate,
+            d2h_rate=d2h_rate,
+        )
 
     def _report(self, measured, options, choice, blocks, fixed, budget, baseline, search_s, x, engine) -> dict:
         planned = predict(choice, fixed)
         base = predict([baseline] * len(blocks), fixed)
         saving = base["step"] - planned["step"]
         return {
-            "shape": {"batch": x.shape[0], "seq": x.shape[1], "ranks": engine.topology.shard_world, "blocks": len(blocks)},
+            "shape": {
+                "batch": x.shape[0],
+                "seq": x.shape[1],
+                "ranks": engine.topology.shard_world,
+                "blocks": len(blocks),
+            },
             "budget_bytes": budget if math.isfinite(budget) else None,
             "link_bytes_per_s": {"d2h": fixed.d2h_rate, "h2d": fixed.h2d_rate},
             "fixed_seconds": {"gpu": fixed.gpu, "h2d": fixed.h2d, "d2h": fixed.d2h, "host": fixed.host},
@@ -212,8 +249,9 @@ class AutoPolicy:
 
     def _log(self, plan: Plan) -> None:
         r = plan.report
-        costs = "; ".join(f"{m}: {c['seconds'] * 1e3:.2f} ms, {c['retained_bytes'] / 2**20:.2f} MiB"
-                          for m, c in r["measured"].items())  # fmt: skip
+        costs = "; ".join(
+            f"{m}: {c['seconds'] * 1e3:.2f} ms, {c['retained_bytes'] / 2**20:.2f} MiB" for m, c in r["measured"].items()
+        )
         chosen: dict[str, int] = {}
         for p in r["plan"].values():
             chosen[p] = chosen.get(p, 0) + 1
@@ -221,11 +259,16 @@ class AutoPolicy:
         log.info(
             "AutoPolicy: measured per block (max over ranks) %s. Plan: %s; predicted step %.2f ms (%s: %.2f ms), "
             "retained %.2f MiB of a %s budget; search %.2f s, pays back after %s.",
-            costs, ", ".join(f"{p} x{n}" for p, n in chosen.items()), r["predicted"]["step"] * 1e3, BASELINE,
-            r["baseline"]["predicted"]["step"] * 1e3, r["retained_bytes"] / 2**20,
+            costs,
+            ", ".join(f"{p} x{n}" for p, n in chosen.items()),
+            r["predicted"]["step"] * 1e3,
+            BASELINE,
+            r["baseline"]["predicted"]["step"] * 1e3,
+            r["retained_bytes"] / 2**20,
             f"{r['budget_bytes'] / 2**20:.2f} MiB" if r["budget_bytes"] is not None else "unlimited",
-            r["search_seconds"], even,
-        )  # fmt: skip
+            r["search_seconds"],
+            even,
+        )
 
 
 def _sync(device: torch.device) -> None:

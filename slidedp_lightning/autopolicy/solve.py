@@ -75,14 +75,18 @@ def solve(blocks: list[str], options: list[Option], fixed: Fixed, budget: float)
         raise InfeasibleBudget(
             f"no activation policy fits the device memory budget: even the most frugal option keeps "
             f"{least * len(blocks) / 2**20:.2f} MiB of activations for {len(blocks)} blocks, the budget leaves "
-            f"{budget / 2**20:.2f} MiB for them.", least * len(blocks))
+            f"{budget / 2**20:.2f} MiB for them.",
+            least * len(blocks),
+        )
     prob = pulp.LpProblem("slidedp_activation_policy", pulp.LpMinimize)
     x = {(b, k): prob.add_variable(f"x_{b}_{k}", cat="Binary") for b in range(len(blocks)) for k in range(len(options))}
     t = prob.add_variable("step_seconds", lowBound=0)
     moved = max(o.offloaded_bytes for o in options) * len(blocks) or 1
     work = max(o.seconds for o in options) * len(blocks) or 1
     tie = 1e-4 * work
-    prob += t + tie * pulp.lpSum(x[b, k] * (options[k].offloaded_bytes / moved + options[k].seconds / work) for b, k in x)
+    prob += t + tie * pulp.lpSum(
+        x[b, k] * (options[k].offloaded_bytes / moved + options[k].seconds / work) for b, k in x
+    )
     for b in range(len(blocks)):
         prob += pulp.lpSum(x[b, k] for k in range(len(options))) == 1
     picked = lambda f: pulp.lpSum(x[b, k] * f(options[k]) for b, k in x)  # noqa: E731

@@ -25,8 +25,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum_t CE(hidden[t] @ weight.T, target[t]) / denom`` computed ``chunk`` rows at a time."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                denom: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int, denom: torch.Tensor
+    ) -> torch.Tensor:
         device = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -55,8 +56,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def _head_forward(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor | None = None, chunk: int = 1024,
-                  num_items_in_batch: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def _head_forward(
+    head: nn.Linear,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    chunk: int = 1024,
+    num_items_in_batch: torch.Tensor | None = None,
+) -> torch.Tensor:
     if labels is None:
         return F.linear(hidden, head.weight, head.bias)
     if head.bias is not None:
@@ -72,29 +78,54 @@ def install(model: nn.Module, chunk: int) -> None:
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"loss chunk must be a positive number of tokens, got {chunk!r}.")
     if not isinstance(getattr(model, "lm_head", None), nn.Linear) or not hasattr(model, "model"):
-        raise ValueError(f"{type(model).__name__} is not a transformers causal LM with an lm_head: the chunked loss "
-                         "does not apply; do not call use_chunked_loss on it.")  # fmt: skip
+        raise ValueError(
+            f"{type(model).__name__} is not a transformers causal LM with an lm_head: the chunked loss "
+            "does not apply; do not call use_chunked_loss on it."
+        )
     original = type(model).forward
     head = model.lm_head
     head.forward = MethodType(lambda self, hidden, **kw: _head_forward(self, hidden, chunk=chunk, **kw), head)
     module = sys.modules[type(model).__module__]
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                logits_to_keep=0, **kwargs):  # fmt: skip
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         if labels is None or logits_to_keep:
-            return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip
+            return original(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
         router = kwargs.pop("output_router_logits", getattr(self.config, "output_router_logits", False))
         extra = {"output_router_logits": router} if hasattr(self.config, "output_router_logits") else {}
         kwargs["use_cache"] = False
         items = kwargs.get("num_items_in_batch")
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, **extra, **kwargs)  # fmt: skip
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            **extra,
+            **kwargs,
+        )
         loss = self.lm_head(outputs.last_hidden_state, labels=labels, num_items_in_batch=items)
         aux = None
         if router:  # the MoE router's load-balancing loss, as the model's own forward adds it
-            aux = module.load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
-                                                  attention_mask)  # fmt: skip
+            aux = module.load_balancing_loss_func(
+                outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+            )
             loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
         out = {"loss": loss, "logits": None}
         if aux is not None:

@@ -7,7 +7,6 @@ rotary embedding module with non-persistent frequency buffers.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError, register_adapter

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 
 NUM_SEGMENTS = 8
 NUM_BOUNDARIES = NUM_SEGMENTS - 1
-State = Union[torch.Tensor, tuple[torch.Tensor, ...]]
+State = torch.Tensor | tuple[torch.Tensor, ...]
 Segment = Callable[..., State]
-Mask = Union[int, str, Sequence[Union[bool, int]]]
+Mask = int | str | Sequence[bool | int]
 CheckpointFn = Callable[..., State]
 
 # Positional order of the decoder layer's forward parameters (transformers 5.x).
@@ -105,12 +105,16 @@ class BlockSegments:
             impl = attn.config._attn_implementation
             fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, modeling.eager_attention_forward)
             out, _ = fn(
-                attn, q, k, v, mask,
+                attn,
+                q,
+                k,
+                v,
+                mask,
                 dropout=0.0 if not attn.training else attn.attention_dropout,
                 scaling=attn.scaling,
                 **self.attention_extra(attn),
                 **extra,
-            )  # fmt: skip
+            )
             return h, out.reshape(*h.shape[:-1], -1).contiguous()
 
         def s3_out_proj(h: torch.Tensor, a: torch.Tensor) -> State:

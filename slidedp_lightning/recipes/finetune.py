@@ -22,8 +22,9 @@ import math
 import os
 import time
 import warnings
+from collections.abc import Sequence
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -154,7 +155,9 @@ class FinetuneModule(L.LightningModule):
             model.config.use_cache = False
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ):
         assert self.model is not None, "configure_model() has not run"
         return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
 
@@ -172,7 +175,9 @@ class FinetuneModule(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         gen = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(self.train_set(), batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, generator=gen)
+        return DataLoader(
+            self.train_set(), batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, generator=gen
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.eval_set(), batch_size=self.hparams.eval_batch_size, shuffle=False)
@@ -242,21 +247,37 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", metavar="DIR", default=None,
-                   help="local Hugging Face checkpoint directory to fine-tune; default: random-init tiny Qwen3 "
-                        f"from configs/{DEFAULT_CONFIG}")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="local Hugging Face checkpoint directory to fine-tune; default: random-init tiny Qwen3 "
+        f"from configs/{DEFAULT_CONFIG}",
+    )
     p.add_argument("--devices", type=int, default=2, help="number of processes/devices")
     p.add_argument("--accelerator", default="cpu", help='Lightning accelerator ("cpu", "gpu", ...)')
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     p.add_argument("--strategy", default="slidedp", choices=STRATEGIES)
-    p.add_argument("--trace-dir", default=None,
-                   help="slidedp only: record the lanes (TensorBoard scalars + Gantt, Chrome trace) under this folder")
-    p.add_argument("--param-route", default="full", choices=PARAM_ROUTES,
-                   help="slidedp only: how parameters reach the devices")
-    p.add_argument("--grad-route", default="gpu_reduce", choices=GRAD_ROUTES,
-                   help="slidedp only: how gradients are reduced and returned to the host")
-    p.add_argument("--chunk-bytes", type=_chunk_bytes, default=None,
-                   help='slidedp only: gradient chunk size in bytes, or "auto" (default: whole units)')
+    p.add_argument(
+        "--trace-dir",
+        default=None,
+        help="slidedp only: record the lanes (TensorBoard scalars + Gantt, Chrome trace) under this folder",
+    )
+    p.add_argument(
+        "--param-route", default="full", choices=PARAM_ROUTES, help="slidedp only: how parameters reach the devices"
+    )
+    p.add_argument(
+        "--grad-route",
+        default="gpu_reduce",
+        choices=GRAD_ROUTES,
+        help="slidedp only: how gradients are reduced and returned to the host",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=_chunk_bytes,
+        default=None,
+        help='slidedp only: gradient chunk size in bytes, or "auto" (default: whole units)',
+    )
     p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per device per step")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak AdamW learning rate")
@@ -293,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--trace-dir traces SlideDP's lanes: use it with --strategy slidedp")
     custom = (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
     if custom and args.strategy != "slidedp":
-        parser.error("--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp")
+        parser.error(
+            "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
+        )
     if args.model is not None:
         try:
             check_vocab(checkpoint_vocab_size(args.model), TASK, args.model)
@@ -322,7 +345,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         precision=args.precision,
         max_steps=args.max_steps,
         logger=logger,
-        callbacks=[LearningRateMonitor(logging_interval="step"), *([LaneTrace(args.trace_dir)] if args.trace_dir else [])],
+        callbacks=[
+            LearningRateMonitor(logging_interval="step"),
+            *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
+        ],
         enable_checkpointing=False,
         log_every_n_steps=10,
         num_sanity_val_steps=0,
@@ -344,25 +370,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     finite = module.nonfinite_loss_steps == 0 and math.isfinite(train_loss) and math.isfinite(after["val_loss"])
 
     world = trainer.world_size
-    _report([
-        "",
-        f"task: {TASK.task} {TASK.length} symbols of {TASK.num_symbols} | model: {args.model or DEFAULT_CONFIG} | "
-        f"strategy: {args.strategy} x{world} | precision: {args.precision} | steps: {trainer.global_step} | "
-        f"global batch: {args.batch_size * world}",
-        f"{'':8s}{'loss':>9s}{'acc':>8s}{'exact':>8s}",
-        f"{'before':8s}{before['val_loss']:9.4f}{before['val_acc']:8.3f}{before['val_exact']:8.3f}",
-        f"{'after':8s}{after['val_loss']:9.4f}{after['val_acc']:8.3f}{after['val_exact']:8.3f}",
-        f"before: loss {before['val_loss']:.3f} acc {before['val_acc']:.3f} | "
-        f"after: loss {after['val_loss']:.3f} acc {after['val_acc']:.3f} | last train_loss {train_loss:.4f}",
-        f"time: eval {t1 - t0:.1f}s, fit {t2 - t1:.1f}s, eval {t3 - t2:.1f}s",
-        f"TensorBoard logs: {logger.log_dir}",
-    ])
+    _report(
+        [
+            "",
+            f"task: {TASK.task} {TASK.length} symbols of {TASK.num_symbols} | model: {args.model or DEFAULT_CONFIG} | "
+            f"strategy: {args.strategy} x{world} | precision: {args.precision} | steps: {trainer.global_step} | "
+            f"global batch: {args.batch_size * world}",
+            f"{'':8s}{'loss':>9s}{'acc':>8s}{'exact':>8s}",
+            f"{'before':8s}{before['val_loss']:9.4f}{before['val_acc']:8.3f}{before['val_exact']:8.3f}",
+            f"{'after':8s}{after['val_loss']:9.4f}{after['val_acc']:8.3f}{after['val_exact']:8.3f}",
+            f"before: loss {before['val_loss']:.3f} acc {before['val_acc']:.3f} | "
+            f"after: loss {after['val_loss']:.3f} acc {after['val_acc']:.3f} | last train_loss {train_loss:.4f}",
+            f"time: eval {t1 - t0:.1f}s, fit {t2 - t1:.1f}s, eval {t3 - t2:.1f}s",
+            f"TensorBoard logs: {logger.log_dir}",
+        ]
+    )
     # leave no gloo/NCCL threads to static destructors at interpreter exit (they can abort the process)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     if not finite:
-        _report([f"ERROR: non-finite loss (non-finite training steps on rank 0: {module.nonfinite_loss_steps}, "
-                 f"last train_loss {train_loss}, val_loss {after['val_loss']})"])
+        _report(
+            [
+                f"ERROR: non-finite loss (non-finite training steps on rank 0: {module.nonfinite_loss_steps}, "
+                f"last train_loss {train_loss}, val_loss {after['val_loss']})"
+            ]
+        )
         return 1
     return 0
 

@@ -116,7 +116,9 @@ class SyntheticTaskDataset(Dataset):
         }
 
 
-def answer_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def answer_accuracy_counts(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy next-token accuracy on answer tokens.
 
     ``logits`` is ``(batch, seq, vocab)`` as returned by a causal LM for the

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -42,10 +42,17 @@ CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 # operators whose outputs selective checkpointing saves (the expensive ones to recompute)
 SAVED_OPS = frozenset(
     op
-    for name in ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
     if (op := getattr(torch.ops.aten, name, None)) is not None
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)
@@ -77,13 +84,17 @@ class UnitPolicy:
             from slidedp_lightning.models.segments import parse_mask
 
             if not bits:
-                raise ValueError(f"segments need a mask of {MASK_BITS} '0'/'1' characters (boundary 0 first), "
-                                 f"e.g. 'segments:0101100'; got {text!r}.")  # fmt: skip
+                raise ValueError(
+                    f"segments need a mask of {MASK_BITS} '0'/'1' characters (boundary 0 first), "
+                    f"e.g. 'segments:0101100'; got {text!r}."
+                )
             try:
                 kept = parse_mask(bits)
             except ValueError as err:
-                raise ValueError(f"{err} in activation policy {text!r}: write e.g. 'segments:0101100' (boundary 0 "
-                                 "first, 1 = keep the activations there).") from None  # fmt: skip
+                raise ValueError(
+                    f"{err} in activation policy {text!r}: write e.g. 'segments:0101100' (boundary 0 "
+                    "first, 1 = keep the activations there)."
+                ) from None
             mask = sum(1 << i for i, k in enumerate(kept) if k)
         elif bits:
             raise ValueError(f"only 'segments' takes a mask; got {text!r}.")
@@ -94,8 +105,9 @@ class UnitPolicy:
         try:
             return cls(mode, mask, offload)
         except ValueError as err:
-            raise ValueError(f"{err} (in activation policy {text!r}; e.g. 'full', 'selective@0.5', "
-                             "'segments:0101100@1')") from None  # fmt: skip
+            raise ValueError(
+                f"{err} (in activation policy {text!r}; e.g. 'full', 'selective@0.5', 'segments:0101100@1')"
+            ) from None
 
     def __str__(self) -> str:
         text = self.mode
@@ -123,7 +135,9 @@ class ActivationPolicy:
             default = UnitPolicy.parse(data.get("default", "none"))
             units = {k: UnitPolicy.parse(v) for k, v in data.get("units", {}).items()}
         except AttributeError:
-            raise ValueError(f"an activation policy is {{'default': str, 'units': {{name: str}}}}; got {data!r}") from None
+            raise ValueError(
+                f"an activation policy is {{'default': str, 'units': {{name: str}}}}; got {data!r}"
+            ) from None
         return cls(default, units)
 
     @classmethod
@@ -145,8 +159,10 @@ class ActivationPolicy:
             return cls.from_dict(data.get("activations", data))
         if isinstance(value, str):
             return cls(UnitPolicy.parse(value))
-        raise TypeError(f"activation_policy must be a mode string, a UnitPolicy, an ActivationPolicy or a .json "
-                        f"path; got {type(value).__name__}.")  # fmt: skip
+        raise TypeError(
+            f"activation_policy must be a mode string, a UnitPolicy, an ActivationPolicy or a .json "
+            f"path; got {type(value).__name__}."
+        )
 
 
 class _Retained:
@@ -168,8 +184,15 @@ class _Retained:
 class ActivationManager:
     """Installs the policies on the decoder blocks and runs retention, offload and reload for them."""
 
-    def __init__(self, blocks: dict[int, nn.Module], names: list[str], policy: ActivationPolicy, lanes: Lanes,
-                 param_storages, planner=None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        blocks: dict[int, nn.Module],
+        names: list[str],
+        policy: ActivationPolicy,
+        lanes: Lanes,
+        param_storages,
+        planner=None,
+    ) -> None:
         self.blocks = blocks  # unit index -> decoder layer module
         self.names = names
         self._check_names(policy)
@@ -202,8 +225,10 @@ class ActivationManager:
         modes = defaultdict(list)
         for u in self.blocks:
             modes[str(self.policy[u])].append(u)
-        log.info("SlideDP activation policy: %s",
-                 "; ".join(f"{m} on {len(us)} block(s)" for m, us in modes.items()) or "no blocks")  # fmt: skip
+        log.info(
+            "SlideDP activation policy: %s",
+            "; ".join(f"{m} on {len(us)} block(s)" for m, us in modes.items()) or "no blocks",
+        )
 
     def _check_names(self, policy: ActivationPolicy) -> None:
         blocks = {self.names[u] for u in self.blocks}
@@ -265,8 +290,12 @@ class ActivationManager:
             self.policy[u], self.retained_bytes[u], self.offloaded_bytes[u], pending = saved
             if pending:
                 self._pending[u] = pending
-        return {"seconds": sorted(times)[len(times) // 2], "retained_bytes": retained, "offloaded_bytes": offloaded,
-                "peak_bytes": peak}  # fmt: skip
+        return {
+            "seconds": sorted(times)[len(times) // 2],
+            "retained_bytes": retained,
+            "offloaded_bytes": offloaded,
+            "peak_bytes": peak,
+        }
 
     def uninstall(self) -> None:
         for u, forward in self._originals.items():
@@ -321,6 +350,7 @@ class ActivationManager:
 
     def _selective_contexts(self):
         """PyTorch's selective checkpointing, its cache of saved operator outputs routed through retain()."""
+
         def policy(ctx, op, *args, **kwargs):
             saved = getattr(op, "overloadpacket", op) in SAVED_OPS
             return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
@@ -346,8 +376,14 @@ class ActivationManager:
             return self._retain(t)
 
     def _retain(self, t: torch.Tensor) -> _Retained:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t._version,
-               t.dtype)  # fmt: skip
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t._version,
+            t.dtype,
+        )
         if key in self._seen:  # saved twice (e.g. one input of two operators): one copy
             return self._seen[key]
         u = self._unit
@@ -414,7 +450,7 @@ class ActivationManager:
         if not r.split:
             return r.kept
         if r.reload is None:  # read before any prefetch (e.g. an early recompute): reload now
-            for v, items in list(self._pending.items()):
+            for items in list(self._pending.values()):
                 if r in items:
                     items.remove(r)
             r.reload = self.lanes.submit("offload", self._reload, r, -1)
@@ -435,8 +471,10 @@ class ActivationManager:
 
     def end_step(self) -> dict[str, int]:
         """Totals of the step that just ended: retained device bytes and offloaded bytes of all blocks."""
-        self.last_step = {"retained_bytes": sum(self.retained_bytes.values()),
-                          "offloaded_bytes": sum(self.offloaded_bytes.values())}  # fmt: skip
+        self.last_step = {
+            "retained_bytes": sum(self.retained_bytes.values()),
+            "offloaded_bytes": sum(self.offloaded_bytes.values()),
+        }
         self.retained_bytes.clear()
         self.offloaded_bytes.clear()
         self._pending.clear()

@@ -68,14 +68,24 @@ def resolve_auto_routes(
         )
         return resolved, None
     if want[0] and topology.param_group is None:
-        raise ValueError("param_route='auto' measures the sharded route on a group of its own: build the Topology "
-                         "with param_group=True.")  # fmt: skip
+        raise ValueError(
+            "param_route='auto' measures the sharded route on a group of its own: build the Topology "
+            "with param_group=True."
+        )
     scratch = torch.zeros(layout.max_unit, dtype=dtype, pin_memory=device.type == "cuda")
     probe = probe_routes(
-        scratch, layout.max_unit, rank=topology.shard_rank, world_size=topology.shard_world, device=device,
-        dtype=dtype, group=topology.shard_group, param_group=topology.param_group, want_param=want[0],
-        want_grad=want[1], want_chunks=want[2],
-    )  # fmt: skip
+        scratch,
+        layout.max_unit,
+        rank=topology.shard_rank,
+        world_size=topology.shard_world,
+        device=device,
+        dtype=dtype,
+        group=topology.shard_group,
+        param_group=topology.param_group,
+        want_param=want[0],
+        want_grad=want[1],
+        want_chunks=want[2],
+    )
     resolved = replace(
         config,
         param_route=probe.param_route if want[0] else config.param_route,
@@ -87,9 +97,13 @@ def resolve_auto_routes(
         logging.INFO if topology.global_rank == 0 else logging.DEBUG,
         "SlideDP auto routes on a %s-element unit, all %d ranks at once (max over ranks): %s -> param_route=%s, "
         "grad_route=%s, chunk_bytes=%s",
-        f"{layout.max_unit:,}", topology.shard_world, measured, resolved.param_route, resolved.grad_route,
+        f"{layout.max_unit:,}",
+        topology.shard_world,
+        measured,
+        resolved.param_route,
+        resolved.grad_route,
         resolved.chunk_bytes,
-    )  # fmt: skip
+    )
     return resolved, probe
 
 
@@ -116,8 +130,9 @@ class InitialWeights:
         if not self.topology.host_sharded:
             return None
         owners = self.topology.host_owners
-        return [(u.offset + owners.start * u.shard_numel, u.offset + owners.stop * u.shard_numel)
-                for u in self.layout.units]  # fmt: skip
+        return [
+            (u.offset + owners.start * u.shard_numel, u.offset + owners.stop * u.shard_numel) for u in self.layout.units
+        ]
 
     def fill(self, ledger: HostLedger) -> None:
         """Copy the weights in (a new file reads as zeros: moments, gaps and padding need no writing); with

@@ -108,24 +108,43 @@ class SlideDPEngine:
                 log.warning("SlideDP fault injection: random delays up to %.1f ms in every lane", config.lane_delay_ms)
             sharded = config.param_route == "sharded" and topology.shard_world > 1
             self.residency = UnitResidency(
-                layout, ledger, self.lanes, compute_dtype, config.prefetch_window, self.liveness,
-                "sharded" if sharded else "full", topology.owner_rank, topology.param_group if sharded else None,
-            )  # fmt: skip
+                layout,
+                ledger,
+                self.lanes,
+                compute_dtype,
+                config.prefetch_window,
+                self.liveness,
+                "sharded" if sharded else "full",
+                topology.owner_rank,
+                topology.param_group if sharded else None,
+            )
             self.residency.bind()
             stack.callback(lambda: self.residency.unbind(self._restore))
             stack.callback(self.residency.evict_all)
             blocks = {i: spec.modules[0] for i, spec in enumerate(specs) if spec.block}
             self.activations = ActivationManager(
-                blocks, [u.name for u in layout.units], config.activation_policy, self.lanes,
-                self.residency.resident_storages, partial(planner, self) if planner else None,
-            )  # fmt: skip
+                blocks,
+                [u.name for u in layout.units],
+                config.activation_policy,
+                self.lanes,
+                self.residency.resident_storages,
+                partial(planner, self) if planner else None,
+            )
             self.activations.install()
             stack.callback(self.activations.uninstall)
             self.routes = GradRoute(
                 "all_reduce" if topology.ledger_per_rank and topology.shard_world > 1 else config.grad_route,
-                layout, ledger, topology.shard_rank, topology.shard_world, topology.shard_group, self.lanes,
-                self.liveness, config.chunk_elems, cross_group=topology.cross, reduce_world=topology.reduce_world,
-            )  # fmt: skip
+                layout,
+                ledger,
+                topology.shard_rank,
+                topology.shard_world,
+                topology.shard_group,
+                self.lanes,
+                self.liveness,
+                config.chunk_elems,
+                cross_group=topology.cross,
+                reduce_world=topology.reduce_world,
+            )
             stack.callback(self.routes.close)
             threads = cpu_ops.thread_budget(topology.ranks_per_host, config.update_threads)
             torch_threads = torch.get_num_threads()
@@ -134,26 +153,47 @@ class SlideDPEngine:
             self.lane = UpdateLane(ledger, layout, topology.owner_rank, threads, self.tracer, (topology.shard_world,))
             stack.callback(lambda: self.lane.close(wait_s=1.0 if self._aborted else 30.0))
             self.steps = StepDriver(
-                model, layout, config, topology, self.residency, self.activations, self.routes, self.lane,
-                self.lanes, self.tracer, self.liveness,
-            )  # fmt: skip
+                model,
+                layout,
+                config,
+                topology,
+                self.residency,
+                self.activations,
+                self.routes,
+                self.lane,
+                self.lanes,
+                self.tracer,
+                self.liveness,
+            )
             stack.callback(self.steps.remove_hooks)
             self.state = LedgerState(root, layout, ledger, topology, self.steps.slot_of, weights.host_ranges())
             jit_s = self.lane.wait_ready()
             trim_host_heap()  # the model's original parameters are gone: return their memory to the OS
             if torch.get_num_threads() != torch_threads:
-                raise RuntimeError(f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
-                                   f"{torch.get_num_threads()}); a CPU kernel ran on the training thread")  # fmt: skip
+                raise RuntimeError(
+                    f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
+                    f"{torch.get_num_threads()}); a CPU kernel ran on the training thread"
+                )
             self._teardown = stack.pop_all()
         gib = 1 << 30
         log.log(
             logging.INFO if topology.global_rank == 0 else logging.DEBUG,
             "SlideDP %s: %d units, %s params, ledger %.3f GiB in shared memory (%.2f B/param), route %s/%s, "
             "window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
-            topology.describe(), len(layout.units), f"{layout.num_params:,}", geometry.nbytes / gib,
-            geometry.nbytes / layout.num_params, config.param_route, config.grad_route, config.prefetch_window,
-            device, compute_dtype, threads, jit_s, time.perf_counter() - t0,
-        )  # fmt: skip
+            topology.describe(),
+            len(layout.units),
+            f"{layout.num_params:,}",
+            geometry.nbytes / gib,
+            geometry.nbytes / layout.num_params,
+            config.param_route,
+            config.grad_route,
+            config.prefetch_window,
+            device,
+            compute_dtype,
+            threads,
+            jit_s,
+            time.perf_counter() - t0,
+        )
 
     def _lane_error(self) -> BaseException | None:
         """A failure of this rank's own update or D2H lane (ends every wait on the other ranks at once)."""
@@ -210,7 +250,9 @@ class SlideDPEngine:
         self.lane.set_groups(table)
         self.steps.optimizer = optimizer
 
-    def end_step(self, clip_norm: float | None = None, clip_value: float | None = None, grad_scale: float = 1.0) -> bool:
+    def end_step(
+        self, clip_norm: float | None = None, clip_value: float | None = None, grad_scale: float = 1.0
+    ) -> bool:
         """Close the optimizer step; see :meth:`StepDriver.end_step`."""
         return self.steps.end_step(clip_norm, clip_value, grad_scale)
 
@@ -299,8 +341,10 @@ class SlideDPEngine:
             "SlideDP: not restoring the module's parameters after training (%d ranks x %.1f GiB of FP32 copies "
             "would exceed half of the %.1f GiB available); they are left on the meta device. Save a checkpoint to "
             "keep the weights, or pass restore_module=True to force the copies.",
-            self.topology.ranks_per_host, self.layout.num_params * 4 / (1 << 30), available / (1 << 30),
-        )  # fmt: skip
+            self.topology.ranks_per_host,
+            self.layout.num_params * 4 / (1 << 30),
+            available / (1 << 30),
+        )
         return False
 
     def close(self, restore: bool | str = "auto") -> None:

@@ -31,8 +31,9 @@ ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, e
 WATERMARK = 1 << 32  # host_reduce stamps: generation * WATERMARK + elements of the slot written so far
 
 
-def _fill_flat(flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: int = 0, hi: int | None = None,
-               at: int | None = None) -> None:  # fmt: skip
+def _fill_flat(
+    flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: int = 0, hi: int | None = None, at: int | None = None
+) -> None:
     """Write elements [lo, hi) of a unit's flat gradient layout into ``flat`` (zeros in alignment gaps and
     padding), element ``lo`` at index ``at`` of ``flat`` (default: at ``lo``)."""
     hi = unit.padded if hi is None else hi
@@ -170,8 +171,9 @@ class ReducedShard:
             self._land()
         tracer = self.lanes.tracer
         if tracer.enabled:  # from issue until the update lane has it (collective and D2H)
-            tracer.record("reduce", "reduce + return", self.step, self.issued, time.perf_counter(), self.unit,
-                          self.chunk)  # fmt: skip
+            tracer.record(
+                "reduce", "reduce + return", self.step, self.issued, time.perf_counter(), self.unit, self.chunk
+            )
         return self.shard.numpy()
 
     def landed(self) -> bool:
@@ -266,22 +268,33 @@ class GradRoute:
         self.cross_group = cross_group
         self.reduce_world = reduce_world or world_size  # DDP divides by every rank of the job
         if cross_group is not None and route == "host_reduce":
-            raise ValueError("grad_route='host_reduce' sums gradients inside one host's update; across several hosts "
-                             "use grad_route='gpu_reduce'.")  # fmt: skip
+            raise ValueError(
+                "grad_route='host_reduce' sums gradients inside one host's update; across several hosts "
+                "use grad_route='gpu_reduce'."
+            )
         if route == "host_reduce" and layout.max_unit >= WATERMARK:
-            raise ValueError(f"grad_route='host_reduce' supports units of fewer than 2**32 elements; the largest "
-                             f"unit has {layout.max_unit:,}. Use grad_route='gpu_reduce'.")  # fmt: skip
+            raise ValueError(
+                f"grad_route='host_reduce' supports units of fewer than 2**32 elements; the largest "
+                f"unit has {layout.max_unit:,}. Use grad_route='gpu_reduce'."
+            )
         self._published: list[Future] = []  # host_reduce: copies to the staging slots still on the D2H lane
         self._reducing: list[ReducedShard] = []  # gpu_reduce: shards whose collective buffers may still be held
         # gloo runs a reduce-scatter as an all-reduce of a copy of its input, then copies this rank's slice out:
         # all-reducing the flat gradient in place and copying the slice out once it landed gives the same sums
         # without holding a second full-size copy of the unit's gradient
-        self._in_place = (route == "gpu_reduce" and world_size > 1 and not lanes.is_stream("compute")
-                          and dist.get_backend(group) == "gloo")  # fmt: skip
+        self._in_place = (
+            route == "gpu_reduce"
+            and world_size > 1
+            and not lanes.is_stream("compute")
+            and dist.get_backend(group) == "gloo"
+        )
         self._group_rank = dist.get_rank(group) if self._in_place else rank
         # a host "device" reuses its flat gradients (device streams have CUDA's caching allocator)
-        self.pool = (FlatPool(layout.max_unit, self.device)
-                     if route != "host_reduce" and not lanes.is_stream("compute") else None)  # fmt: skip
+        self.pool = (
+            FlatPool(layout.max_unit, self.device)
+            if route != "host_reduce" and not lanes.is_stream("compute")
+            else None
+        )
         self._gen = 0  # host_reduce slot generations written by this rank (the same sequence on every rank)
 
     @property
@@ -375,8 +388,7 @@ class GradRoute:
             # orders the D2H stream; the allocator must not hand a chunk's input to the compute stream again
             # before the collective has read it
             keep = (flat, piece, inp) if streams else ()
-            shard = ReducedShard(self.lanes, host, marker, work, keep, step, u, k, liveness=self.liveness,
-                                 lease=lease)  # fmt: skip
+            shard = ReducedShard(self.lanes, host, marker, work, keep, step, u, k, liveness=self.liveness, lease=lease)
             self._reducing.append(shard)
             if work is not None:  # a host-side collective: land the shard the moment it completes
                 self.lanes.submit("d2h", self._settle, shard)
@@ -400,7 +412,6 @@ class GradRoute:
             wait_until(lambda: shard.work is None or work.is_completed(), self.liveness, "a gradient reduction")
         except PeerFailure:
             return  # the update lane's get() reports the failure
-        del work
         shard.landed()
 
     def _host_reduce(self, u: int, grads: list[torch.Tensor], step: int) -> list[tuple[int, int, StagedSlots]]:
@@ -426,10 +437,26 @@ class GradRoute:
         s0 = unit.shard(self.rank)[0]
         mine = self.chunks(n)
         return [
-            (a, b, StagedSlots(self.ledger, self.liveness, self.rank, k, gen, s0 + a, s0 + b, self.tracer, step, u,
-                               i == len(mine) - 1, i))
+            (
+                a,
+                b,
+                StagedSlots(
+                    self.ledger,
+                    self.liveness,
+                    self.rank,
+                    k,
+                    gen,
+                    s0 + a,
+                    s0 + b,
+                    self.tracer,
+                    step,
+                    u,
+                    i == len(mine) - 1,
+                    i,
+                ),
+            )
             for i, (a, b) in enumerate(mine)
-        ]  # fmt: skip
+        ]
 
     def _publish(self, u, grads, k: int, gen: int, pieces: list[tuple[int, int]], ready, step: int) -> None:
         """D2H lane thread: copy unit ``u``'s gradient into staging slot ``k`` piece by piece, moving this rank's

@@ -85,9 +85,15 @@ def remove_stale_ledgers(directory: str | None = None) -> list[str]:
         except OSError:
             continue
         removed.append(path)
-        log.warning("SlideDP removed a stale ledger of a dead job (creator pid %d is gone): %s, %.2f GiB", pid, path,
-                    size / (1 << 30))  # fmt: skip
+        log.warning(
+            "SlideDP removed a stale ledger of a dead job (creator pid %d is gone): %s, %.2f GiB",
+            pid,
+            path,
+            size / (1 << 30),
+        )
     return removed
+
+
 LEDGER_BYTES_PER_PARAM = 14  # FP32 master 4 + exp_avg 4 + exp_avg_sq 4 + BF16 copy 2
 
 
@@ -176,8 +182,13 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float =
         gib = 1 << 30
         raise HostMemoryError(
             f"SlideDP needs {need / gib:.2f} GiB of host shared memory for "
-            + (f"{copies} ledgers (param_route='replicated': one per rank) " if copies > 1 else
-               "the ledger " if copies == 1 else f"this host's {copies:.3g} of the ledger ")
+            + (
+                f"{copies} ledgers (param_route='replicated': one per rank) "
+                if copies > 1
+                else "the ledger "
+                if copies == 1
+                else f"this host's {copies:.3g} of the ledger "
+            )
             + f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
             + (f" + {geometry.staging_bytes / gib:.2f} GiB host_reduce staging" if geometry.staging_bytes else "")
             + f"), but only {have / gib:.2f} GiB is available (MemAvailable {mem / gib:.2f} GiB, "
@@ -261,8 +272,11 @@ class HostLedger:
         code = getattr(err, "value", err)
         self._pinned = code == 0
         if not self._pinned:
-            log.warning("cudaHostRegister of the %.2f GiB ledger failed (cudaError %s); copies will be synchronous",
-                        self.geometry.nbytes / (1 << 30), code)  # fmt: skip
+            log.warning(
+                "cudaHostRegister of the %.2f GiB ledger failed (cudaError %s); copies will be synchronous",
+                self.geometry.nbytes / (1 << 30),
+                code,
+            )
         return self._pinned
 
     def unpin(self) -> None:

@@ -90,6 +90,7 @@ def probe_routes(
     t = result.seconds
     if want_param:
         t["param_full"] = _timed(lambda: dev_unit.copy_(src, non_blocking=pin), device, group)
+
         def sharded() -> None:
             dev_shard.copy_(src[lo:hi], non_blocking=pin)
             all_gather_into(dev_unit, dev_shard, group=param_group)
@@ -116,7 +117,7 @@ def probe_routes(
             if c < 1024:
                 continue
             pieces = [(grad[: c * r], out[:c]) for _ in range(parts)]
-            secs = _timed(lambda: [reduce_scatter_into(o, g, group=group) for g, o in pieces], device, group)
+            secs = _timed(lambda p=pieces: [reduce_scatter_into(o, g, group=group) for g, o in p], device, group)
             t[f"chunk_1/{parts}"] = secs
     # every rank decides from the slowest rank's numbers
     names = sorted(t)

@@ -207,4 +207,3 @@ class LedgerState:
             self.ledger.refresh_bf16(self._host_ranges)
             self.ledger.version[:] = step
         self._barrier()
-

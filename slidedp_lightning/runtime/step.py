@@ -182,8 +182,19 @@ class StepDriver:
         action = self._action()
         for k, (lo, hi, source) in enumerate(chunks):
             last = k == len(chunks) - 1
-            task = UpdateTask(u, self.step + 1, self._hyper, source, lo, hi, last, k, self.routes.grad_scale, action,
-                              first=self._micro == 0)  # fmt: skip
+            task = UpdateTask(
+                u,
+                self.step + 1,
+                self._hyper,
+                source,
+                lo,
+                hi,
+                last,
+                k,
+                self.routes.grad_scale,
+                action,
+                first=self._micro == 0,
+            )
             self.lane.submit(task)
         self._mark = self._stamp()
 
@@ -213,7 +224,9 @@ class StepDriver:
         self._reset_backward()
 
     # -- the step boundary --------------------------------------------------------------------------------
-    def end_step(self, clip_norm: float | None = None, clip_value: float | None = None, grad_scale: float = 1.0) -> bool:
+    def end_step(
+        self, clip_norm: float | None = None, clip_value: float | None = None, grad_scale: float = 1.0
+    ) -> bool:
         """Close the optimizer step: True when it produced updates (all of them are now dispatched).
 
         Deferred mode (or an accumulation window that ended early): the accumulated gradient is applied here,
@@ -264,8 +277,10 @@ class StepDriver:
         if not math.isfinite(norm):
             log.warning(
                 "SlideDP: non-finite gradient (global norm %s) in step %d: the step is skipped on every rank, "
-                "weights and moments untouched.", norm, self.step,
-            )  # fmt: skip
+                "weights and moments untouched.",
+                norm,
+                self.step,
+            )
             self.skipped = True
             return False
         scale = grad_scale
@@ -277,7 +292,18 @@ class StepDriver:
             s0, s1 = unit.shard(owner)
             chunks = self.routes.chunks(s1 - s0)
             for k, (lo, hi) in enumerate(chunks):
-                task = UpdateTask(u, self.step + 1, self._hyper, None, lo, hi, k == len(chunks) - 1, k, scale,
-                                  "update_from_acc", clamp=clamp)  # fmt: skip
+                task = UpdateTask(
+                    u,
+                    self.step + 1,
+                    self._hyper,
+                    None,
+                    lo,
+                    hi,
+                    k == len(chunks) - 1,
+                    k,
+                    scale,
+                    "update_from_acc",
+                    clamp=clamp,
+                )
                 self.lane.submit(task)
         return True

@@ -85,9 +85,18 @@ class Topology:
             cross = crosses[local_rank] if host_layout == "replicated" else None
             leaders = leaders_group if local_rank == 0 else None
         out = cls(
-            global_rank, local_rank, ranks_per_host, hosts, host, host_layout, ledger_per_rank,
-            world, host_group, cross, leaders,
-        )  # fmt: skip
+            global_rank,
+            local_rank,
+            ranks_per_host,
+            hosts,
+            host,
+            host_layout,
+            ledger_per_rank,
+            world,
+            host_group,
+            cross,
+            leaders,
+        )
         if param_group and out.shard_world > 1:
             out = replace(out, param_group=out._new_shard_group())
         return out

@@ -164,7 +164,9 @@ class Tracer:
             writer = self._tb()
             for key, value in metrics.items():
                 scale = 1.0 if key == "overlap_fraction" else 1e3
-                tag = f"lanes/{key[5:]}_ms" if key.startswith("busy_") else f"step/{key}" + ("" if scale == 1 else "_ms")
+                tag = (
+                    f"lanes/{key[5:]}_ms" if key.startswith("busy_") else f"step/{key}" + ("" if scale == 1 else "_ms")
+                )
                 writer.add_scalar(tag, value * scale, step)
             if step == self.gantt_step:
                 writer.add_figure("lanes/gantt", self.gantt(spans, start, end, step), step)
@@ -182,8 +184,9 @@ class Tracer:
             bars = [((s.start - start) * 1e3, (s.end - s.start) * 1e3) for s in spans if s.lane == lane]
             if bars:
                 ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colors(row))
-        ax.set_yticks(range(len(ROWS)), [f"{i + 1} {lane}" if lane in LANES else "compute waits" for i, lane in
-                                         enumerate(ROWS)])  # fmt: skip
+        ax.set_yticks(
+            range(len(ROWS)), [f"{i + 1} {lane}" if lane in LANES else "compute waits" for i, lane in enumerate(ROWS)]
+        )
         ax.invert_yaxis()
         ax.axvline((end - start) * 1e3, color="k", lw=0.8, ls="--")
         ax.set_xlabel("ms since the step's first forward (dashed: step end on the compute thread)")
@@ -196,11 +199,18 @@ class Tracer:
         for tid, lane in enumerate(ROWS):
             events.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid, "args": {"name": lane}})
         for s in map(self._resolved, self.spans):
-            events.append({
-                "name": s.name, "cat": s.lane, "ph": "X", "pid": self.rank, "tid": ROWS.index(s.lane),
-                "ts": (s.start - self.origin) * 1e6, "dur": (s.end - s.start) * 1e6,
-                "args": {"step": s.step, "unit": s.unit, "chunk": s.chunk},
-            })  # fmt: skip
+            events.append(
+                {
+                    "name": s.name,
+                    "cat": s.lane,
+                    "ph": "X",
+                    "pid": self.rank,
+                    "tid": ROWS.index(s.lane),
+                    "ts": (s.start - self.origin) * 1e6,
+                    "dur": (s.end - s.start) * 1e6,
+                    "args": {"step": s.step, "unit": s.unit, "chunk": s.chunk},
+                }
+            )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def close(self) -> None:
@@ -216,8 +226,13 @@ class Tracer:
         path.write_text(json.dumps(self.chrome_trace()))
         if self._writer is not None:
             self._writer.close()
-        log.info("SlideDP trace of rank %d: %d spans -> %s and TensorBoard under %s", self.rank, len(self.spans),
-                 path, self.dir)  # fmt: skip
+        log.info(
+            "SlideDP trace of rank %d: %d spans -> %s and TensorBoard under %s",
+            self.rank,
+            len(self.spans),
+            path,
+            self.dir,
+        )
         self.enabled = False
 
 

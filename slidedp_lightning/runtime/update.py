@@ -292,10 +292,16 @@ class UpdateLane:
             h = task.hyper[g]
             lo, hi = unit.offset + a, unit.offset + b
             kw = dict(
-                step=task.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                weight_decay=h.weight_decay, decoupled=h.decoupled, grad_scale=scale,
+                step=task.step,
+                lr=h.lr,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                eps=h.eps,
+                weight_decay=h.weight_decay,
+                decoupled=h.decoupled,
+                grad_scale=scale,
                 bf16_out=bf16[lo:hi],
-            )  # fmt: skip
+            )
             if grad.ndim == 1:
                 adamw_update(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[a - c0 : b - c0], **kw)
             else:

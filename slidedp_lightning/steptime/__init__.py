@@ -9,5 +9,16 @@ from slidedp_lightning.steptime.profiles import Profile, load_profile, shipped_p
 from slidedp_lightning.steptime.simulate import SimResult, simulate
 from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, load_config
 
-__all__ = ["Analytic", "ModelShape", "Profile", "SimResult", "StepConfig", "UnitActivation", "analyze",
-           "load_config", "load_profile", "shipped_profiles", "simulate"]
+__all__ = [
+    "Analytic",
+    "ModelShape",
+    "Profile",
+    "SimResult",
+    "StepConfig",
+    "UnitActivation",
+    "analyze",
+    "load_config",
+    "load_profile",
+    "shipped_profiles",
+    "simulate",
+]

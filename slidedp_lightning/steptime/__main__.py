@@ -6,20 +6,35 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from slidedp_lightning.steptime.analytic import Analytic, analyze
-from slidedp_lightning.steptime.graph import (GRAD_ROUTES, HOST_LAYOUTS, LANES, PARAM_ROUTES, PRECISIONS, StepConfig,
-                                              host_ledger_bytes, host_update_bytes)
+from slidedp_lightning.steptime.graph import (
+    GRAD_ROUTES,
+    HOST_LAYOUTS,
+    LANES,
+    PARAM_ROUTES,
+    PRECISIONS,
+    StepConfig,
+    host_ledger_bytes,
+    host_update_bytes,
+)
 from slidedp_lightning.steptime.profiles import Profile, load_profile, shipped_networks, shipped_profiles
 from slidedp_lightning.steptime.simulate import simulate
 from slidedp_lightning.steptime.workload import ACTIVATION_POLICIES, load_config
 
-
 # what limits a step, by the resource with the largest lower bound
-LIMITS = {"gpu": "GPU-bound", "net": "network-bound", "cpu": "host-update-bound", "updater": "host-update-bound",
-          "dram": "host-DRAM-bound", "h2d": "PCIe-bound (h2d)", "d2h": "PCIe-bound (d2h)", "link": "GPU-link-bound",
-          "cores": "CPU-cores-bound"}  # fmt: skip
+LIMITS = {
+    "gpu": "GPU-bound",
+    "net": "network-bound",
+    "cpu": "host-update-bound",
+    "updater": "host-update-bound",
+    "dram": "host-DRAM-bound",
+    "h2d": "PCIe-bound (h2d)",
+    "d2h": "PCIe-bound (d2h)",
+    "link": "GPU-link-bound",
+    "cores": "CPU-cores-bound",
+}
 SCALING_GPUS = (16, 32, 64, 128)
 
 
@@ -44,9 +59,15 @@ def predict_table(cfg: StepConfig, profile_name: str | Profile, network: str | N
         f"| window {cfg.prefetch_window} | activations {cfg.activation if isinstance(cfg.activation, str) else 'custom'}",
     ]
     if cfg.hosts > 1:
-        where = f" | co-located: {cfg.hosts * cfg.gpus} ranks share {profile.colocated_cores:.2f} cores" if profile.colocated else ""
-        lines.append(f"hosts N={cfg.hosts} ({cfg.hosts * cfg.gpus} GPUs) | layout {cfg.host_layout} | network "
-                     f"{profile.net_gbps:g} GB/s per host, {profile.net_latency_s * 1e6:g} us per step{where}")  # fmt: skip
+        where = (
+            f" | co-located: {cfg.hosts * cfg.gpus} ranks share {profile.colocated_cores:.2f} cores"
+            if profile.colocated
+            else ""
+        )
+        lines.append(
+            f"hosts N={cfg.hosts} ({cfg.hosts * cfg.gpus} GPUs) | layout {cfg.host_layout} | network "
+            f"{profile.net_gbps:g} GB/s per host, {profile.net_latency_s * 1e6:g} us per step{where}"
+        )
     lines += [
         f"{'':22s}{'simulator':>12s}{'analytic':>12s}",
         f"{'step time (s)':22s}{sim.step_time:12.4f}{ana.step_time:12.4f}",
@@ -61,8 +82,10 @@ def predict_table(cfg: StepConfig, profile_name: str | Profile, network: str | N
     lines.append(f"dependency exposure (analytic): {ana.exposure:.4f} s")
     lines.append(f"limit: {limit(ana)}")
     if cfg.param_route not in ("replicated", "slideformer"):
-        lines.append(f"per host: ledger {host_ledger_bytes(cfg) / 1e9:.1f} GB, CPU update "
-                     f"{host_update_bytes(cfg) / 1e9:.1f} GB per step")  # fmt: skip
+        lines.append(
+            f"per host: ledger {host_ledger_bytes(cfg) / 1e9:.1f} GB, CPU update "
+            f"{host_update_bytes(cfg) / 1e9:.1f} GB per step"
+        )
     return "\n".join(lines)
 
 
@@ -78,12 +101,31 @@ def scaling_rows(base: StepConfig, profile: Profile, gpus: tuple[int, ...] = SCA
         row: dict = {"gpus": total, "hosts": n}
         for layout in HOST_LAYOUTS:
             route = base.param_route if layout == "replicated" else "sharded"
-            cfg = StepConfig(base.model, base.batch, base.seq, base.gpus, route, base.grad_route, base.chunk_bytes,
-                             base.prefetch_window, base.activation, base.precision, n, layout, base.max_units_in_flight,
-                             base.loss_sync)  # fmt: skip
+            cfg = StepConfig(
+                base.model,
+                base.batch,
+                base.seq,
+                base.gpus,
+                route,
+                base.grad_route,
+                base.chunk_bytes,
+                base.prefetch_window,
+                base.activation,
+                base.precision,
+                n,
+                layout,
+                base.max_units_in_flight,
+                base.loss_sync,
+            )
             sim, ana = simulate(cfg, profile), analyze(cfg, profile)
-            row[layout] = {"step_time": sim.step_time, "tokens_per_s": sim.tokens_per_s, "limit": limit(ana),
-                           "bounds": ana.bounds, "ledger_gb": host_ledger_bytes(cfg) / 1e9, "label": sim.bottleneck}
+            row[layout] = {
+                "step_time": sim.step_time,
+                "tokens_per_s": sim.tokens_per_s,
+                "limit": limit(ana),
+                "bounds": ana.bounds,
+                "ledger_gb": host_ledger_bytes(cfg) / 1e9,
+                "label": sim.bottleneck,
+            }
         rep, sh = row["replicated"], row["sharded"]
         win = "replicated" if rep["step_time"] <= sh["step_time"] else "sharded"
         row["winner"] = win
@@ -103,8 +145,10 @@ def _why(win: str, rep: dict, sh: dict) -> str:
         if rep["limit"] == "host-update-bound":
             return f"+{gain:.0%}: replicated is host-update-bound; host-sharded updates 1/N per host"
         if rep["limit"] == "network-bound" and sh["limit"] == "network-bound":
-            return (f"+{gain:.0%}: both network-bound, replicated needs {net:.2f}x the network time; host-sharded's "
-                    "gathers use the network during the forward too")  # fmt: skip
+            return (
+                f"+{gain:.0%}: both network-bound, replicated needs {net:.2f}x the network time; host-sharded's "
+                "gathers use the network during the forward too"
+            )
         return f"+{gain:.0%}: replicated is {rep['limit']}; host-sharded moves 1/N of the host work"
     if sh["limit"] == "network-bound":
         return f"+{gain:.0%}: host-sharded is network-bound and needs {net:.2f}x the network time (gathers every fetch)"
@@ -113,17 +157,24 @@ def _why(win: str, rep: dict, sh: dict) -> str:
 
 def scaling_table(base: StepConfig, profile: Profile, gpus: tuple[int, ...] = SCALING_GPUS) -> str:
     rows = scaling_rows(base, profile, gpus)
-    head = (f"model {base.model.name} | hardware {profile.name} ({base.gpus} GPUs per host; network "
-            f"{profile.net_gbps:g} GB/s per host) | batch {base.batch}/GPU x seq {base.seq} | precision "
-            f"{base.precision} | activations {base.activation if isinstance(base.activation, str) else 'custom'} | "
-            f"replicated layout: param route {base.param_route}; host-sharded: sharded")  # fmt: skip
-    lines = [head, f"{'GPUs':>5s}{'N':>4s} | {'replicated: step s':>18s}{'tokens/s':>10s} {'limit':18s}{'ledger GB':>10s} | "
-             f"{'host-sharded: step s':>20s}{'tokens/s':>10s} {'limit':18s}{'ledger GB':>10s} | winner (why)"]
+    head = (
+        f"model {base.model.name} | hardware {profile.name} ({base.gpus} GPUs per host; network "
+        f"{profile.net_gbps:g} GB/s per host) | batch {base.batch}/GPU x seq {base.seq} | precision "
+        f"{base.precision} | activations {base.activation if isinstance(base.activation, str) else 'custom'} | "
+        f"replicated layout: param route {base.param_route}; host-sharded: sharded"
+    )
+    lines = [
+        head,
+        f"{'GPUs':>5s}{'N':>4s} | {'replicated: step s':>18s}{'tokens/s':>10s} {'limit':18s}{'ledger GB':>10s} | "
+        f"{'host-sharded: step s':>20s}{'tokens/s':>10s} {'limit':18s}{'ledger GB':>10s} | winner (why)",
+    ]
     for r in rows:
         a, b = r["replicated"], r["sharded"]
-        lines.append(f"{r['gpus']:5d}{r['hosts']:4d} | {a['step_time']:18.2f}{a['tokens_per_s']:10.0f} {a['limit']:18s}"
-                     f"{a['ledger_gb']:10.1f} | {b['step_time']:20.2f}{b['tokens_per_s']:10.0f} {b['limit']:18s}"
-                     f"{b['ledger_gb']:10.1f} | {r['winner']} ({r['why']})")  # fmt: skip
+        lines.append(
+            f"{r['gpus']:5d}{r['hosts']:4d} | {a['step_time']:18.2f}{a['tokens_per_s']:10.0f} {a['limit']:18s}"
+            f"{a['ledger_gb']:10.1f} | {b['step_time']:20.2f}{b['tokens_per_s']:10.0f} {b['limit']:18s}"
+            f"{b['ledger_gb']:10.1f} | {r['winner']} ({r['why']})"
+        )
     return "\n".join(lines)
 
 
@@ -131,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m slidedp_lightning.steptime", description="SlideDP step-time model")
     sub = p.add_subparsers(dest="cmd", required=True)
     pr = sub.add_parser("predict", help="predict one step's time and where it goes")
-    pr.add_argument("--model", required=True, help="config JSON, checkpoint directory, or qwen3-8b | qwen3-14b | qwen3-tiny")
+    pr.add_argument(
+        "--model", required=True, help="config JSON, checkpoint directory, or qwen3-8b | qwen3-14b | qwen3-tiny"
+    )
     pr.add_argument("--hardware", required=True, help=f"profile JSON from calibrate, or one of {shipped_profiles()}")
     pr.add_argument("--batch", type=int, required=True, help="sequences per GPU per step")
     pr.add_argument("--seq", type=int, required=True, help="tokens per sequence")
@@ -143,34 +196,62 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--activation", default="none", choices=ACTIVATION_POLICIES, help="activation checkpointing")
     pr.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     pr.add_argument("--hosts", type=int, default=1, help="N, hosts of --gpus ranks each (default 1)")
-    pr.add_argument("--host-layout", default="replicated", choices=HOST_LAYOUTS,
-                    help="replicated: a full ledger per host; sharded: each host owns 1/N (model only)")
-    pr.add_argument("--max-units-in-flight", type=int, default=None, help="the runtime's update backpressure "
-                    "(EngineConfig.max_units_in_flight, 2 there; default: not modelled)")  # fmt: skip
-    pr.add_argument("--loss-sync", action="store_true", help="the training step all-reduces its loss over every rank "
-                    "(Lightning's sync_dist logging)")  # fmt: skip
-    pr.add_argument("--network", default=None, help=f"inter-host network, one of {shipped_networks()} or a JSON file "
-                    "(default: the profile's)")  # fmt: skip
+    pr.add_argument(
+        "--host-layout",
+        default="replicated",
+        choices=HOST_LAYOUTS,
+        help="replicated: a full ledger per host; sharded: each host owns 1/N (model only)",
+    )
+    pr.add_argument(
+        "--max-units-in-flight",
+        type=int,
+        default=None,
+        help="the runtime's update backpressure (EngineConfig.max_units_in_flight, 2 there; default: not modelled)",
+    )
+    pr.add_argument(
+        "--loss-sync",
+        action="store_true",
+        help="the training step all-reduces its loss over every rank (Lightning's sync_dist logging)",
+    )
+    pr.add_argument(
+        "--network",
+        default=None,
+        help=f"inter-host network, one of {shipped_networks()} or a JSON file (default: the profile's)",
+    )
     sc = sub.add_parser("scaling", help="both host layouts at 16, 32, 64, 128 GPUs (--gpus per host)")
     for a in pr._actions:
         if a.dest not in ("help", "hosts", "host_layout", "gpus", "param_route"):
             sc._add_action(a)
     sc.add_argument("--gpus", type=int, default=8, help="GPUs per host (default 8)")
-    sc.add_argument("--param-route", default="sharded", choices=("full", "sharded"),
-                    help="parameter route of the replicated layout (host-sharded always gathers)")
+    sc.add_argument(
+        "--param-route",
+        default="sharded",
+        choices=("full", "sharded"),
+        help="parameter route of the replicated layout (host-sharded always gathers)",
+    )
     sc.add_argument("--total-gpus", default=",".join(map(str, SCALING_GPUS)), help="comma-separated GPU counts")
     ca = sub.add_parser("calibrate", help="measure this machine and write its profile JSON")
     ca.add_argument("--out", default="this_machine.json", help="profile JSON to write")
     ca.add_argument("--ranks", type=int, default=2, help="CPU ranks measured at once")
-    ca.add_argument("--model", default="qwen3-tiny", help="model whose shapes the compute is measured on: a shipped "
-                    "name, a config JSON or a checkpoint directory")  # fmt: skip
+    ca.add_argument(
+        "--model",
+        default="qwen3-tiny",
+        help="model whose shapes the compute is measured on: a shipped name, a config JSON or a checkpoint directory",
+    )
     ca.add_argument("--seq", type=int, default=26, help="sequence length of the compute measurement")
-    ca.add_argument("--hosts", type=int, default=1, help="also probe the loopback network between this many "
-                    "co-located hosts of --ranks ranks (default 1: no network)")  # fmt: skip
+    ca.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="also probe the loopback network between this many "
+        "co-located hosts of --ranks ranks (default 1: no network)",
+    )
     lo = sub.add_parser("loop", help="add the training loop's time per step, measured from a traced run, to a profile")
     lo.add_argument("--profile", required=True, help="profile JSON from calibrate (rewritten unless --out)")
     lo.add_argument("--trace", required=True, help="trace_dir of a training run on this machine (a few steps)")
-    lo.add_argument("--tokens", type=int, required=True, help="tokens per rank and step of the traced run (batch x seq)")
+    lo.add_argument(
+        "--tokens", type=int, required=True, help="tokens per rank and step of the traced run (batch x seq)"
+    )
     lo.add_argument("--hosts", type=int, default=1, help="hosts the traced run's ranks were spread over (default 1)")
     lo.add_argument("--out", default=None, help="profile JSON to write (default: --profile)")
     sub.add_parser("profiles", help="list the shipped hardware profiles")
@@ -186,9 +267,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in shipped_profiles():
                 print(f"{name:18s} {load_profile(name).description}")
         elif args.cmd == "predict":
-            cfg = StepConfig(load_config(args.model), args.batch, args.seq, args.gpus, args.param_route,
-                             args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision,
-                             args.hosts, args.host_layout, args.max_units_in_flight, args.loss_sync)  # fmt: skip
+            cfg = StepConfig(
+                load_config(args.model),
+                args.batch,
+                args.seq,
+                args.gpus,
+                args.param_route,
+                args.grad_route,
+                args.chunk_bytes,
+                args.prefetch_window,
+                args.activation,
+                args.precision,
+                args.hosts,
+                args.host_layout,
+                args.max_units_in_flight,
+                args.loss_sync,
+            )
             print(predict_table(cfg, args.hardware, args.network))
         elif args.cmd == "scaling":
             try:
@@ -198,9 +292,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             if any(t < 1 for t in totals):
                 raise ValueError(f"--total-gpus must be positive, got {args.total_gpus!r}")
             profile = resolve_profile(args.hardware, args.network)
-            base = StepConfig(load_config(args.model), args.batch, args.seq, args.gpus, args.param_route,
-                              args.grad_route, args.chunk_bytes, args.prefetch_window, args.activation, args.precision,
-                              max_units_in_flight=args.max_units_in_flight, loss_sync=args.loss_sync)
+            base = StepConfig(
+                load_config(args.model),
+                args.batch,
+                args.seq,
+                args.gpus,
+                args.param_route,
+                args.grad_route,
+                args.chunk_bytes,
+                args.prefetch_window,
+                args.activation,
+                args.precision,
+                max_units_in_flight=args.max_units_in_flight,
+                loss_sync=args.loss_sync,
+            )
             print(scaling_table(base, profile, totals))
         elif args.cmd == "loop":
             from slidedp_lightning.steptime.calibrate import with_loop
@@ -209,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = args.out or args.profile
             with open(out, "w") as f:
                 json.dump(profile.to_json(), f, indent=1)
-            print(f"{out}: loop_overhead_s = {profile.loop_overhead * 1e3:.1f} ms ({profile.sources['loop_overhead_s']})")
+            print(
+                f"{out}: loop_overhead_s = {profile.loop_overhead * 1e3:.1f} ms ({profile.sources['loop_overhead_s']})"
+            )
         else:
             from slidedp_lightning.steptime.calibrate import build_profile, measure, measure_network
 

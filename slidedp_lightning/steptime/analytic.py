@@ -56,7 +56,7 @@ def analyze(cfg: StepConfig, profile: Profile) -> Analytic:
     i = next(k for k, op in enumerate(ops) if op.lane == "h2d")
     first_fetch = ops[i]
     # host-sharded: the first fetch also waits for its gather between hosts (the op after it on the h2d lane)
-    gather = [op for op in ops[i + 1:i + 2] if op.name == "all_gather_net fwd"]
+    gather = [op for op in ops[i + 1 : i + 2] if op.name == "all_gather_net fwd"]
     exposure = pipeline(stages) + sum(standalone(op, cap) + op.fixed for op in [first_fetch, *gather])
     service = max(max(bounds.values()), max(lanes.values()))
     step = service + exposure

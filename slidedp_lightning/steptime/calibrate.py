@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import cpu_ops
-from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
 from slidedp_lightning.constants import update_bytes_per_param
+from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.probe import probe_routes
 from slidedp_lightning.steptime.profiles import LOOP_KEY, LOSS_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
@@ -121,8 +121,12 @@ def _runtime_compute(model_name: str, seq: int, batches: tuple[int, ...], thread
     vocab = model.get_input_embeddings().num_embeddings
     out: dict[int, tuple] = {}
     with tempfile.TemporaryDirectory() as trace:
-        engine = SlideDPEngine(model, EngineConfig(trace_dir=trace, update_threads=threads), device=torch.device("cpu"),
-                               compute_dtype=torch.float32)  # fmt: skip
+        engine = SlideDPEngine(
+            model,
+            EngineConfig(trace_dir=trace, update_threads=threads),
+            device=torch.device("cpu"),
+            compute_dtype=torch.float32,
+        )
         try:
             engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
             for b in batches:
@@ -130,14 +134,18 @@ def _runtime_compute(model_name: str, seq: int, batches: tuple[int, ...], thread
                 first = engine.step
                 for _ in range(RUNTIME_STEPS):  # the recipe's batch: ids, mask and labels, the loss in the model
                     dist.barrier(group=group)
-                    model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss.backward()
+                    model(
+                        input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False
+                    ).loss.backward()
                     engine.end_step()
                 spans = [sp for sp in engine.tracer.spans if sp.lane == "compute"]
                 per_step = [
-                    tuple(sum(sp.end - sp.start for sp in spans if sp.step == k and sp.name == name)
-                          for name in ("forward", "backward"))
+                    tuple(
+                        sum(sp.end - sp.start for sp in spans if sp.step == k and sp.name == name)
+                        for name in ("forward", "backward")
+                    )
                     for k in range(first + RUNTIME_WARMUP, engine.step)
-                ]  # fmt: skip
+                ]
                 out[b] = tuple(statistics.median(t[i] for t in per_step) for i in (0, 1))
         finally:
             engine.close(restore=False)
@@ -172,12 +180,18 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads
     # every rank uses the slowest rank's numbers
     t1, t2 = (b * seq for b in batches)
     per_token = max(0.0, (losses[1] - losses[0]) / (t2 - t1))  # the loss: fixed part + per token
-    vec = torch.tensor([lat, 1 / rate, (b2 - b1) / (f2 - f1), max(0.0, losses[0] - per_token * t1), per_token],
-                       dtype=torch.float64)  # fmt: skip
+    vec = torch.tensor(
+        [lat, 1 / rate, (b2 - b1) / (f2 - f1), max(0.0, losses[0] - per_token * t1), per_token], dtype=torch.float64
+    )
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     lat, inv_rate, ratio, step_overhead, per_token = vec.tolist()
-    return {"gpu_flops": 1 / inv_rate, "op_overhead_s": lat / len(us), "bwd_fwd_ratio": ratio,
-            "step_overhead_s": step_overhead, "loss_s_per_token": per_token}  # fmt: skip
+    return {
+        "gpu_flops": 1 / inv_rate,
+        "op_overhead_s": lat / len(us),
+        "bwd_fwd_ratio": ratio,
+        "step_overhead_s": step_overhead,
+        "loss_s_per_token": per_token,
+    }
 
 
 def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: int) -> None:
@@ -192,9 +206,22 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
         src = torch.randn(LARGE)
         probes = {}
         for n in SIZES:
-            passes = [probe_routes(src, n, rank=rank, world_size=world, device=torch.device("cpu"), dtype=torch.float32,
-                                   group=group, param_group=param_group, want_param=True, want_grad=True,
-                                   want_chunks=False).seconds for _ in range(ROUTE_PASSES)]  # fmt: skip
+            passes = [
+                probe_routes(
+                    src,
+                    n,
+                    rank=rank,
+                    world_size=world,
+                    device=torch.device("cpu"),
+                    dtype=torch.float32,
+                    group=group,
+                    param_group=param_group,
+                    want_param=True,
+                    want_grad=True,
+                    want_chunks=False,
+                ).seconds
+                for _ in range(ROUTE_PASSES)
+            ]
             probes[n] = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
         copy_lat, copy_rate = _fit_points([n * 4 for n in SIZES], [probes[n]["param_full"] for n in SIZES])
         copy = lambda nbytes: copy_lat + nbytes / copy_rate  # noqa: E731
@@ -205,16 +232,25 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
         rs_lat, rs_rate = _fit_points([n * 4 * frac for n in SIZES], rs)
         # the update: this rank's kernel on LARGE parameters, all ranks at once
         p, m, v, g = (torch.zeros(LARGE).numpy() for _ in range(4))
-        t_upd = _timed(lambda: cpu_ops.adamw_update(p, m, v, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
-                                                          weight_decay=0.01), group)
+        t_upd = _timed(
+            lambda: cpu_ops.adamw_update(
+                p, m, v, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01
+            ),
+            group,
+        )
         upd_rate = LARGE * update_bytes_per_param(4) / t_upd
         # a copy into a buffer allocated for it, too large for the allocator to keep (fresh pages each time)
         big = torch.randn(FRESH_ELEMS)
         t_fresh = _timed(lambda: torch.empty(FRESH_ELEMS).copy_(big), group)
         res["fresh_rate"] = FRESH_ELEMS * 4 / t_fresh
-        del big
-        res.update(copy_lat=copy_lat, copy_rate=copy_rate, link_lat=(ag_lat + rs_lat) / 2 / max(1, world - 1),
-                   link_rate=min(ag_rate, rs_rate), upd_rate=upd_rate)  # fmt: skip
+        big = torch.empty(0)  # the source goes back before the next measurement
+        res.update(
+            copy_lat=copy_lat,
+            copy_rate=copy_rate,
+            link_lat=(ag_lat + rs_lat) / 2 / max(1, world - 1),
+            link_rate=min(ag_rate, rs_rate),
+            upd_rate=upd_rate,
+        )
         res.update(_compute(model, seq, (8, 32), group, threads))
         if rank == 0:
             Path(out_path).write_text(json.dumps(res))
@@ -227,8 +263,9 @@ NET_REPEATS = 9
 CORE_MATMULS = 64  # 256 x 256 matmuls per rank and timed run of the core-sharing probe
 
 
-def _network_worker(rank: int, hosts: int, ranks: int, init: str, out_path: str, sizes: tuple[int, ...],
-                    repeats: int) -> None:  # fmt: skip
+def _network_worker(
+    rank: int, hosts: int, ranks: int, init: str, out_path: str, sizes: tuple[int, ...], repeats: int
+) -> None:
     world = hosts * ranks
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     # the strategy's groups for several nodes: per local rank, that rank of every host; then all ranks
@@ -256,8 +293,9 @@ def _network_worker(rank: int, hosts: int, ranks: int, init: str, out_path: str,
             res[f"pairs_all_{n}"] = _timed(lambda: dist.all_reduce(buf, group=cross[local]), everyone, repeats)
         for n in sizes[1:4]:  # the whole message over the N R ranks, each rank's piece n / (N R)
             piece, whole = torch.zeros(n // world), torch.zeros(n // world * world)
-            res[f"flat_reduce_scatter_{n}"] = _timed(lambda: reduce_scatter_into(piece, whole, group=flat), everyone,
-                                                      repeats)  # fmt: skip
+            res[f"flat_reduce_scatter_{n}"] = _timed(
+                lambda: reduce_scatter_into(piece, whole, group=flat), everyone, repeats
+            )
             res[f"flat_all_gather_{n}"] = _timed(lambda: all_gather_into(whole, piece, group=flat), everyone, repeats)
         # core sharing: a CPU-bound kernel on one host's R ranks, then on all N R ranks at once; each run is timed
         # until the last rank has finished (the machine's throughput, not a lucky rank's)
@@ -281,8 +319,9 @@ def _network_worker(rank: int, hosts: int, ranks: int, init: str, out_path: str,
         dist.destroy_process_group()
 
 
-def measure_network(hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET_SIZES,
-                    repeats: int = NET_REPEATS) -> dict[str, float]:  # fmt: skip
+def measure_network(
+    hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET_SIZES, repeats: int = NET_REPEATS
+) -> dict[str, float]:
     """Spawn ``hosts`` x ``ranks`` gloo ranks and return the inter-host probe's raw times (seconds) and its fits:
     ``net_lat`` (s per ring step) and ``net_rate`` (bytes/s per rank) of the all-reduce between hosts at ``sizes``
     (FP32 elements, at least two; fitted to each size's fastest run), and ``colocated_cores``."""
@@ -293,16 +332,26 @@ def measure_network(hosts: int = 2, ranks: int = 2, sizes: tuple[int, ...] = NET
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "net.json")
         init = f"tcp://127.0.0.1:{_free_port()}"
-        mp.start_processes(_network_worker, args=(hosts, ranks, init, out, tuple(sizes), repeats), nprocs=hosts * ranks,
-                           start_method="spawn")  # fmt: skip
+        mp.start_processes(
+            _network_worker,
+            args=(hosts, ranks, init, out, tuple(sizes), repeats),
+            nprocs=hosts * ranks,
+            start_method="spawn",
+        )
         raw = json.loads(Path(out).read_text())
     moved = 2 * (hosts - 1) / hosts * 4  # bytes over the network per rank per element of the message
     lat, rate = _fit_points([n * moved for n in sizes], [raw[f"pair_alone_best_{n}"] for n in sizes])
     raw.update(net_lat=lat / (2 * (hosts - 1)), net_rate=rate, hosts=hosts, ranks=ranks)
-    raw["colocated_cores"] = shared_cores(cpu_ops.physical_cores(), hosts, cpu_ops.logical_cpus(),
-                                          raw["core_one_host"], raw["core_all_hosts"])  # fmt: skip
-    log.info("network probe (%d hosts x %d ranks): %.3g GB/s per rank, %.3g ms per step", hosts, ranks, rate / 1e9,
-             lat / (2 * (hosts - 1)) * 1e3)  # fmt: skip
+    raw["colocated_cores"] = shared_cores(
+        cpu_ops.physical_cores(), hosts, cpu_ops.logical_cpus(), raw["core_one_host"], raw["core_all_hosts"]
+    )
+    log.info(
+        "network probe (%d hosts x %d ranks): %.3g GB/s per rank, %.3g ms per step",
+        hosts,
+        ranks,
+        rate / 1e9,
+        lat / (2 * (hosts - 1)) * 1e3,
+    )
     return raw
 
 
@@ -336,40 +385,55 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
     cores = cpu_ops.physical_cores()
     rate_gb = raw["copy_rate"] / 1e9
     values = {
-        "gpus": cores, "gpu_flops": raw["gpu_flops"], "gpu_efficiency": 1.0, "bwd_fwd_ratio": raw["bwd_fwd_ratio"],
-        "op_overhead_s": raw["op_overhead_s"], "step_overhead_s": raw["step_overhead_s"],
-        "h2d_gbps": {str(world): rate_gb}, "d2h_gbps": {str(world): rate_gb}, "copy_latency_s": raw["copy_lat"],
-        "link_kind": "loopback", "link_gbps": raw["link_rate"] / 1e9, "link_latency_s": raw["link_lat"],
-        "host_dram_gbps": 2 * world * rate_gb, "cpu_cores": cores,
-        "update_gbps": {str(cores): raw["upd_rate"] * world / 1e9}, "host_is_device": True,
-    }  # fmt: skip
+        "gpus": cores,
+        "gpu_flops": raw["gpu_flops"],
+        "gpu_efficiency": 1.0,
+        "bwd_fwd_ratio": raw["bwd_fwd_ratio"],
+        "op_overhead_s": raw["op_overhead_s"],
+        "step_overhead_s": raw["step_overhead_s"],
+        "h2d_gbps": {str(world): rate_gb},
+        "d2h_gbps": {str(world): rate_gb},
+        "copy_latency_s": raw["copy_lat"],
+        "link_kind": "loopback",
+        "link_gbps": raw["link_rate"] / 1e9,
+        "link_latency_s": raw["link_lat"],
+        "host_dram_gbps": 2 * world * rate_gb,
+        "cpu_cores": cores,
+        "update_gbps": {str(cores): raw["upd_rate"] * world / 1e9},
+        "host_is_device": True,
+    }
     if "fresh_rate" in raw:
         values.update(fresh_gbps=raw["fresh_rate"] / 1e9, alloc_reuse_bytes=ALLOC_REUSE_BYTES)
     if LOSS_KEY in raw:
         values[LOSS_KEY] = raw[LOSS_KEY]
     sources = {k: src for k in values}
     if "fresh_rate" in raw:
-        sources["fresh_gbps"] = src + f"; copy into a new {FRESH_ELEMS * 4 >> 20} MiB buffer per copy, all ranks at once"
-        sources["alloc_reuse_bytes"] = ("assumed: glibc's largest dynamic mmap threshold on 64-bit "
-                                        "(DEFAULT_MMAP_THRESHOLD_MAX): blocks of this size or more are mapped anew on every allocation")
+        sources["fresh_gbps"] = (
+            src + f"; copy into a new {FRESH_ELEMS * 4 >> 20} MiB buffer per copy, all ranks at once"
+        )
+        sources["alloc_reuse_bytes"] = (
+            "assumed: glibc's largest dynamic mmap threshold on 64-bit "
+            "(DEFAULT_MMAP_THRESHOLD_MAX): blocks of this size or more are mapped anew on every allocation"
+        )
     sources["gpu_efficiency"] = "probe: gpu_flops is the achieved rate"
     sources["host_dram_gbps"] = src + "; 2 x concurrent memcpy rate (read + write)"
     desc = f"this machine, {world} CPU ranks as devices"
     if net is not None:
         n, r = net["hosts"], net["ranks"]
         where = f"probe: calibrate --hosts {n}, {n} x {r} gloo ranks on {cores} cores over loopback"
-        values.update(net_gbps=net["net_rate"] * r / 1e9, net_latency_s=net["net_lat"],
-                      colocated_cores=net["colocated_cores"])
+        values.update(
+            net_gbps=net["net_rate"] * r / 1e9, net_latency_s=net["net_lat"], colocated_cores=net["colocated_cores"]
+        )
         sources.update(
             net_gbps=f"{where}; 2-rank all-reduce between hosts, one pair at a time, least-squares fit to the "
-                     f"fastest of the repeats over {min(NET_SIZES)}..{max(NET_SIZES)} FP32 elements: per-rank rate x "
-                     f"{r} ranks per host",
+            f"fastest of the repeats over {min(NET_SIZES)}..{max(NET_SIZES)} FP32 elements: per-rank rate x "
+            f"{r} ranks per host",
             net_latency_s=f"{where}; latency of the same fit per ring step",
             colocated_cores=f"{where}: the hosts are process groups on this one machine; a 1-thread matmul loop on "
-                            f"one host's {r} ranks, then on all {n * r}: {cores} cores x {n} x (time on {r}) / (time "
-                            f"on {n * r}), the cores all ranks share in the units of the {r}-rank probes, at most "
-                            f"the CPUs they may run on",
-        )  # fmt: skip
+            f"one host's {r} ranks, then on all {n * r}: {cores} cores x {n} x (time on {r}) / (time "
+            f"on {n * r}), the cores all ranks share in the units of the {r}-rank probes, at most "
+            f"the CPUs they may run on",
+        )
         desc += f"; {n} co-located hosts (loopback network)"
     return Profile("this-machine", values, sources, desc)
 
@@ -396,8 +460,10 @@ def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int =
     loop = max(0.0, measured - loss - sync)
     values, sources = dict(profile.values), dict(profile.sources)
     values[LOOP_KEY] = loop
-    sources[LOOP_KEY] = (f"probe: lane traces of a training run ({trace_dir}, {ranks} ranks): the compute thread's "
-                         f"median {measured * 1e3:.1f} ms per step outside the runtime's traced work, less the loss "
-                         f"of {tokens} tokens ({loss * 1e3:.1f} ms) and its all-reduce ({sync * 1e3:.2f} ms)")
+    sources[LOOP_KEY] = (
+        f"probe: lane traces of a training run ({trace_dir}, {ranks} ranks): the compute thread's "
+        f"median {measured * 1e3:.1f} ms per step outside the runtime's traced work, less the loss "
+        f"of {tokens} tokens ({loss * 1e3:.1f} ms) and its all-reduce ({sync * 1e3:.2f} ms)"
+    )
     log.info("training loop: %.1f ms per step outside the traced work (%s)", loop * 1e3, trace_dir)
     return Profile(profile.name, values, sources, profile.description)

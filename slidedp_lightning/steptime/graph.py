@@ -66,10 +66,14 @@ class StepConfig:
         if self.grad_route not in GRAD_ROUTES:
             raise ValueError(f"unknown grad_route {self.grad_route!r}; choose one of {GRAD_ROUTES}")
         if self.param_route == "replicated" and self.grad_route != "gpu_reduce":
-            raise ValueError("param_route 'replicated' all-reduces gradients on the devices: use grad_route 'gpu_reduce'")
+            raise ValueError(
+                "param_route 'replicated' all-reduces gradients on the devices: use grad_route 'gpu_reduce'"
+            )
         if self.param_route == "slideformer" and (self.grad_route, self.precision) != ("host_reduce", "bf16-mixed"):
-            raise ValueError("param_route 'slideformer' (the paper's replicated baseline) sums BF16 gradients on the "
-                             "host: use grad_route 'host_reduce' and precision 'bf16-mixed'")
+            raise ValueError(
+                "param_route 'slideformer' (the paper's replicated baseline) sums BF16 gradients on the "
+                "host: use grad_route 'host_reduce' and precision 'bf16-mixed'"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {PRECISIONS}")
         for name in ("batch", "seq", "gpus", "prefetch_window"):
@@ -82,14 +86,18 @@ class StepConfig:
             raise ValueError(f"unknown host_layout {self.host_layout!r}; choose one of {HOST_LAYOUTS}")
         if self.hosts > 1:
             if self.param_route not in ("full", "sharded"):
-                raise ValueError(f"hosts > 1: param_route {self.param_route!r} is a single-host route; use 'full' or "
-                                 "'sharded'")  # fmt: skip
+                raise ValueError(
+                    f"hosts > 1: param_route {self.param_route!r} is a single-host route; use 'full' or 'sharded'"
+                )
             if self.grad_route != "gpu_reduce":
-                raise ValueError("hosts > 1: gradients are reduced on the devices, then between hosts: use grad_route "
-                                 "'gpu_reduce'")  # fmt: skip
+                raise ValueError(
+                    "hosts > 1: gradients are reduced on the devices, then between hosts: use grad_route 'gpu_reduce'"
+                )
             if self.host_layout == "sharded" and self.param_route != "sharded":
-                raise ValueError("host_layout 'sharded' gathers every unit from its 1/(hosts x gpus) shards: use "
-                                 "param_route 'sharded'")  # fmt: skip
+                raise ValueError(
+                    "host_layout 'sharded' gathers every unit from its 1/(hosts x gpus) shards: use "
+                    "param_route 'sharded'"
+                )
         m = self.max_units_in_flight
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"max_units_in_flight must be None or an integer >= 1, got {m!r}")
@@ -121,8 +129,9 @@ def host_update_bytes(cfg: StepConfig) -> float:
     """CPU update bytes per host per step (all of that host's ranks): the host's share of every parameter."""
     per = update_bytes_per_param(4, rows=1, bf16_out=cfg.precision == "bf16-mixed")
     if cfg.grad_route == "host_reduce":
-        per = update_bytes_per_param(2 if cfg.precision == "bf16-mixed" else 4, rows=cfg.gpus,
-                                     bf16_out=cfg.precision == "bf16-mixed")  # fmt: skip
+        per = update_bytes_per_param(
+            2 if cfg.precision == "bf16-mixed" else 4, rows=cfg.gpus, bf16_out=cfg.precision == "bf16-mixed"
+        )
     if cfg.param_route in ("replicated", "slideformer"):
         raise ValueError(f"host_update_bytes: param_route {cfg.param_route!r} is not a shared-ledger route")
     return cfg.model.total_params * cfg.state_share * per
@@ -143,8 +152,9 @@ def net_collective(kind: str, nbytes_per_rank: float, hosts: int, latency: float
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def flat_collective(kind: str, link_kind: str, nbytes: float, ranks: int, hosts: int, link_latency: float,
-                    net_latency: float) -> tuple[dict[str, float], float]:
+def flat_collective(
+    kind: str, link_kind: str, nbytes: float, ranks: int, hosts: int, link_latency: float, net_latency: float
+) -> tuple[dict[str, float], float]:
     """Per-rank demand and latency of one ring collective over all ``hosts`` x ``ranks`` ranks (k of them) on a
     message of ``nbytes`` (the whole unit): every rank sends (k-1)/k of it to its ring neighbour in k-1 steps. The
     ring leaves each host once, so each host's network carries (k-1)/k of the message, shared by its R ranks
@@ -239,14 +249,17 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         demand = _fresh({"h2d": nbytes, "dram": nbytes}, profile, nbytes if gathered else p * pb)
         ids = [b.add(Op(f"h2d {tag}", "h2d", step, u, demand, profile.copy_latency_s, deps))]
         if cfg.host_sharded:  # one ring over all N R ranks
-            demand, fixed = flat_collective("all_gather", profile.link_kind, p * pb, r, cfg.hosts, lat,
-                                            profile.net_latency_s)  # fmt: skip
-            ids.append(b.add(Op(f"all_gather_net {tag}", "h2d", step, u, _fresh(demand, profile, p * pb), fixed,
-                                [ids[-1]])))  # fmt: skip
+            demand, fixed = flat_collective(
+                "all_gather", profile.link_kind, p * pb, r, cfg.hosts, lat, profile.net_latency_s
+            )
+            ids.append(
+                b.add(Op(f"all_gather_net {tag}", "h2d", step, u, _fresh(demand, profile, p * pb), fixed, [ids[-1]]))
+            )
         elif sharded:
             demand, fixed = _collective(kind, p * pb * (r - 1) / r, r - 1, lat)
-            ids.append(b.add(Op(f"all_gather {tag}", "h2d", step, u, _fresh(demand, profile, p * pb), fixed,
-                                [ids[-1]])))  # fmt: skip
+            ids.append(
+                b.add(Op(f"all_gather {tag}", "h2d", step, u, _fresh(demand, profile, p * pb), fixed, [ids[-1]]))
+            )
         return ids
 
     gpu_rate = profile.gpu_flops * profile.gpu_efficiency
@@ -284,8 +297,11 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             if u in offloaded:
                 nbytes = b.ops[offloaded[u]].demand["d2h"]
                 window = [compute_seq[-cfg.prefetch_window]] if len(compute_seq) >= cfg.prefetch_window else []
-                ready.append(b.add(Op("reload", "offload", step, u, {"h2d": nbytes, "dram": nbytes}, 0.0,
-                                      window + [offloaded[u]])))  # fmt: skip
+                ready.append(
+                    b.add(
+                        Op("reload", "offload", step, u, {"h2d": nbytes, "dram": nbytes}, 0.0, window + [offloaded[u]])
+                    )
+                )
             fwd = tok * unit.fwd_flops_per_token
             if unit.activation.recompute_fraction > 0:
                 ready = [compute("recompute", u, step, fwd * unit.activation.recompute_fraction, ready)]
@@ -311,8 +327,9 @@ def _fresh(demand: dict[str, float], profile: Profile, alloc_bytes: float) -> di
     return {**demand, "fresh": fresh} if fresh else demand
 
 
-def _issue(b: _Builder, cfg: StepConfig, profile: Profile, p: int, pb: int, u: int, step: int, deps: list[int],
-           gpu_rate: float) -> int:  # fmt: skip
+def _issue(
+    b: _Builder, cfg: StepConfig, profile: Profile, p: int, pb: int, u: int, step: int, deps: list[int], gpu_rate: float
+) -> int:
     """On a CPU "device", the compute thread's part of a gradient route (``GradRoute._gpu_reduce``): the issue (one
     op's overhead, as work on the cores) and the flat FP32 gradient it fills (read the compute-dtype gradients,
     write a fresh buffer; divide it in place before the collective when several ranks average; chunked shards are
@@ -327,8 +344,9 @@ def _issue(b: _Builder, cfg: StepConfig, profile: Profile, p: int, pb: int, u: i
     return b.add(Op("fill", "compute", step, u, demand, 0.0, [issue], shown="reduce"))
 
 
-def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int, pb: int, u: int, step: int,
-              start: list[int]) -> list[int]:  # fmt: skip
+def _gradient(
+    b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int, pb: int, u: int, step: int, start: list[int]
+) -> list[int]:
     """Reduce, D2H and update ops of one unit's gradient, issued once ``start`` is done (its backward, the
     backpressure and, on a CPU device, the compute thread's issue); returns the update ops."""
     r, lat = cfg.gpus, profile.link_latency_s
@@ -345,24 +363,38 @@ def _gradient(b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int,
     for k in range(n_chunks):
         frac = 1 / n_chunks
         if cfg.host_sharded:  # one ring over all N R ranks
-            demand, fixed = flat_collective("reduce_scatter", profile.link_kind, p * 4 * frac, r, cfg.hosts, lat,
-                                            profile.net_latency_s)  # fmt: skip
+            demand, fixed = flat_collective(
+                "reduce_scatter", profile.link_kind, p * 4 * frac, r, cfg.hosts, lat, profile.net_latency_s
+            )
             red = b.add(Op("reduce_scatter_net", "reduce", step, u, demand, fixed, list(start), k))
         elif r > 1:
             moved = (2 if replicated else 1) * p * 4 * (r - 1) / r * frac
             demand, fixed = _collective(kind, moved, (2 if replicated else 1) * (r - 1), lat)
-            red = b.add(Op("all_reduce" if replicated else "reduce_scatter", "reduce", step, u, demand, fixed, list(start),
-                           k))  # fmt: skip
+            red = b.add(
+                Op("all_reduce" if replicated else "reduce_scatter", "reduce", step, u, demand, fixed, list(start), k)
+            )
         else:
             red = None
         if cfg.hosts > 1 and not cfg.host_sharded:  # then between the hosts, on the rank's reduced shard
             demand, fixed = net_collective("all_reduce", reduced * 4 * frac, cfg.hosts, profile.net_latency_s)
-            red = b.add(Op("all_reduce_net", "net", step, u, demand, fixed, [red] if red is not None else list(start), k))
+            red = b.add(
+                Op("all_reduce_net", "net", step, u, demand, fixed, [red] if red is not None else list(start), k)
+            )
         nbytes = share * 4 * frac
         # on a CPU "device" the update reads the collective's output in place: no copy
         d2h_demand = {} if profile.host_is_device else {"d2h": nbytes, "dram": nbytes}
-        d2h = b.add(Op("d2h", "d2h", step, u, d2h_demand, 0.0 if profile.host_is_device else profile.copy_latency_s,
-                       [red] if red is not None else list(start), k))  # fmt: skip
+        d2h = b.add(
+            Op(
+                "d2h",
+                "d2h",
+                step,
+                u,
+                d2h_demand,
+                0.0 if profile.host_is_device else profile.copy_latency_s,
+                [red] if red is not None else list(start),
+                k,
+            )
+        )
         upd = share * frac * per_upd
         out.append(b.add(Op("update", "update", step, u, {"cpu": upd, "dram": upd}, 0.0, [d2h], k)))
     return out
@@ -466,9 +498,12 @@ def _slideformer_ops(cfg: StepConfig, profile: Profile, steps: int) -> list[Op]:
             ready = [fetched[u][0]]
             if u in offloaded:
                 nbytes = b.ops[offloaded[u]].demand["d2h"]
-                window = compute_seq[-SF_GPU_UNITS:-SF_GPU_UNITS + 1]
-                ready.append(b.add(Op("reload", "offload", step, u, {"h2d": nbytes, "dram": nbytes}, 0.0,
-                                      window + [offloaded[u]])))  # fmt: skip
+                window = compute_seq[-SF_GPU_UNITS : -SF_GPU_UNITS + 1]
+                ready.append(
+                    b.add(
+                        Op("reload", "offload", step, u, {"h2d": nbytes, "dram": nbytes}, 0.0, window + [offloaded[u]])
+                    )
+                )
             fwd = tok * unit.fwd_flops_per_token
             if unit.activation.recompute_fraction > 0:
                 ready = [compute("recompute", u, step, fwd * unit.activation.recompute_fraction, ready)]
@@ -480,8 +515,11 @@ def _slideformer_ops(cfg: StepConfig, profile: Profile, steps: int) -> list[Op]:
             upd = []
             for k in range(n_chunks):
                 d2h = xfer(Op("d2h", "d2h", step, u, {"d2h": 2 * per, "dram": 2 * per}, lat, wait if k == 0 else [], k))
-                demand = {"updater": reduce_bytes * per, "cpu": SF_SHM_COPY_BYTES * per,
-                          "dram": (reduce_bytes / r + SF_SHM_COPY_BYTES) * per}
+                demand = {
+                    "updater": reduce_bytes * per,
+                    "cpu": SF_SHM_COPY_BYTES * per,
+                    "dram": (reduce_bytes / r + SF_SHM_COPY_BYTES) * per,
+                }
                 upd.append(b.add(Op("update", "update", step, u, demand, 0.0, [d2h], k)))
             release[fetched[u][1]] = last_xfer[-1]
             updates[u] = upd

@@ -29,8 +29,9 @@ def chunked_param_path(unchunked_s: float, params: int, profile: Profile, chunk_
     return pipeline([[convert / n, dma / n]] * n)
 
 
-def chunked_grad_path(unchunked_s: float, params: int, profile: Profile, chunk_elems: int = CHUNK_ELEMS,
-                      grad_bytes: int = 4) -> float:  # fmt: skip
+def chunked_grad_path(
+    unchunked_s: float, params: int, profile: Profile, chunk_elems: int = CHUNK_ELEMS, grad_bytes: int = 4
+) -> float:
     """Transfer + update in chunks: each landed gradient chunk is updated at once."""
     dma = params * grad_bytes / profile.d2h_per_gpu(1)
     update = unchunked_s - dma

@@ -18,10 +18,23 @@ SOURCE_KINDS = ("paper:", "datasheet:", "probe:", "fitted:", "assumed:")
 LINK_KINDS = ("none", "nvlink", "pcie", "host", "loopback")
 GB = 1e9
 REQUIRED = (
-    "gpus", "gpu_flops", "gpu_efficiency", "bwd_fwd_ratio", "op_overhead_s", "step_overhead_s",
-    "h2d_gbps", "d2h_gbps", "copy_latency_s", "link_kind", "link_gbps", "link_latency_s",
-    "host_dram_gbps", "cpu_cores", "update_gbps", "host_is_device",
-)  # fmt: skip
+    "gpus",
+    "gpu_flops",
+    "gpu_efficiency",
+    "bwd_fwd_ratio",
+    "op_overhead_s",
+    "step_overhead_s",
+    "h2d_gbps",
+    "d2h_gbps",
+    "copy_latency_s",
+    "link_kind",
+    "link_gbps",
+    "link_latency_s",
+    "host_dram_gbps",
+    "cpu_cores",
+    "update_gbps",
+    "host_is_device",
+)
 # The inter-host network (optional: a profile without it models one host). ``net_gbps``: GB/s per direction per
 # host, shared by the host's ranks; ``net_latency_s``: latency of one step of a ring collective between hosts.
 NETWORK_KEYS = ("net_gbps", "net_latency_s")
@@ -98,8 +111,10 @@ class Profile:
         if hosts > 1:
             missing = [k for k in NETWORK_KEYS if k not in self.values]
             if missing:
-                raise ValueError(f"profile {self.name!r} has no inter-host network ({', '.join(missing)}); give "
-                                 f"--network (one of {shipped_networks()}) or add the constants")  # fmt: skip
+                raise ValueError(
+                    f"profile {self.name!r} has no inter-host network ({', '.join(missing)}); give "
+                    f"--network (one of {shipped_networks()}) or add the constants"
+                )
             if not self.net_gbps > 0 or self.net_latency_s < 0:
                 raise ValueError(f"profile {self.name!r}: net_gbps must be > 0 and net_latency_s >= 0")
 
@@ -151,7 +166,7 @@ class Profile:
             cap["net"] = self.net_gbps * GB / r
         return cap
 
-    def with_network(self, name_or_path: str | Path) -> "Profile":
+    def with_network(self, name_or_path: str | Path) -> Profile:
         """This profile with its inter-host network replaced by a shipped network (:func:`shipped_networks`) or
         a JSON file of ``{"net_gbps": {"value", "source"}, "net_latency_s": {...}}``."""
         net = load_network(name_or_path)
@@ -164,11 +179,14 @@ class Profile:
 
     # -- io --------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"name": self.name, "description": self.description,
-                "constants": {k: {"value": v, "source": self.sources.get(k, "")} for k, v in self.values.items()}}
+        return {
+            "name": self.name,
+            "description": self.description,
+            "constants": {k: {"value": v, "source": self.sources.get(k, "")} for k, v in self.values.items()},
+        }
 
     @classmethod
-    def from_json(cls, data: dict, where: str = "profile") -> "Profile":
+    def from_json(cls, data: dict, where: str = "profile") -> Profile:
         consts = data.get("constants")
         if not isinstance(consts, dict):
             raise ValueError(f"{where}: no 'constants' mapping")
@@ -181,23 +199,30 @@ class Profile:
                 raise ValueError(f"{where}: constant {key!r} must be {{'value': ..., 'source': ...}}")
             src = str(entry.get("source", ""))
             if not src.startswith(SOURCE_KINDS):
-                raise ValueError(f"{where}: constant {key!r} has source {src!r}; it must start with one of {SOURCE_KINDS}")
+                raise ValueError(
+                    f"{where}: constant {key!r} has source {src!r}; it must start with one of {SOURCE_KINDS}"
+                )
             values[key], sources[key] = entry["value"], src
         partial = [k for k in NETWORK_KEYS if k in values]
         if partial and len(partial) != len(NETWORK_KEYS):
             raise ValueError(f"{where}: the inter-host network needs all of {NETWORK_KEYS}, got only {partial}")
         cores = values.get(COLOCATED_KEY)
-        if COLOCATED_KEY in values and (isinstance(cores, bool) or not isinstance(cores, (int, float)) or cores <= 0
-                                        or "net_gbps" not in values):  # fmt: skip
-            raise ValueError(f"{where}: {COLOCATED_KEY} must be a number > 0 with the network constants, got "
-                             f"{values[COLOCATED_KEY]!r}")
+        if COLOCATED_KEY in values and (
+            isinstance(cores, bool) or not isinstance(cores, (int, float)) or cores <= 0 or "net_gbps" not in values
+        ):
+            raise ValueError(
+                f"{where}: {COLOCATED_KEY} must be a number > 0 with the network constants, got "
+                f"{values[COLOCATED_KEY]!r}"
+            )
         partial = [k for k in FRESH_KEYS if k in values]
         if partial and len(partial) != len(FRESH_KEYS):
             raise ValueError(f"{where}: fresh allocations need all of {FRESH_KEYS}, got only {partial}")
         for key in (*partial, *[k for k in (LOOP_KEY, LOSS_KEY) if k in values]):
             v = values[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (key == "fresh_gbps" and v == 0):
-                raise ValueError(f"{where}: {key} must be a number {'> 0' if key == 'fresh_gbps' else '>= 0'}, got {v!r}")
+                raise ValueError(
+                    f"{where}: {key} must be a number {'> 0' if key == 'fresh_gbps' else '>= 0'}, got {v!r}"
+                )
         if values["link_kind"] not in LINK_KINDS:
             raise ValueError(f"{where}: link_kind {values['link_kind']!r} not in {LINK_KINDS}")
         return cls(str(data.get("name", where)), values, sources, str(data.get("description", "")))
@@ -218,45 +243,78 @@ def load_profile(name_or_path: str | Path) -> Profile:
     path = Path(key)
     if path.suffix == ".json" and path.is_file():
         return Profile.from_json(json.loads(path.read_text()), str(path))
-    raise ValueError(f"unknown hardware profile {key!r}: give one of {shipped_profiles()} or a profile JSON file "
-                     "(python -m slidedp_lightning.steptime calibrate writes one)")  # fmt: skip
+    raise ValueError(
+        f"unknown hardware profile {key!r}: give one of {shipped_profiles()} or a profile JSON file "
+        "(python -m slidedp_lightning.steptime calibrate writes one)"
+    )
 
 
 # Shipped inter-host networks (``--network``): per-host bandwidth per direction and per-step latency, sourced.
-NETWORKS: dict[str, dict] = {'ib_ndr400x8': {'description': '8x 400 Gb/s NDR InfiniBand per host (one NIC per GPU, DGX H100 style)',
-                 'constants': {'net_gbps': {'value': 400.0,
-                                            'source': 'datasheet: NDR InfiniBand 400 Gb/s = 50 GB/s per direction '
-                                                      'per port; DGX H100 has 8 ConnectX-7 ports for the compute '
-                                                      'fabric (line rate; protocol efficiency not modelled)'},
-                               'net_latency_s': {'value': 5e-06,
-                                                 'source': 'assumed: ~5 us per collective step (NDR switch + HCA '
-                                                           '~1-2 us, plus NCCL protocol)'}}},
- 'ib_hdr200x4': {'description': '4x 200 Gb/s HDR InfiniBand per host',
-                 'constants': {'net_gbps': {'value': 100.0,
-                                            'source': 'datasheet: HDR InfiniBand 200 Gb/s = 25 GB/s per direction '
-                                                      'per port; assumed: 4 ports per 8-GPU host (line rate)'},
-                               'net_latency_s': {'value': 5e-06,
-                                                 'source': 'assumed: ~5 us per collective step (HDR switch + HCA '
-                                                           '~1-2 us, plus NCCL protocol)'}}},
- 'ib_ndr400': {'description': 'one 400 Gb/s NDR InfiniBand port per host',
-               'constants': {'net_gbps': {'value': 50.0,
-                                          'source': 'datasheet: NDR InfiniBand 400 Gb/s = 50 GB/s per direction '
-                                                    '(line rate)'},
-                             'net_latency_s': {'value': 5e-06,
-                                               'source': 'assumed: ~5 us per collective step (switch + HCA ~1-2 us, '
-                                                         'plus NCCL protocol)'}}},
- 'roce100': {'description': 'one 100 Gb/s RoCE port per host',
-             'constants': {'net_gbps': {'value': 12.5,
-                                        'source': 'datasheet: 100 GbE = 12.5 GB/s per direction (line rate)'},
-                           'net_latency_s': {'value': 1e-05,
-                                             'source': 'assumed: ~10 us per collective step (RoCE v2 through an '
-                                                       'Ethernet switch, plus NCCL protocol)'}}},
- 'eth25': {'description': 'one 25 GbE port per host (TCP sockets)',
-           'constants': {'net_gbps': {'value': 3.125,
-                                      'source': 'datasheet: 25 GbE = 3.125 GB/s per direction (line rate)'},
-                         'net_latency_s': {'value': 3e-05,
-                                           'source': 'assumed: ~30 us per collective step (TCP through the kernel '
-                                                     'and a switch)'}}}}
+NETWORKS: dict[str, dict] = {
+    "ib_ndr400x8": {
+        "description": "8x 400 Gb/s NDR InfiniBand per host (one NIC per GPU, DGX H100 style)",
+        "constants": {
+            "net_gbps": {
+                "value": 400.0,
+                "source": "datasheet: NDR InfiniBand 400 Gb/s = 50 GB/s per direction "
+                "per port; DGX H100 has 8 ConnectX-7 ports for the compute "
+                "fabric (line rate; protocol efficiency not modelled)",
+            },
+            "net_latency_s": {
+                "value": 5e-06,
+                "source": "assumed: ~5 us per collective step (NDR switch + HCA ~1-2 us, plus NCCL protocol)",
+            },
+        },
+    },
+    "ib_hdr200x4": {
+        "description": "4x 200 Gb/s HDR InfiniBand per host",
+        "constants": {
+            "net_gbps": {
+                "value": 100.0,
+                "source": "datasheet: HDR InfiniBand 200 Gb/s = 25 GB/s per direction "
+                "per port; assumed: 4 ports per 8-GPU host (line rate)",
+            },
+            "net_latency_s": {
+                "value": 5e-06,
+                "source": "assumed: ~5 us per collective step (HDR switch + HCA ~1-2 us, plus NCCL protocol)",
+            },
+        },
+    },
+    "ib_ndr400": {
+        "description": "one 400 Gb/s NDR InfiniBand port per host",
+        "constants": {
+            "net_gbps": {
+                "value": 50.0,
+                "source": "datasheet: NDR InfiniBand 400 Gb/s = 50 GB/s per direction (line rate)",
+            },
+            "net_latency_s": {
+                "value": 5e-06,
+                "source": "assumed: ~5 us per collective step (switch + HCA ~1-2 us, plus NCCL protocol)",
+            },
+        },
+    },
+    "roce100": {
+        "description": "one 100 Gb/s RoCE port per host",
+        "constants": {
+            "net_gbps": {"value": 12.5, "source": "datasheet: 100 GbE = 12.5 GB/s per direction (line rate)"},
+            "net_latency_s": {
+                "value": 1e-05,
+                "source": "assumed: ~10 us per collective step (RoCE v2 through an "
+                "Ethernet switch, plus NCCL protocol)",
+            },
+        },
+    },
+    "eth25": {
+        "description": "one 25 GbE port per host (TCP sockets)",
+        "constants": {
+            "net_gbps": {"value": 3.125, "source": "datasheet: 25 GbE = 3.125 GB/s per direction (line rate)"},
+            "net_latency_s": {
+                "value": 3e-05,
+                "source": "assumed: ~30 us per collective step (TCP through the kernel and a switch)",
+            },
+        },
+    },
+}
 
 
 def _networks() -> dict:

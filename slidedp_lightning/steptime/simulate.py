@@ -147,8 +147,10 @@ def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
     lo, hi = ends
     step_time = hi - lo
     this = [s for s in spans if s.step == 1]
-    busy = {lane: sum(b - a for a, b in merge_intervals([(s.start, s.end) for s in this if s.lane == lane]))
-            for lane in LANES}  # fmt: skip
+    busy = {
+        lane: sum(b - a for a, b in merge_intervals([(s.start, s.end) for s in this if s.lane == lane]))
+        for lane in LANES
+    }
     edges = []
     for s in spans:
         if s.end > lo and s.start < hi and s.end > s.start:

@@ -82,8 +82,17 @@ def measured(trace_dir: str | Path, skip: int = 2, ranks: int = 2) -> dict:
     exposed = statistics.median(its[0][k] - per_rank[0][k].get("busy_compute", 0.0) for k in steps)
     stall = statistics.median(per_rank[0][k].get("busy_stall", 0.0) for k in steps)
     window = statistics.median(max(s[k]["step_time"] for s in per_rank) for k in steps)
-    return {"step_time": statistics.median(times), "p25": q[0], "p75": q[2], "window": window, "busy": busy,
-            "exposed_host": exposed, "stall": stall, "bottleneck": classify(busy), "steps": len(steps)}
+    return {
+        "step_time": statistics.median(times),
+        "p25": q[0],
+        "p75": q[2],
+        "window": window,
+        "busy": busy,
+        "exposed_host": exposed,
+        "stall": stall,
+        "bottleneck": classify(busy),
+        "steps": len(steps),
+    }
 
 
 def loop_time(trace_dir: str | Path, skip: int = 2) -> float:
@@ -114,6 +123,9 @@ def other_threads_cpu(trace_dir: str | Path, skip: int = 2) -> float | None:
     samples = []
     for r in ranks:
         steps = read_steps(trace_dir, r)
-        samples += [steps[k]["cpu_process"] - steps[k]["cpu_compute_thread"] for k in sorted(steps)[skip:]
-                    if "cpu_process" in steps[k] and "cpu_compute_thread" in steps[k]]  # fmt: skip
+        samples += [
+            steps[k]["cpu_process"] - steps[k]["cpu_compute_thread"]
+            for k in sorted(steps)[skip:]
+            if "cpu_process" in steps[k] and "cpu_compute_thread" in steps[k]
+        ]
     return statistics.median(samples) if samples else None

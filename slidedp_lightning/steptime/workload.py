@@ -41,12 +41,15 @@ class ModelShape:
     name: str = "model"
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> "ModelShape":
+    def from_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelShape:
         moe = [k for k in MOE_KEYS if cfg.get(k)]
         if moe:
             raise ValueError(f"{name}: mixture-of-experts configs ({', '.join(moe)}) are not modelled yet")
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                               "vocab_size") if k not in cfg]  # fmt: skip
+        missing = [
+            k
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+            if k not in cfg
+        ]
         if missing:
             raise ValueError(f"{name}: not a decoder-only transformers config (missing {missing})")
         heads = int(cfg["num_attention_heads"])
@@ -93,9 +96,13 @@ def load_config(model: str | Path | dict | Any) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"model config {key!r}: no such file (give a config JSON, a checkpoint directory "
-                                f"with config.json, or one of {sorted(SHIPPED)})")  # fmt: skip
-    return ModelShape.from_dict(json.loads(path.read_text()), path.parent.name if path.name == "config.json" else path.stem)
+        raise FileNotFoundError(
+            f"model config {key!r}: no such file (give a config JSON, a checkpoint directory "
+            f"with config.json, or one of {sorted(SHIPPED)})"
+        )
+    return ModelShape.from_dict(
+        json.loads(path.read_text()), path.parent.name if path.name == "config.json" else path.stem
+    )
 
 
 @dataclass(frozen=True)
@@ -138,8 +145,9 @@ class Unit:
     matrices: tuple[int, ...] = ()  # elements of each weight matrix (each its own gradient tensor in backward)
 
 
-def units(shape: ModelShape, seq: int, activation: str | UnitActivation | list[UnitActivation] = "full",
-          act_bytes: int = 2) -> list[Unit]:  # fmt: skip
+def units(
+    shape: ModelShape, seq: int, activation: str | UnitActivation | list[UnitActivation] = "full", act_bytes: int = 2
+) -> list[Unit]:
     """Units in forward order. ``activation``: a policy name, one plan for every block, or one plan per block."""
     if isinstance(activation, str):
         plans = [activation_policy(activation, shape, act_bytes)] * shape.layers
@@ -159,6 +167,14 @@ def units(shape: ModelShape, seq: int, activation: str | UnitActivation | list[U
     out = [Unit("embed", shape.vocab * h, 0.0, matrices=(shape.vocab * h,))]
     out += [Unit(f"layer{i}", shape.layer_params, layer_flops, plans[i], matrices=block) for i in range(shape.layers)]
     final_params = h + (0 if shape.tied else shape.vocab * h)
-    out.append(Unit("head", final_params, head_flops, UnitActivation(), (0,) if shape.tied else (),
-                    () if shape.tied else (shape.vocab * h,)))  # fmt: skip
+    out.append(
+        Unit(
+            "head",
+            final_params,
+            head_flops,
+            UnitActivation(),
+            (0,) if shape.tied else (),
+            () if shape.tied else (shape.vocab * h,),
+        )
+    )
     return out

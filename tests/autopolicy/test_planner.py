@@ -87,9 +87,13 @@ def test_planned_training_is_bit_identical_and_the_saved_plan_is_reused_without_
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"memory_budget": 0}, "memory_budget"), ({"memory_budget": 1.5}, "fraction"), ({"modes": ("sometimes",)}, "mode"),
-     ({"ratios": (2.0,)}, "offload")],
-)  # fmt: skip
+    [
+        ({"memory_budget": 0}, "memory_budget"),
+        ({"memory_budget": 1.5}, "fraction"),
+        ({"modes": ("sometimes",)}, "mode"),
+        ({"ratios": (2.0,)}, "offload"),
+    ],
+)
 def test_bad_autopolicy_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AutoPolicy(**kwargs)

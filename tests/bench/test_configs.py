@@ -26,10 +26,19 @@ def test_every_group_compares_the_same_workload(jobs):
         for run in runs[1:]:
             s = run.spec
             assert s.model == first.model, (group, run.name)
-            assert (s.global_batch, s.seq, s.steps, s.warmup) == (first.global_batch, first.seq, first.steps, first.warmup)
+            assert (s.global_batch, s.seq, s.steps, s.warmup) == (
+                first.global_batch,
+                first.seq,
+                first.steps,
+                first.warmup,
+            )
             assert s.init_file == first.init_file and s.init_file, (group, run.name)
             assert s.hyper == first.hyper, (group, run.name)
-            assert (s.precision, s.checkpointing, s.data_seed) == (first.precision, first.checkpointing, first.data_seed)
+            assert (s.precision, s.checkpointing, s.data_seed) == (
+                first.precision,
+                first.checkpointing,
+                first.data_seed,
+            )
             assert s.ranks == first.ranks and s.accelerator == first.accelerator, (group, run.name)
             assert s.workload() == first.workload(), (group, run.name)
 

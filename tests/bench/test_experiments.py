@@ -23,8 +23,19 @@ def load(path: Path):
 
 def test_one_script_per_paper_table():
     names = {p.stem for p in SCRIPTS}
-    assert names == {f"table_{t}" for t in ("throughput", "memory", "host_slope", "scaling", "chunking",
-                                             "autopolicy", "routes", "loss_equivalence")}  # fmt: skip
+    assert names == {
+        f"table_{t}"
+        for t in (
+            "throughput",
+            "memory",
+            "host_slope",
+            "scaling",
+            "chunking",
+            "autopolicy",
+            "routes",
+            "loss_equivalence",
+        )
+    }
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.stem)

@@ -50,8 +50,14 @@ def test_matches_torch(decoupled: bool, grad_kind: str, grad_scale: float, beta1
     hyper = {**HYPER, "beta1": beta1}
     param_t = torch.nn.Parameter(torch.from_numpy(param.copy()))
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    opt = cls([param_t], lr=hyper["lr"], betas=(beta1, hyper["beta2"]), eps=hyper["eps"],
-              weight_decay=hyper["weight_decay"], foreach=False)
+    opt = cls(
+        [param_t],
+        lr=hyper["lr"],
+        betas=(beta1, hyper["beta2"]),
+        eps=hyper["eps"],
+        weight_decay=hyper["weight_decay"],
+        foreach=False,
+    )
     bf16_out = np.empty(N, np.uint16)
     for step in range(1, STEPS + 1):
         grad = rng.standard_normal(N, dtype=np.float32) * np.float32(0.1 * step)
@@ -62,8 +68,17 @@ def test_matches_torch(decoupled: bool, grad_kind: str, grad_scale: float, beta1
             grad_ref = grad.copy()
         param_t.grad = torch.from_numpy(grad_ref) * grad_scale  # float32 multiply, like ours
         opt.step()
-        adamw_update(param, exp_avg, exp_avg_sq, grad, step=step, decoupled=decoupled,
-                     grad_scale=grad_scale, bf16_out=bf16_out, **hyper)
+        adamw_update(
+            param,
+            exp_avg,
+            exp_avg_sq,
+            grad,
+            step=step,
+            decoupled=decoupled,
+            grad_scale=grad_scale,
+            bf16_out=bf16_out,
+            **hyper,
+        )
         # bf16 copy of the new master, bitwise equal to torch's rounding of our master
         np.testing.assert_array_equal(bf16_out, to_bf16_bits(param))
 
@@ -107,8 +122,7 @@ def test_sum_equals_presummed(rows: int, grad_kind: str) -> None:
     out_ours, out_ref = np.empty(n, np.uint16), np.empty(n, np.uint16)
     bf16_out = grad_kind == "bf16"  # the bf16 route also writes the bf16 param copy
     for step in (1, 2):
-        adamw_update_sum(*ours, grads, step=step, grad_scale=scale,
-                         bf16_out=out_ours if bf16_out else None, **HYPER)
+        adamw_update_sum(*ours, grads, step=step, grad_scale=scale, bf16_out=out_ours if bf16_out else None, **HYPER)
         adamw_update(*ref, presummed, step=step, bf16_out=out_ref if bf16_out else None, **HYPER)
     for x, y in zip(ours, ref):
         np.testing.assert_array_equal(x, y)
@@ -128,8 +142,10 @@ def test_is_vectorized_unknown_name() -> None:
 
 def _args(n: int = 8) -> dict:
     return {
-        "param": np.zeros(n, np.float32), "exp_avg": np.zeros(n, np.float32),
-        "exp_avg_sq": np.zeros(n, np.float32), "grad": np.zeros(n, np.float32),
+        "param": np.zeros(n, np.float32),
+        "exp_avg": np.zeros(n, np.float32),
+        "exp_avg_sq": np.zeros(n, np.float32),
+        "grad": np.zeros(n, np.float32),
     }
 
 

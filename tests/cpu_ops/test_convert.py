@@ -9,14 +9,29 @@ import torch
 from cpu_ops import bf16_to_fp32, fp32_to_bf16, is_vectorized
 
 SPECIAL_BITS = [
-    0x00000000, 0x80000000,  # +-0
-    0x3F800000, 0x3F800001, 0x3F807FFF,  # 1 and values just above it
-    0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000,  # ties: to even (down, up), both signs
-    0x3F808001, 0x3F817FFF,  # just above / below a tie
-    0x7F7FFFFF, 0xFF7FFFFF,  # max finite rounds to +-inf
-    0x7F800000, 0xFF800000,  # +-inf
-    0x00000001, 0x00008000, 0x00018000, 0x00007FFF, 0x007FFFFF, 0x807FFFFF,  # subnormals
-    0x00800000, 0x80800000,  # smallest normals
+    0x00000000,
+    0x80000000,  # +-0
+    0x3F800000,
+    0x3F800001,
+    0x3F807FFF,  # 1 and values just above it
+    0x3F808000,
+    0x3F818000,
+    0xBF808000,
+    0xBF818000,  # ties: to even (down, up), both signs
+    0x3F808001,
+    0x3F817FFF,  # just above / below a tie
+    0x7F7FFFFF,
+    0xFF7FFFFF,  # max finite rounds to +-inf
+    0x7F800000,
+    0xFF800000,  # +-inf
+    0x00000001,
+    0x00008000,
+    0x00018000,
+    0x00007FFF,
+    0x007FFFFF,
+    0x807FFFFF,  # subnormals
+    0x00800000,
+    0x80800000,  # smallest normals
 ]
 NAN_BITS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FA00000, 0xFFBFFFFF, 0x7FFFFFFF]
 
@@ -76,16 +91,17 @@ def test_conversions_vectorized(kernel: str) -> None:
 @pytest.mark.parametrize(
     ("func", "src", "dst", "exc", "match"),
     [
-        (fp32_to_bf16, np.zeros(4, np.float64), np.zeros(4, np.uint16), TypeError,
-         "src must have dtype float32"),
-        (fp32_to_bf16, np.zeros(4, np.float32), np.zeros(4, np.int16), TypeError,
-         r"dst must have dtype uint16.*view\(np.uint16\)"),
-        (fp32_to_bf16, np.zeros(4, np.float32), np.zeros(5, np.uint16), ValueError,
-         "dst has length 5, expected 4"),
-        (bf16_to_fp32, np.zeros(8, np.uint16)[::2], np.zeros(4, np.float32), ValueError,
-         "src must be contiguous"),
-        (bf16_to_fp32, np.zeros(4, np.uint16), np.zeros(4, np.float16), TypeError,
-         "dst must have dtype float32"),
+        (fp32_to_bf16, np.zeros(4, np.float64), np.zeros(4, np.uint16), TypeError, "src must have dtype float32"),
+        (
+            fp32_to_bf16,
+            np.zeros(4, np.float32),
+            np.zeros(4, np.int16),
+            TypeError,
+            r"dst must have dtype uint16.*view\(np.uint16\)",
+        ),
+        (fp32_to_bf16, np.zeros(4, np.float32), np.zeros(5, np.uint16), ValueError, "dst has length 5, expected 4"),
+        (bf16_to_fp32, np.zeros(8, np.uint16)[::2], np.zeros(4, np.float32), ValueError, "src must be contiguous"),
+        (bf16_to_fp32, np.zeros(4, np.uint16), np.zeros(4, np.float16), TypeError, "dst must have dtype float32"),
     ],
 )
 def test_bad_input(func, src, dst, exc: type, match: str) -> None:

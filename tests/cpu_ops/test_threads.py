@@ -7,12 +7,10 @@ import os
 import numba
 import pytest
 
-from cpu_ops import logical_cpus, physical_cores, set_kernel_threads, thread_budget
-from cpu_ops import threads
+from cpu_ops import logical_cpus, physical_cores, set_kernel_threads, thread_budget, threads
 
 SMT_CPUINFO = "\n\n".join(
-    f"processor\t: {cpu}\nphysical id\t: 0\ncore id\t\t: {cpu % 2}\nflags\t\t: fpu"
-    for cpu in range(4)
+    f"processor\t: {cpu}\nphysical id\t: 0\ncore id\t\t: {cpu % 2}\nflags\t\t: fpu" for cpu in range(4)
 )  # 4 logical CPUs, 2 cores with 2 hyperthreads each
 
 

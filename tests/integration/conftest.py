@@ -46,8 +46,17 @@ def shm_files() -> set[str]:
 
 # set by an in-process Lightning fit earlier in the same pytest process: a job started with them would believe
 # its ranks are launched externally and wait for ranks that never come
-LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip
+LAUNCH_VARS = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GLOBAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -62,13 +71,18 @@ def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, 
     env = clean_env(**(env or {}))
     proc = subprocess.run(
         [sys.executable, str(JOB), str(tmp / "config.json")],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     output = proc.stdout + proc.stderr
     ranks = int(cfg.get("devices", 1))
     finished = all((tmp / f"done_rank{r}").exists() for r in range(ranks))
     if proc.returncode == -signal.SIGABRT and finished and output.rstrip().endswith(EXIT_ABORT):
-        warnings.warn(f"job {tmp.name} finished on every rank, then aborted at interpreter exit ({EXIT_ABORT!r})")
+        warnings.warn(
+            f"job {tmp.name} finished on every rank, then aborted at interpreter exit ({EXIT_ABORT!r})", stacklevel=2
+        )
         return JobResult(0, output, tmp, ranks)
     return JobResult(proc.returncode, output, tmp, ranks)
 
@@ -87,10 +101,15 @@ def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
         port = s.getsockname()[1]
     base = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     procs = [
-        subprocess.Popen([sys.executable, str(JOB), str(tmp / "config.json")], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env={**base, "NODE_RANK": str(n)})
+        subprocess.Popen(
+            [sys.executable, str(JOB), str(tmp / "config.json")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**base, "NODE_RANK": str(n)},
+        )
         for n in range(nodes)
-    ]  # fmt: skip
+    ]
     outputs, codes = [], []
     for p in procs:
         try:
@@ -105,9 +124,14 @@ def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
     output = "\n".join(f"--- node {n} ---\n{o}" for n, o in enumerate(outputs))
     finished = all((tmp / f"done_rank{r}").exists() for r in range(ranks))
     code = next((c for c in codes if c != 0), 0)
-    if code == -signal.SIGABRT and finished and all(o.rstrip().endswith(EXIT_ABORT) or c == 0
-                                                    for o, c in zip(outputs, codes)):  # fmt: skip
-        warnings.warn(f"job {tmp.name} finished on every rank, then aborted at interpreter exit ({EXIT_ABORT!r})")
+    if (
+        code == -signal.SIGABRT
+        and finished
+        and all(o.rstrip().endswith(EXIT_ABORT) or c == 0 for o, c in zip(outputs, codes))
+    ):
+        warnings.warn(
+            f"job {tmp.name} finished on every rank, then aborted at interpreter exit ({EXIT_ABORT!r})", stacklevel=2
+        )
         code = 0
     return JobResult(code, output, tmp, ranks)
 

@@ -24,19 +24,37 @@ VOCAB, SEQ = 96, 24
 
 def tiny_config(tied: bool, layers: int = 2) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=SEQ, tie_word_embeddings=tied,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
 
 
 def tiny_moe_config(layers: int = 2) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=SEQ, output_router_logits=True, router_aux_loss_coef=0.01, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=SEQ,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        tie_word_embeddings=False,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
 
 
 class Tokens(Dataset):
@@ -105,8 +123,9 @@ class TinyLM(L.LightningModule):
         no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.cfg.get("lr", 3e-3), betas=(0.9, 0.95),
-        )  # fmt: skip
+            lr=self.cfg.get("lr", 3e-3),
+            betas=(0.9, 0.95),
+        )
         warm = 5
         if self.cfg.get("constant_lr"):
             return opt
@@ -137,7 +156,7 @@ class TinyLM(L.LightningModule):
                 if len(parts) == 6 and "slidedp-" in parts[5]:
                     mapped.add((parts[4], parts[5].strip()))
         stats = engine.ledger_stats()
-        info = {"mapped": sorted(mapped), "nbytes": stats.nbytes, "num_params": stats.num_params}  # fmt: skip
+        info = {"mapped": sorted(mapped), "nbytes": stats.nbytes, "num_params": stats.num_params}
         with open(os.path.join(self.cfg["out"], f"ledger_rank{self.global_rank}.json"), "w") as f:
             json.dump(info, f)
 
@@ -195,7 +214,7 @@ def fit(cfg: dict) -> int:
             checkpoint_format=cfg.get("checkpoint_format", "distributed"),
             host_layout=cfg.get("host_layout", "replicated"),
             timeout=timedelta(seconds=cfg.get("pg_timeout", 60)),
-        )  # fmt: skip
+        )
     else:
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -222,18 +241,30 @@ def fit(cfg: dict) -> int:
         callbacks.append(SaveAt(cfg["save_at"], path, cfg.get("kill_in_save")))
     trainer = L.Trainer(
         callbacks=callbacks,
-        strategy=strategy, accelerator=cfg.get("accelerator", "cpu"), devices=cfg["devices"], precision=precision, plugins=plugins,
+        strategy=strategy,
+        accelerator=cfg.get("accelerator", "cpu"),
+        devices=cfg["devices"],
+        precision=precision,
+        plugins=plugins,
         num_nodes=cfg.get("num_nodes", 1),
-        max_steps=cfg["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=cfg["out"],
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=cfg["out"],
         use_distributed_sampler=cfg.get("distributed_sampler", True),
-        gradient_clip_val=cfg.get("clip"), gradient_clip_algorithm=cfg.get("clip_algorithm", "norm"),
+        gradient_clip_val=cfg.get("clip"),
+        gradient_clip_algorithm=cfg.get("clip_algorithm", "norm"),
         accumulate_grad_batches=cfg.get("accumulate", 1),
-    )  # fmt: skip
+    )
     trainer.fit(module, ckpt_path=cfg.get("ckpt_path"))
     if trainer.global_rank == 0:
-        torch.save({k: (v.cpu() if v.is_cuda else v).detach().clone() for k, v in module.state_dict().items()},
-                   os.path.join(cfg["out"], "final_state.pt"))  # fmt: skip
+        torch.save(
+            {k: (v.cpu() if v.is_cuda else v).detach().clone() for k, v in module.state_dict().items()},
+            os.path.join(cfg["out"], "final_state.pt"),
+        )
     return trainer.global_rank
 
 

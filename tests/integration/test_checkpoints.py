@@ -37,8 +37,16 @@ def test_save_and_resume_equals_training_straight_through_bit_for_bit(job_runner
 
 @pytest.mark.integration
 def test_a_two_rank_checkpoint_resumes_on_one_rank(job_runner, straight):
-    one = _ok(job_runner("ckpt_one_rank", devices=1, steps=STEPS, ckpt_path=str(straight.out / "ck"),
-                         distributed_sampler=False, **COMMON))  # fmt: skip
+    one = _ok(
+        job_runner(
+            "ckpt_one_rank",
+            devices=1,
+            steps=STEPS,
+            ckpt_path=str(straight.out / "ck"),
+            distributed_sampler=False,
+            **COMMON,
+        )
+    )
     ref = straight.losses(0)[SAVE_AT:]
     got = one.losses(0)
     assert len(got) == len(ref)
@@ -56,8 +64,9 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(job_
 
     ck = tmp_path / "ck"
     shutil.copytree(straight.out / "ck", ck)  # a complete checkpoint of step 5 already sits at the path
-    killed = job_runner("ckpt_killed", devices=2, steps=STEPS, save_at=7, save_path=str(ck), kill_in_save=1,
-                        pg_timeout=20, **COMMON)  # fmt: skip
+    killed = job_runner(
+        "ckpt_killed", devices=2, steps=STEPS, save_at=7, save_path=str(ck), kill_in_save=1, pg_timeout=20, **COMMON
+    )
     assert killed.returncode != 0
     assert not shm_files(), "a shared-memory ledger file was left behind"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and "old" in p.name]

@@ -42,8 +42,9 @@ def variant_result(job: JobResult, name: str) -> JobResult:
 def cuda_jobs(job_runner, tmp_path_factory):
     variants = {**VARIANTS, "traced": {"trace_dir": str(tmp_path_factory.mktemp("cuda_trace"))}}
     ref = job_runner("cuda_ref_single_fp32", strategy="single", **COMMON)
-    got = job_runner("cuda_slidedp_variants", strategy="slidedp", variants=variants, keep_going=True, timeout=600,
-                     **COMMON)  # fmt: skip
+    got = job_runner(
+        "cuda_slidedp_variants", strategy="slidedp", variants=variants, keep_going=True, timeout=600, **COMMON
+    )
     return ref, got
 
 

@@ -39,8 +39,15 @@ def reference(job_runner, tied: bool, devices: int = 2):
     strategy = "ddp" if devices > 1 else "single"
     # one process: no DistributedSampler on either side, so both see the loader's own order
     extra = {} if devices > 1 else {"distributed_sampler": False}
-    ref = job_runner(f"ref_{strategy}_tied{int(tied)}", strategy=strategy, devices=devices, tied=tied,
-                     steps=STEPS, batch=BATCH, **extra)  # fmt: skip
+    ref = job_runner(
+        f"ref_{strategy}_tied{int(tied)}",
+        strategy=strategy,
+        devices=devices,
+        tied=tied,
+        steps=STEPS,
+        batch=BATCH,
+        **extra,
+    )
     _assert_ok(ref)
     return ref
 
@@ -91,8 +98,16 @@ def test_two_ranks_equal_ddp_adamw(job_runner, case, tmp_path):
 @pytest.mark.parametrize("grad_route", ["gpu_reduce", "host_reduce"])
 def test_one_rank_equals_single_process(job_runner, grad_route):
     ref = reference(job_runner, tied=True, devices=1)
-    got = job_runner(f"slidedp_1rank_{grad_route}", strategy="slidedp", devices=1, tied=True, steps=STEPS,
-                     batch=BATCH, grad_route=grad_route, distributed_sampler=False)  # fmt: skip
+    got = job_runner(
+        f"slidedp_1rank_{grad_route}",
+        strategy="slidedp",
+        devices=1,
+        tied=True,
+        steps=STEPS,
+        batch=BATCH,
+        grad_route=grad_route,
+        distributed_sampler=False,
+    )
     _assert_ok(got)
     _compare(ref, got, ranks=1)
 
@@ -100,12 +115,21 @@ def test_one_rank_equals_single_process(job_runner, grad_route):
 @pytest.mark.integration
 def test_meta_init_equals_ddp_from_the_same_initial_weights(job_runner):
     """meta_init materializes one unit at a time on local rank 0: the reference starts from those weights."""
-    got = job_runner("slidedp_meta_init", strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH,
-                     meta_init=True, dump_initial=True)  # fmt: skip
+    got = job_runner(
+        "slidedp_meta_init",
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=STEPS,
+        batch=BATCH,
+        meta_init=True,
+        dump_initial=True,
+    )
     _assert_ok(got)
     init = got.out / "initial_state.pt"
-    ref = job_runner("ref_ddp_from_meta_init", strategy="ddp", devices=2, tied=True, steps=STEPS, batch=BATCH,
-                     init_from=str(init))  # fmt: skip
+    ref = job_runner(
+        "ref_ddp_from_meta_init", strategy="ddp", devices=2, tied=True, steps=STEPS, batch=BATCH, init_from=str(init)
+    )
     _assert_ok(ref)
     _compare(ref, got, ranks=2)
     state = torch.load(init)
@@ -118,8 +142,9 @@ def test_meta_init_equals_ddp_from_the_same_initial_weights(job_runner):
 def _p1_path(job_runner, tied: bool):
     """P1's reference path: route full + gpu_reduce, window 2, one chunk per unit."""
     name = "tied-gpu_reduce" if tied else "untied-gpu_reduce"
-    return job_runner(f"slidedp_{name}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH,
-                      **CASES[name][1])  # fmt: skip
+    return job_runner(
+        f"slidedp_{name}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **CASES[name][1]
+    )
 
 
 # the chunked loss sums the loss over chunks (a different order of additions): equal to DDP within 1e-5 above,
@@ -163,8 +188,17 @@ MATRIX_STEPS = 6
 def run_matrix(job_runner, name: str = "slidedp_matrix", env: dict[str, str] | None = None):
     """One 2-rank job fitting the P1 path ("p1") and then every MATRIX combination, each a fit of its own."""
     variants = {"p1": {"param_route": "full", "grad_route": "gpu_reduce", "chunk_bytes": None, "window": 2}, **MATRIX}
-    res = job_runner(name, env=env, strategy="slidedp", devices=2, tied=True, steps=MATRIX_STEPS, batch=BATCH,
-                     variants=variants, timeout=900)  # fmt: skip
+    res = job_runner(
+        name,
+        env=env,
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=MATRIX_STEPS,
+        batch=BATCH,
+        variants=variants,
+        timeout=900,
+    )
     _assert_ok(res)
     return res
 
@@ -193,17 +227,34 @@ def test_full_matrix_is_bit_identical_to_the_p1_path(job_runner):
 # every activation mode (masks 0000000, 1111111 and two mixed) x offload ratio 0, 0.5, 1
 POLICIES = [
     f"{mode}@{ratio}"
-    for mode in ("none", "full", "selective", "segments:0000000", "segments:1111111", "segments:1010101",
-                 "segments:0110010")
+    for mode in (
+        "none",
+        "full",
+        "selective",
+        "segments:0000000",
+        "segments:1111111",
+        "segments:1010101",
+        "segments:0110010",
+    )
     for ratio in (0, 0.5, 1)
-]  # fmt: skip
+]
 
 
 @pytest.mark.integration
 def test_every_activation_policy_is_bit_identical_to_no_checkpointing(job_runner):
     variants = {"plain": {"activations": None}, **{p: {"activations": p} for p in POLICIES}}
-    res = job_runner("slidedp_policies", strategy="slidedp", devices=2, tied=False, steps=MATRIX_STEPS, batch=BATCH,
-                     grad_route="host_reduce", chunk_bytes=4096, variants=variants, timeout=900)  # fmt: skip
+    res = job_runner(
+        "slidedp_policies",
+        strategy="slidedp",
+        devices=2,
+        tied=False,
+        steps=MATRIX_STEPS,
+        batch=BATCH,
+        grad_route="host_reduce",
+        chunk_bytes=4096,
+        variants=variants,
+        timeout=900,
+    )
     _assert_ok(res)
     ref = matrix_result(res, "plain")
     differ = [p for p in POLICIES if differing(ref, matrix_result(res, p))]
@@ -236,8 +287,11 @@ def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_ide
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("knobs", [{}, {"loss_chunk": 6, "activations": "full@0.5", "grad_route": "host_reduce"}],
-                         ids=["plain", "chunked-loss-offload"])  # fmt: skip
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"loss_chunk": 6, "activations": "full@0.5", "grad_route": "host_reduce"}],
+    ids=["plain", "chunked-loss-offload"],
+)
 def test_qwen3_moe_equals_ddp_adamw(job_runner, knobs):
     """A tiny Qwen3-MoE (4 experts, top-2, router aux loss) trains with Trainer(strategy="slidedp") on 2 ranks."""
     ref = job_runner("ref_ddp_moe", strategy="ddp", devices=2, tied=False, arch="moe", steps=STEPS, batch=BATCH)
@@ -250,8 +304,9 @@ def test_qwen3_moe_equals_ddp_adamw(job_runner, knobs):
 
 @pytest.mark.integration
 def test_auto_routes_are_measured_logged_and_agreed(job_runner):
-    res = job_runner("slidedp_tied-auto", strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH,
-                     **CASES["tied-auto"][1])  # fmt: skip
+    res = job_runner(
+        "slidedp_tied-auto", strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH, **CASES["tied-auto"][1]
+    )
     _assert_ok(res)
     lines = [line for line in res.output.splitlines() if "SlideDP auto routes" in line]
     assert len(lines) == 1, "rank 0 logs the probe once"

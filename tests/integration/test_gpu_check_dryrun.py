@@ -17,17 +17,38 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--tiny", "--batch", "2",
-         "--seq", "32", "--steps", "3", "--warmup", "1", "--large-batch", "4", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--large-batch",
+            "4",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     for system in ("plain", "slidedp"):
         assert "error" not in report[system], report[system]
         assert report[system]["tokens_per_s"] > 0
     # the same initial weights and batches: BF16 weights (SlideDP) vs FP32 weights under BF16 autocast (plain)
-    assert all(l == l for l in report["slidedp"]["losses"])
+    assert all(loss == loss for loss in report["slidedp"]["losses"])  # no NaN
     assert report["max_abs_loss_diff"] <= 1e-2
     assert report["slidedp"]["ledger_bytes"] >= 14 * report["params"]
     large = report["large"]  # the second case: a larger batch, every block checkpointed in both systems

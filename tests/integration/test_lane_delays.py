@@ -13,8 +13,13 @@ DELAYS = {"SLIDEDP_TEST_LANE_DELAY_MS": "3"}
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "case",
-    ["tied-sharded-host_reduce-window3", "untied-gpu_reduce", "tied-window1", "untied-sharded-chunk4KiB-window2",
-     "untied-host_reduce-chunk4KiB"],
+    [
+        "tied-sharded-host_reduce-window3",
+        "untied-gpu_reduce",
+        "tied-window1",
+        "untied-sharded-chunk4KiB-window2",
+        "untied-host_reduce-chunk4KiB",
+    ],
 )
 def test_random_lane_delays_leave_results_bit_identical(job_runner, case):
     tied, knobs = CASES[case]

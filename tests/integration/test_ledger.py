@@ -28,8 +28,9 @@ def test_one_ledger_per_host_at_14_bytes_per_param(job_runner, devices):
 @pytest.mark.integration
 def test_replicated_mode_holds_one_ledger_per_rank(job_runner):
     """The SlideFormer-style baseline: R ledgers of the same size (the avoidable amplification), none left."""
-    res = job_runner("ledger_replicated", strategy="slidedp", devices=2, tied=True, steps=3, batch=2,
-                     param_route="replicated")  # fmt: skip
+    res = job_runner(
+        "ledger_replicated", strategy="slidedp", devices=2, tied=True, steps=3, batch=2, param_route="replicated"
+    )
     assert res.returncode == 0, res.output[-4000:]
     infos = [res.ledger(r) for r in range(2)]
     mapped = [tuple(m) for info in infos for m in info["mapped"]]
@@ -59,9 +60,19 @@ def test_killed_rank_stops_the_job_without_leak_or_hang(tmp_path, grad_route, ki
     before = shm_files()
     started = time.monotonic()
     res = run_job(
-        tmp_path, timeout=150, strategy="slidedp", devices=2, tied=True, steps=10, batch=2,
-        grad_route=grad_route, kill_rank=1, kill_at_step=3, kill_in=kill_in, pg_timeout=30,
-    )  # fmt: skip
+        tmp_path,
+        timeout=150,
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=10,
+        batch=2,
+        grad_route=grad_route,
+        kill_rank=1,
+        kill_at_step=3,
+        kill_in=kill_in,
+        pg_timeout=30,
+    )
     elapsed = time.monotonic() - started
     assert res.returncode != 0
     # the survivor names the failure: Lightning's child observer, our liveness check, or gloo's broken pair

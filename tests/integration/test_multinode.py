@@ -35,8 +35,9 @@ def test_two_nodes_of_two_ranks_equal_ddp_on_four(tmp_path, reference, layout):
     host_sharded = knobs.get("host_layout") == "sharded"
     if host_sharded:  # no host holds whole weights to restore: a checkpoint after the last step has them
         knobs = {**knobs, "save_at": STEPS}
-    res = run_nodes(tmp_path / "job", nodes=2, strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH,
-                    **knobs)  # fmt: skip
+    res = run_nodes(
+        tmp_path / "job", nodes=2, strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH, **knobs
+    )
     assert res.returncode == 0, res.output[-5000:]
     if host_sharded:
         for r in range(4):

@@ -14,9 +14,18 @@ from slidedp_lightning.runtime.trace import LANES
 @pytest.mark.parametrize("grad_route, activations", [("gpu_reduce", None), ("host_reduce", "full@0.5")])
 def test_traced_run_writes_tensorboard_gantt_and_chrome_trace(job_runner, tmp_path, grad_route, activations):
     trace_dir = tmp_path / "trace"
-    res = job_runner(f"traced_{grad_route}", strategy="slidedp", devices=2, tied=True, steps=5, batch=4,
-                     grad_route=grad_route, param_route="sharded", trace_dir=str(trace_dir),
-                     activations=activations)  # fmt: skip
+    res = job_runner(
+        f"traced_{grad_route}",
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=5,
+        batch=4,
+        grad_route=grad_route,
+        param_route="sharded",
+        trace_dir=str(trace_dir),
+        activations=activations,
+    )
     assert res.returncode == 0, res.output[-3000:]
     # without activation offload lane 2 is idle; a gpu_reduce run on CPU has no device->host copy
     expected = set(LANES) if activations else set(LANES) - {"offload"} - {"d2h"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_equivalence import BATCH, differing, matrix_result
+from tests.integration.test_equivalence import BATCH
 
 STEPS = 12
 RTOL = 1e-5
@@ -24,8 +24,17 @@ FEATURES = {
 
 def run_features(job_runner, strategy: str, **extra):
     variants = {name: knobs for name, (knobs, _) in FEATURES.items()}
-    res = job_runner(f"features_{strategy}" + "".join(f"_{k}{v}" for k, v in extra.items()), strategy=strategy,
-                     devices=2, tied=False, steps=STEPS, batch=BATCH, variants=variants, timeout=900, **extra)  # fmt: skip
+    res = job_runner(
+        f"features_{strategy}" + "".join(f"_{k}{v}" for k, v in extra.items()),
+        strategy=strategy,
+        devices=2,
+        tied=False,
+        steps=STEPS,
+        batch=BATCH,
+        variants=variants,
+        timeout=900,
+        **extra,
+    )
     assert res.returncode == 0, res.output[-4000:]
     return res
 
@@ -64,8 +73,17 @@ def matrix_result_any(res, variant: str):
 @pytest.mark.integration
 def test_a_non_finite_gradient_on_one_rank_skips_that_step_everywhere(job_runner):
     """update="deferred": a NaN in rank 0's loss at batch 3 leaves the ledger as if batch 3 had not been there."""
-    common = dict(strategy="slidedp", devices=2, tied=True, steps=8, data_batches=8, batch=BATCH, update="deferred",
-                  constant_lr=True, distributed_sampler=False)  # fmt: skip
+    common = dict(
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=8,
+        data_batches=8,
+        batch=BATCH,
+        update="deferred",
+        constant_lr=True,
+        distributed_sampler=False,
+    )
     # the NaN run takes 8 optimizer steps of which one is skipped; the other run never sees that batch
     variants = {"nan": {"nan_at_step": 3}, "skipped": {"drop_batch": 3, "steps": 7}}
     res = job_runner("nonfinite", variants=variants, timeout=600, **common)

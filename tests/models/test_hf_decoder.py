@@ -25,10 +25,17 @@ FAMILIES = {
 def tiny(family: str, tied: bool, layers: int = 2, seed: int = 0) -> nn.Module:
     config_cls, model_cls = FAMILIES[family]
     cfg = config_cls(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=tied,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return model_cls(cfg)
 
@@ -215,9 +222,11 @@ class ToyAdapter:
         return isinstance(model, ToyLM)
 
     def units(self, model: ToyLM) -> list[UnitSpec]:
-        return [UnitSpec("embed", (model.embed,))] + [
-            UnitSpec(f"blocks.{i}", (b,)) for i, b in enumerate(model.blocks)
-        ] + [UnitSpec("out", (model.out,))]  # fmt: skip
+        return (
+            [UnitSpec("embed", (model.embed,))]
+            + [UnitSpec(f"blocks.{i}", (b,)) for i, b in enumerate(model.blocks)]
+            + [UnitSpec("out", (model.out,))]
+        )
 
     def init_weights(self, model: nn.Module, module: nn.Module) -> None:
         for sub in module.modules():

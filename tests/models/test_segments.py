@@ -35,10 +35,17 @@ CKPT = partial(checkpoint, use_reentrant=False)
 def tiny(family: str, attn: str, **overrides) -> nn.Module:
     config_cls, model_cls, extra = FAMILIES[family]
     cfg = config_cls(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, attn_implementation=attn,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        attn_implementation=attn,
         **{**extra, **overrides},
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     return model_cls(cfg).train()
 

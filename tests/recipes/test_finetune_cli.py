@@ -7,7 +7,9 @@ from slidedp_lightning.recipes.finetune import build_parser, strategy_for
 
 
 def test_route_flags_configure_the_strategy():
-    args = build_parser().parse_args(["--param-route", "sharded", "--grad-route", "host_reduce", "--chunk-bytes", "4096"])
+    args = build_parser().parse_args(
+        ["--param-route", "sharded", "--grad-route", "host_reduce", "--chunk-bytes", "4096"]
+    )
     s = strategy_for(args)
     assert isinstance(s, SlideDPStrategy)
     assert (s.options.param_route, s.options.grad_route, s.options.chunk_bytes) == ("sharded", "host_reduce", 4096)

@@ -35,9 +35,21 @@ def reference():
     return train(None)
 
 
-POLICIES = ["full", "selective", "segments:0000000", "segments:1111111", "segments:1010101", "segments:0110010",
-            "none@0.5", "none@1", "full@0.5", "full@1", "selective@0.5", "segments:1010101@0.5",
-            "segments:1111111@1"]  # fmt: skip
+POLICIES = [
+    "full",
+    "selective",
+    "segments:0000000",
+    "segments:1111111",
+    "segments:1010101",
+    "segments:0110010",
+    "none@0.5",
+    "none@1",
+    "full@0.5",
+    "full@1",
+    "selective@0.5",
+    "segments:1010101@0.5",
+    "segments:1111111@1",
+]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -63,8 +75,9 @@ def retained(policy: str) -> tuple[int, int]:
 
 
 def test_retained_bytes_fall_from_none_to_selective_and_segments_to_full():
-    none, selective, seg_all, seg_mixed, full = (retained(p)[0] for p in
-                                                 ("none", "selective", "segments:1111111", "segments:0100100", "full"))  # fmt: skip
+    none, selective, seg_all, seg_mixed, full = (
+        retained(p)[0] for p in ("none", "selective", "segments:1111111", "segments:0100100", "full")
+    )
     assert none > selective > full
     assert none > seg_all > seg_mixed > full
     hidden = 2 * 16 * 64 * 4  # the block input: batch x seq x hidden FP32, per block
@@ -83,16 +96,25 @@ def test_offload_ratio_moves_that_fraction_of_the_retained_bytes_off_the_device(
 
 @pytest.mark.parametrize(
     "bad, match",
-    [("segments:012", "mask"), ("segments", "mask"), ("full:0101010", "only 'segments'"), ("full@1.5", "offload"),
-     ("full@x", "number"), ("sometimes", "mode"), ("segments:11111111", "mask")],
-)  # fmt: skip
+    [
+        ("segments:012", "mask"),
+        ("segments", "mask"),
+        ("full:0101010", "only 'segments'"),
+        ("full@1.5", "offload"),
+        ("full@x", "number"),
+        ("sometimes", "mode"),
+        ("segments:11111111", "mask"),
+    ],
+)
 def test_bad_policies_are_refused_with_a_clear_error(bad, match):
     with pytest.raises(ValueError, match=match):
         UnitPolicy.parse(bad)
 
 
 def test_policy_round_trips_through_json(tmp_path):
-    policy = ActivationPolicy(UnitPolicy("selective", offload=0.25), {"layers.0": UnitPolicy.parse("segments:1000001@1")})
+    policy = ActivationPolicy(
+        UnitPolicy("selective", offload=0.25), {"layers.0": UnitPolicy.parse("segments:1000001@1")}
+    )
     path = tmp_path / "policy.json"
     import json
 
@@ -142,8 +164,13 @@ def test_selective_store_keeps_torch_entries_in_either_form(form):
     from slidedp_lightning.runtime.lanes import make_lanes
 
     lanes = make_lanes(torch.device("cpu"))
-    manager = ActivationManager({0: nn.Identity()}, ["layers.0"], ActivationPolicy(UnitPolicy.parse("selective@0.5")),
-                                lanes, param_storages=lambda: [])  # fmt: skip
+    manager = ActivationManager(
+        {0: nn.Identity()},
+        ["layers.0"],
+        ActivationPolicy(UnitPolicy.parse("selective@0.5")),
+        lanes,
+        param_storages=lambda: [],
+    )
     outputs = [torch.randn(4, 8) for _ in range(3)]
     store = _RetainingStore(manager)
     op = torch.ops.aten.mm.default

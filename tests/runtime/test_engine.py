@@ -25,10 +25,17 @@ CPU = torch.device("cpu")
 
 def tiny_config(tied: bool) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=tied,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
 
 
 def tiny_model(tied: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
@@ -45,8 +52,10 @@ def adamw_groups(model: nn.Module, lr: float = 3e-3, **kw) -> torch.optim.AdamW:
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), **kw,
-    )  # fmt: skip
+        lr=lr,
+        betas=(0.9, 0.95),
+        **kw,
+    )
 
 
 def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
@@ -332,8 +341,12 @@ def test_second_backward_before_end_step_raises(scenario: str, tied: str) -> Non
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", _SECOND_BACKWARD_CHILD, scenario, tied],
-        cwd=root, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = proc.stdout + proc.stderr[-2000:]
     assert proc.returncode == 3, f"exit status {proc.returncode} (negative: killed by a signal):\n{out}"
     assert "second gradient" in proc.stdout, out

@@ -176,8 +176,13 @@ def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypat
 
     monkeypatch.setattr(FlatPool, "take", spy)
     model = tiny_model(tied=False)
-    engine = make_engine(model, grad_route="gpu_reduce", max_units_in_flight=2,
-                         chunk_bytes=chunk_elems * 4 if chunk_elems else None, **knobs)  # fmt: skip
+    engine = make_engine(
+        model,
+        grad_route="gpu_reduce",
+        max_units_in_flight=2,
+        chunk_bytes=chunk_elems * 4 if chunk_elems else None,
+        **knobs,
+    )
     micro = knobs.get("accumulate", 1)
     try:
         engine.attach_optimizer(adamw_groups(model))
@@ -252,8 +257,18 @@ def _two_hosts_dispatch(rank: int, port: int, out: str) -> None:
     lanes = CpuLanes(torch.device("cpu"))
     try:
         layout = layout_of(tiny_qwen3(tied=False), world_size=2)
-        route = GradRoute("gpu_reduce", layout, None, rank % 2, 2, hosts[rank // 2], lanes,
-                          Liveness(lambda: [], 60.0), cross_group=cross[rank % 2], reduce_world=4)  # fmt: skip
+        route = GradRoute(
+            "gpu_reduce",
+            layout,
+            None,
+            rank % 2,
+            2,
+            hosts[rank // 2],
+            lanes,
+            Liveness(lambda: [], 60.0),
+            cross_group=cross[rank % 2],
+            reduce_world=4,
+        )
         unit = layout.units[1]
         grads = [torch.full(s.shape, float(rank + 1)) for s in unit.slots]
         if rank == 1:

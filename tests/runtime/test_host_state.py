@@ -12,11 +12,11 @@ from slidedp_lightning.runtime.host_state import (
     GUARD,
     LEDGER_BYTES_PER_PARAM,
     PAGE,
-    shm_dir,
     HostLedger,
     HostMemoryError,
     LedgerGeometry,
     check_host_memory,
+    shm_dir,
 )
 
 ARRAYS = ("stamps", "master", "exp_avg", "exp_avg_sq", "bf16", "staging")
@@ -188,8 +188,13 @@ def test_stale_ledgers_of_dead_jobs_are_removed_and_live_ones_kept(tmp_path, mon
     monkeypatch.setenv(SHM_ENV, str(tmp_path))
     live = ledger_path("job1")  # this process created it and still runs
     code = "from slidedp_lightning.runtime.host_state import ledger_path; print(ledger_path('job2'))"
-    dead = subprocess.run([sys.executable, "-c", code], env={**os.environ, SHM_ENV: str(tmp_path)},
-                          capture_output=True, text=True, check=True).stdout.strip()  # its creator has exited
+    dead = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, SHM_ENV: str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()  # its creator has exited
     reused = os.path.join(str(tmp_path), f"slidedp-job3-{os.getpid()}-1-abcdef12-ledger")  # our pid, other start
     other = tmp_path / "slidedp-notes.txt"
     for path in (live, dead, reused, str(other)):

@@ -14,10 +14,17 @@ from slidedp_lightning.runtime.layout import PARAM_ALIGN, SHARD_ALIGN, build_lay
 def tiny_qwen3(tied: bool) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=32, tie_word_embeddings=tied,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
     return Qwen3ForCausalLM(cfg)
 
 
@@ -102,7 +109,7 @@ def test_offsets_padding_shards_and_gaps(tied: bool, world_size: int) -> None:
         # shards partition [0, padded) and each starts on a page of FP32
         shards = [unit.shard(r) for r in range(world_size)]
         assert shards[0][0] == 0 and shards[-1][1] == unit.padded
-        for (a0, b0), (a1, _) in zip(shards, shards[1:]):
+        for (_, b0), (a1, _) in zip(shards, shards[1:]):
             assert b0 == a1
         for a, b in shards:
             assert a % SHARD_ALIGN == 0

@@ -10,8 +10,16 @@ from slidedp_lightning.runtime.build import InitialWeights
 
 
 def test_meta_model_is_materialized_one_unit_at_a_time(monkeypatch):
-    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg)
     peaks = []

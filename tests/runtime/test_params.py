@@ -10,12 +10,21 @@ from slidedp_lightning.runtime import EngineConfig, SlideDPEngine
 
 
 def _engine(tied: bool, window: int) -> tuple[torch.nn.Module, SlideDPEngine]:
-    cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
-    engine = SlideDPEngine(model, EngineConfig(prefetch_window=window), device=torch.device("cpu"),
-                           compute_dtype=torch.float32)  # fmt: skip
+    engine = SlideDPEngine(
+        model, EngineConfig(prefetch_window=window), device=torch.device("cpu"), compute_dtype=torch.float32
+    )
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     return model, engine
 

@@ -12,8 +12,15 @@ def test_setup_and_steps_keep_torch_threads():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+        cfg = Qwen3Config(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
         model = Qwen3ForCausalLM(cfg)
         engine = SlideDPEngine(model, EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
         try:

@@ -13,11 +13,12 @@ def _span(lane: str, a: float, b: float) -> Span:
 
 def test_step_metrics_unions_and_overlap():
     spans = [
-        _span("compute", 0.0, 4.0), _span("compute", 3.0, 6.0),  # union 0..6
+        _span("compute", 0.0, 4.0),
+        _span("compute", 3.0, 6.0),  # union 0..6
         _span("h2d", 5.0, 7.0),  # 1 s under compute, 1 s exposed
         _span("update", 7.0, 9.0),  # fully exposed
         _span("stall", 6.0, 6.5),
-    ]  # fmt: skip
+    ]
     m = step_metrics(spans, start=0.0, end=10.0)
     assert m["busy_compute"] == 6.0
     assert m["busy_h2d"] == 2.0 and m["busy_update"] == 2.0 and m["busy_offload"] == 0.0

@@ -5,16 +5,36 @@ import pytest
 from slidedp_lightning.constants import update_bytes_per_param
 from slidedp_lightning.steptime import StepConfig, analyze, load_config, load_profile, simulate
 from slidedp_lightning.steptime.__main__ import main, scaling_rows
-from slidedp_lightning.steptime.graph import (LEDGER_BYTES_PER_PARAM, build_ops, host_ledger_bytes, host_update_bytes,
-                                              net_collective)
-from slidedp_lightning.steptime.profiles import (GB, SOURCE_KINDS, Profile, load_network, shipped_networks,
-                                                 shipped_profiles)
+from slidedp_lightning.steptime.graph import (
+    LEDGER_BYTES_PER_PARAM,
+    build_ops,
+    host_ledger_bytes,
+    host_update_bytes,
+    net_collective,
+)
+from slidedp_lightning.steptime.profiles import (
+    GB,
+    SOURCE_KINDS,
+    Profile,
+    load_network,
+    shipped_networks,
+    shipped_profiles,
+)
 from slidedp_lightning.steptime.workload import units
 
 
 def _cfg(n: int, layout: str, precision: str = "bf16-mixed", model: str = "qwen3-14b", batch: int = 4):
-    return StepConfig(load_config(model), batch, 1024, 8, "sharded", activation="full", precision=precision, hosts=n,
-                      host_layout=layout)
+    return StepConfig(
+        load_config(model),
+        batch,
+        1024,
+        8,
+        "sharded",
+        activation="full",
+        precision=precision,
+        hosts=n,
+        host_layout=layout,
+    )
 
 
 def test_network_constants_are_sourced():
@@ -31,8 +51,14 @@ def test_network_constants_are_sourced():
 
 def test_collective_formulas():
     lat = 1e-5
-    assert net_collective("all_reduce", 800.0, 4, lat) == ({"net": pytest.approx(2 * 3 / 4 * 800.0)}, pytest.approx(6 * lat))
-    assert net_collective("reduce_scatter", 800.0, 4, lat) == ({"net": pytest.approx(3 / 4 * 800.0)}, pytest.approx(3 * lat))
+    assert net_collective("all_reduce", 800.0, 4, lat) == (
+        {"net": pytest.approx(2 * 3 / 4 * 800.0)},
+        pytest.approx(6 * lat),
+    )
+    assert net_collective("reduce_scatter", 800.0, 4, lat) == (
+        {"net": pytest.approx(3 / 4 * 800.0)},
+        pytest.approx(3 * lat),
+    )
     assert net_collective("all_gather", 800.0, 2, lat) == ({"net": pytest.approx(400.0)}, pytest.approx(lat))
     assert net_collective("all_reduce", 800.0, 1, lat) == ({}, 0.0)
     # in the graph: per rank and unit, replicated all-reduces 2(N-1)/N of its P_u*4/R shard over the network;
@@ -127,8 +153,25 @@ def test_scaling_rows_mark_the_winner():
 
 def test_cli_hosts_and_scaling(capsys):
     args = ["--model", "qwen3-14b", "--hardware", "h100x8", "--batch", "4", "--seq", "1024", "--activation", "full"]
-    assert main(["predict", *args, "--gpus", "8", "--hosts", "4", "--host-layout", "sharded", "--param-route", "sharded",
-                 "--network", "roce100"]) == 0
+    assert (
+        main(
+            [
+                "predict",
+                *args,
+                "--gpus",
+                "8",
+                "--hosts",
+                "4",
+                "--host-layout",
+                "sharded",
+                "--param-route",
+                "sharded",
+                "--network",
+                "roce100",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for word in ("hosts N=4", "layout sharded", "12.5 GB/s", "net", "limit:", "ledger"):
         assert word in out

@@ -20,11 +20,24 @@ MiB = 2**20
 
 def _machine(**extra) -> Profile:
     values = {
-        "gpus": 2, "gpu_flops": 5e10, "gpu_efficiency": 1.0, "bwd_fwd_ratio": 2.0, "op_overhead_s": 5e-4,
-        "step_overhead_s": 1e-3, "h2d_gbps": {"2": 20.0}, "d2h_gbps": {"2": 20.0}, "copy_latency_s": 0.0,
-        "link_kind": "loopback", "link_gbps": 0.5, "link_latency_s": 3e-4, "host_dram_gbps": 80.0, "cpu_cores": 2,
-        "update_gbps": {"2": 100.0}, "host_is_device": True, **extra,
-    }  # fmt: skip
+        "gpus": 2,
+        "gpu_flops": 5e10,
+        "gpu_efficiency": 1.0,
+        "bwd_fwd_ratio": 2.0,
+        "op_overhead_s": 5e-4,
+        "step_overhead_s": 1e-3,
+        "h2d_gbps": {"2": 20.0},
+        "d2h_gbps": {"2": 20.0},
+        "copy_latency_s": 0.0,
+        "link_kind": "loopback",
+        "link_gbps": 0.5,
+        "link_latency_s": 3e-4,
+        "host_dram_gbps": 80.0,
+        "cpu_cores": 2,
+        "update_gbps": {"2": 100.0},
+        "host_is_device": True,
+        **extra,
+    }
     return Profile("machine", values, {k: "probe: test" for k in values})
 
 
@@ -33,9 +46,19 @@ FRESH = {"fresh_gbps": 2.0, "alloc_reuse_bytes": 32 * MiB}
 
 def _wide() -> ModelShape:
     """Qwen3 shapes with a vocabulary large enough that the embedding's FP32 buffer is 32 MiB (fresh pages each time)."""
-    return load_config({"vocab_size": 32768, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
-                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-                        "tie_word_embeddings": False, "model_type": "qwen3"})  # fmt: skip
+    return load_config(
+        {
+            "vocab_size": 32768,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "tie_word_embeddings": False,
+            "model_type": "qwen3",
+        }
+    )
 
 
 def _cfg(model, route="full", grad="gpu_reduce", batch=1, **kw) -> StepConfig:
@@ -92,12 +115,21 @@ def test_loop_overhead_is_compute_thread_work():
     assert loss.shown == "loop"  # outside the units: not compute in the runtime's traces, nor in the report
     sim = simulate(_cfg(tiny), p)
     assert sim.busy["loop"] == pytest.approx(0.011, rel=0.05) and sim.exposed["loop"] > 0.005
-    assert simulate(_cfg(tiny), p).step_time == pytest.approx(simulate(_cfg(tiny), _machine()).step_time + 0.01,
-                                                              rel=0.05)  # fmt: skip
+    assert simulate(_cfg(tiny), p).step_time == pytest.approx(
+        simulate(_cfg(tiny), _machine()).step_time + 0.01, rel=0.05
+    )
 
 
-@pytest.mark.parametrize("bad", [{"fresh_gbps": 2.0}, {"fresh_gbps": 0, "alloc_reuse_bytes": 1},
-                                 {LOOP_KEY: -1.0}, {LOOP_KEY: "x"}, {"loss_s_per_token": -1e-6}])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"fresh_gbps": 2.0},
+        {"fresh_gbps": 0, "alloc_reuse_bytes": 1},
+        {LOOP_KEY: -1.0},
+        {LOOP_KEY: "x"},
+        {"loss_s_per_token": -1e-6},
+    ],
+)
 def test_bad_constants(tmp_path, bad):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(_machine(**bad).to_json()))
@@ -139,7 +171,9 @@ def test_with_loop_and_cli(tmp_path, capsys):
     sync = 2 * 3e-4  # the loss all-reduce over 2 ranks: 2 ring steps
     assert got.loop_overhead == pytest.approx(0.02 - 1e-3 - sync, abs=1e-6)
     per_token = Profile("m", {**load_profile(prof).values, "loss_s_per_token": 2e-5}, load_profile(prof).sources)
-    assert with_loop(per_token, tmp_path / "run", tokens=100).loop_overhead == pytest.approx(0.02 - 3e-3 - sync, abs=1e-6)
+    assert with_loop(per_token, tmp_path / "run", tokens=100).loop_overhead == pytest.approx(
+        0.02 - 3e-3 - sync, abs=1e-6
+    )
     assert got.sources[LOOP_KEY].startswith("probe:")
     assert main(["loop", "--profile", str(prof), "--trace", str(tmp_path / "run"), "--tokens", "100"]) == 0
     assert load_profile(prof).loop_overhead == pytest.approx(got.loop_overhead)

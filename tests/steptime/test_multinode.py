@@ -15,19 +15,35 @@ from slidedp_lightning.steptime.profiles import COLOCATED_KEY, GB, Profile
 def _machine(**extra) -> Profile:
     """A calibrated CPU machine of 2 cores with a loopback network between co-located hosts."""
     values = {
-        "gpus": 2, "gpu_flops": 5e10, "gpu_efficiency": 1.0, "bwd_fwd_ratio": 2.0, "op_overhead_s": 5e-4,
-        "step_overhead_s": 1e-4, "h2d_gbps": {"2": 20.0}, "d2h_gbps": {"2": 20.0}, "copy_latency_s": 0.0,
-        "link_kind": "loopback", "link_gbps": 0.5, "link_latency_s": 3e-4, "host_dram_gbps": 80.0, "cpu_cores": 2,
-        "update_gbps": {"2": 100.0}, "host_is_device": True, "net_gbps": 2.0, "net_latency_s": 4e-4,
-        COLOCATED_KEY: 2.0, **extra,
-    }  # fmt: skip
+        "gpus": 2,
+        "gpu_flops": 5e10,
+        "gpu_efficiency": 1.0,
+        "bwd_fwd_ratio": 2.0,
+        "op_overhead_s": 5e-4,
+        "step_overhead_s": 1e-4,
+        "h2d_gbps": {"2": 20.0},
+        "d2h_gbps": {"2": 20.0},
+        "copy_latency_s": 0.0,
+        "link_kind": "loopback",
+        "link_gbps": 0.5,
+        "link_latency_s": 3e-4,
+        "host_dram_gbps": 80.0,
+        "cpu_cores": 2,
+        "update_gbps": {"2": 100.0},
+        "host_is_device": True,
+        "net_gbps": 2.0,
+        "net_latency_s": 4e-4,
+        COLOCATED_KEY: 2.0,
+        **extra,
+    }
     return Profile("machine", values, {k: "probe: test" for k in values})
 
 
 def _cfg(layout: str, hosts: int = 2, **kw) -> StepConfig:
     route = "sharded" if layout == "sharded" else kw.pop("param_route", "full")
-    return StepConfig(load_config("qwen3-tiny"), 8, 26, 2, route, precision="32-true", hosts=hosts, host_layout=layout,
-                      **kw)  # fmt: skip
+    return StepConfig(
+        load_config("qwen3-tiny"), 8, 26, 2, route, precision="32-true", hosts=hosts, host_layout=layout, **kw
+    )
 
 
 def test_flat_collective():
@@ -64,7 +80,7 @@ def test_host_sharded_layout_runs_flat_rings():
     ops = build_ops(_cfg("sharded"), p, 1)
     assert not [op for op in ops if op.lane == "net"]
     k = 4
-    for u, unit_ops in enumerate([[op for op in ops if op.unit == u] for u in range(6)]):
+    for unit_ops in [[op for op in ops if op.unit == u] for u in range(6)]:
         rs = [op for op in unit_ops if op.lane == "reduce"]
         assert [op.name for op in rs] == ["reduce_scatter_net"] and rs[0].fixed == pytest.approx((k - 1) * 4e-4)
         assert not [op for op in unit_ops if op.name.startswith("all_gather ")]  # no in-host gather of its own
@@ -81,6 +97,7 @@ def test_update_backpressure():
     updates = [i for i, op in enumerate(ops) if op.lane == "update"]
     reduces = [i for i, op in enumerate(ops) if op.lane == "reduce"]
     assert [op for op in ops if op.lane == "reduce"][0].unit == 5  # backward order
+
     def waits_for(i: int) -> list[int]:  # deps of op i, through the compute thread's issue of the unit
         deps = ops[i].deps
         return [e for d in deps for e in (waits_for(d) if ops[d].name in ("issue", "fill") else [d])]
@@ -101,7 +118,9 @@ def test_update_backpressure():
 def test_loss_sync():
     p = _machine()
     cfg = _cfg("replicated", 2, loss_sync=True)
-    assert loss_sync_latency(cfg.gpus, cfg.hosts, p) == pytest.approx(2 * 3 * 4e-4)  # 4 ranks, the slower latency per step
+    assert loss_sync_latency(cfg.gpus, cfg.hosts, p) == pytest.approx(
+        2 * 3 * 4e-4
+    )  # 4 ranks, the slower latency per step
     assert loss_sync_latency(cfg.gpus, 1, p) == pytest.approx(2 * 3e-4)
     loss = [op for op in build_ops(cfg, p, 1) if op.name == "loss"]
     assert loss[0].fixed == pytest.approx(2 * 3 * 4e-4)  # the all-reduce: latency
@@ -116,8 +135,9 @@ def test_op_overhead_is_work_on_a_cpu_device():
     cpu = _machine()
     fwd = [op for op in build_ops(cfg, cpu, 1) if op.name == "forward"]
     assert all(op.fixed == 0 for op in fwd)
-    assert fwd[1].demand["gpu"] == pytest.approx(cfg.tokens * 2 * cfg.model.layer_matmul_params()
-                                                 + cfg.tokens * 2 * 26 * 4 * 32 + 5e-4 * 5e10)  # fmt: skip
+    assert fwd[1].demand["gpu"] == pytest.approx(
+        cfg.tokens * 2 * cfg.model.layer_matmul_params() + cfg.tokens * 2 * 26 * 4 * 32 + 5e-4 * 5e10
+    )
     gpu = load_profile("rtx4090x4")
     fwd = [op for op in build_ops(StepConfig(load_config("qwen3-tiny"), 8, 26, 2), gpu, 1) if op.name == "forward"]
     assert all(op.fixed == pytest.approx(gpu.op_overhead_s) for op in fwd)
@@ -167,8 +187,17 @@ def test_shared_cores_is_bounded_by_the_machine():
 
 
 def test_build_profile_writes_the_network():
-    raw = {"gpu_flops": 5e10, "op_overhead_s": 1e-4, "bwd_fwd_ratio": 2.0, "step_overhead_s": 0.0, "copy_lat": 0.0,
-           "copy_rate": 2e10, "link_lat": 3e-4, "link_rate": 5e8, "upd_rate": 5e10}  # fmt: skip
+    raw = {
+        "gpu_flops": 5e10,
+        "op_overhead_s": 1e-4,
+        "bwd_fwd_ratio": 2.0,
+        "step_overhead_s": 0.0,
+        "copy_lat": 0.0,
+        "copy_rate": 2e10,
+        "link_lat": 3e-4,
+        "link_rate": 5e8,
+        "upd_rate": 5e10,
+    }
     net = {"net_rate": 1e9, "net_lat": 2e-4, "hosts": 2, "ranks": 2, "colocated_cores": 2.2}
     p = build_profile(raw, 2, "qwen3-tiny", 26, net)
     assert p.net_gbps == pytest.approx(2.0) and p.net_latency_s == pytest.approx(2e-4) and p.colocated

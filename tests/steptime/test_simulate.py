@@ -10,8 +10,11 @@ from slidedp_lightning.steptime.simulate import classify, run
 
 def test_fluid_sharing_and_lanes():
     cap = {"h2d": 10.0, "gpu": 1.0}
-    ops = [Op("a", "h2d", 0, 0, {"h2d": 10.0}), Op("b", "d2h", 0, 0, {"h2d": 10.0}),
-           Op("c", "compute", 0, 0, {"gpu": 1.0}, deps=[0])]
+    ops = [
+        Op("a", "h2d", 0, 0, {"h2d": 10.0}),
+        Op("b", "d2h", 0, 0, {"h2d": 10.0}),
+        Op("c", "compute", 0, 0, {"gpu": 1.0}, deps=[0]),
+    ]
     times = run(ops, cap)
     assert times[0] == pytest.approx((0.0, 2.0)) and times[1] == pytest.approx((0.0, 2.0))  # one link, shared
     assert times[2] == pytest.approx((2.0, 3.0))
@@ -107,4 +110,6 @@ def test_slideformer_config_errors():
     with pytest.raises(ValueError, match="use grad_route 'host_reduce' and precision 'bf16-mixed'"):
         StepConfig(m, 1, 8, 2, "slideformer")
     with pytest.raises(ValueError, match="tied embeddings"):
-        simulate(StepConfig(load_config("qwen3-tiny"), 1, 8, 2, "slideformer", "host_reduce"), load_profile("a800x8_bridge"))
+        simulate(
+            StepConfig(load_config("qwen3-tiny"), 1, 8, 2, "slideformer", "host_reduce"), load_profile("a800x8_bridge")
+        )

@@ -37,7 +37,10 @@ def test_units_flops_and_tied_head():
 def test_activation_policies():
     shape = load_config("qwen3-8b")
     assert activation_policy("full", shape).recompute_fraction == 1.0
-    assert activation_policy("none", shape).retained_bytes_per_token > activation_policy("full", shape).retained_bytes_per_token
+    assert (
+        activation_policy("none", shape).retained_bytes_per_token
+        > activation_policy("full", shape).retained_bytes_per_token
+    )
     plans = [UnitActivation(0.5, 10.0, 0.25)] * shape.layers
     assert units(shape, 8, plans)[1].activation.offload_ratio == 0.25
     with pytest.raises(ValueError, match="unknown activation policy"):
@@ -52,8 +55,18 @@ def test_bad_configs(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_config(tmp_path / "missing.json")
     moe = tmp_path / "moe.json"
-    moe.write_text(json.dumps({"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
-                               "num_attention_heads": 1, "vocab_size": 8, "num_experts": 128}))
+    moe.write_text(
+        json.dumps(
+            {
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+                "vocab_size": 8,
+                "num_experts": 128,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="mixture-of-experts"):
         load_config(moe)
     with pytest.raises(ValueError, match="not a decoder-only"):
