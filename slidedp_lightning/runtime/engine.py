@@ -339,8 +339,8 @@ class SlideDPEngine:
             return True
         log.warning(
             "SlideDP: not restoring the module's parameters after training (%d ranks x %.1f GiB of FP32 copies "
-            "would exceed half of the %.1f GiB available); they are left on the meta device. Save a checkpoint to "
-            "keep the weights, or pass restore_module=True to force the copies.",
+            "would exceed half of the %.1f GiB available); they are left on the meta device. Save a checkpoint "
+            "(ModelCheckpoint) or export with SaveHuggingFace to keep the weights.",
             self.topology.ranks_per_host,
             self.layout.num_params * 4 / (1 << 30),
             available / (1 << 30),
