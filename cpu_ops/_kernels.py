@@ -5,7 +5,7 @@ All kernels and the helpers they inline live in this one file on purpose: Numba'
 so a helper edited in another module would leave stale machine code behind.
 
 Rules that keep every loop vectorized and the numerics identical to torch
-(see ``/work/shared/notes/cpu-adam.md``):
+(the torch reference is described in :mod:`cpu_ops.adamw`):
 
 * ``for i in prange(n)`` over the flat index, ``error_model='numpy'``, no fastmath;
 * every scalar argument is an ``np.float32`` (a Python float would turn the math
@@ -15,12 +15,26 @@ Rules that keep every loop vectorized and the numerics identical to torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal, TypedDict, cast
+
 import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-KERNEL_OPTIONS = {"parallel": True, "nogil": True, "cache": True, "error_model": "numpy"}
-_INLINE = {"inline": "always", "nogil": True, "error_model": "numpy"}
+
+class JitOptions(TypedDict, total=False):
+    """The ``numba.njit`` keyword options this module uses (typed, so ``njit(**options)`` type-checks)."""
+
+    parallel: bool
+    nogil: bool
+    cache: bool
+    error_model: Literal["python", "numpy"]
+    inline: Literal["never", "always"]
+
+
+KERNEL_OPTIONS: JitOptions = {"parallel": True, "nogil": True, "cache": True, "error_model": "numpy"}
+_INLINE: JitOptions = {"inline": "always", "nogil": True, "error_model": "numpy"}
 
 _U16 = np.uint32(16)
 _RNE_BIAS = np.uint32(0x7FFF)
@@ -29,7 +43,7 @@ _QUIET_BIT = np.uint32(0x0040)
 
 
 @intrinsic
-def _fma(typingctx, a, b, c):
+def _fma_intrinsic(typingctx, a, b, c):
     """``a * b + c`` with a single rounding (``llvm.fma``), float32 only.
 
     torch's AVX2/AVX-512 CPU kernels compute ``lerp``, ``add(alpha=)`` and ``addcmul``
@@ -43,6 +57,11 @@ def _fma(typingctx, a, b, c):
         return builder.fma(*args)
 
     return sig, codegen
+
+
+# As called from compiled code (Numba supplies ``typingctx``); numba's stub types a Python-level
+# call of the intrinsic, which takes ``typingctx`` too and never returns.
+_fma = cast("Callable[[np.float32, np.float32, np.float32], np.float32]", _fma_intrinsic)
 
 
 @njit(**_INLINE)

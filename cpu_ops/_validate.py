@@ -35,12 +35,12 @@ def check_vector(
     name: str, a: object, n: int | None, dtypes: tuple[np.dtype, ...], writeable: bool = False
 ) -> np.ndarray:
     """Check that ``a`` is a C-contiguous 1-D array of one of ``dtypes`` and length ``n``."""
-    check_array(name, a, dtypes, 1, writeable)
-    if n is not None and a.shape[0] != n:
-        raise ValueError(f"{name} has length {a.shape[0]}, expected {n} (all arrays must match)")
-    if not a.flags.c_contiguous:
+    arr = check_array(name, a, dtypes, 1, writeable)
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"{name} has length {arr.shape[0]}, expected {n} (all arrays must match)")
+    if not arr.flags.c_contiguous:
         raise ValueError(
-            f"{name} must be contiguous (got strides {a.strides}); pass a flat view of the "
+            f"{name} must be contiguous (got strides {arr.strides}); pass a flat view of the "
             "buffer or split the update into contiguous chunks"
         )
-    return a
+    return arr

@@ -92,7 +92,7 @@ def thread_budget(local_world_size: int, override: int | None = None) -> int:
 def set_kernel_threads(n: int) -> None:
     """Set the Numba kernel threads for the calling thread, clamped to NUMBA_NUM_THREADS."""
     n = _check_count("n (kernel threads)", n)
-    limit = numba.config.NUMBA_NUM_THREADS
+    limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # numba.core.config sets it via globals()
     if n > limit:
         log.warning("requested %d kernel threads, clamping to NUMBA_NUM_THREADS=%d", n, limit)
         n = limit

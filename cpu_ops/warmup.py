@@ -6,9 +6,11 @@ import logging
 import re
 import time
 from collections.abc import Iterable
+from typing import Any, TypedDict
 
 import numba
 import numpy as np
+from numba.core.dispatcher import Dispatcher
 
 from cpu_ops import _kernels
 from cpu_ops.accumulate import accumulate, sum_squares
@@ -21,8 +23,21 @@ log = logging.getLogger(__name__)
 
 _N = 64  # tiny arrays: compile (or load from cache) only
 _GRAD_DTYPES = (np.float32, np.uint16)
-_HYPER = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
-_KERNELS = {
+
+
+class _Hyper(TypedDict):
+    """The keyword hyperparameters shared by :func:`adamw_update` and :func:`adamw_update_sum`."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+_HYPER: _Hyper = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+_KERNELS: dict[str, Dispatcher[Any]] = {
     "adamw": _kernels.adamw_kernel,
     "adamw_bf16_out": _kernels.adamw_bf16_out_kernel,
     "fp32_to_bf16": _kernels.fp32_to_bf16_kernel,
