@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from torch import nn
 
@@ -44,10 +44,12 @@ class ArchitectureAdapter(Protocol):
         """Recompute non-persistent buffers (rotary frequencies, ...) left on the meta device."""
 
 
-_ADAPTERS: list[type] = []
+_A = TypeVar("_A", bound=type[ArchitectureAdapter])
+
+_ADAPTERS: list[type[ArchitectureAdapter]] = []
 
 
-def register_adapter(cls: type) -> type:
+def register_adapter(cls: _A) -> _A:
     """Class decorator: make an adapter discoverable by :func:`adapter_for`."""
     _ADAPTERS.append(cls)
     return cls

@@ -77,14 +77,17 @@ def install(model: nn.Module, chunk: int) -> None:
     """Compute ``model``'s training loss ``chunk`` tokens at a time (see the module docstring)."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"loss chunk must be a positive number of tokens, got {chunk!r}.")
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear) or not hasattr(model, "model"):
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or not hasattr(model, "model"):
         raise ValueError(
             f"{type(model).__name__} is not a transformers causal LM with an lm_head: the chunked loss "
             "does not apply; do not call use_chunked_loss on it."
         )
     original = type(model).forward
-    head = model.lm_head
-    head.forward = MethodType(lambda self, hidden, **kw: _head_forward(self, hidden, chunk=chunk, **kw), head)
+    # a per-instance forward on purpose (uninstall() pops it); nn.Linear declares forward as a method
+    head.forward = MethodType(  # type: ignore[method-assign]
+        lambda self, hidden, **kw: _head_forward(self, hidden, chunk=chunk, **kw), head
+    )
     module = sys.modules[type(model).__module__]
 
     def forward(
@@ -134,7 +137,8 @@ def install(model: nn.Module, chunk: int) -> None:
         return getattr(module, kind)(**out)
 
     model.forward = MethodType(forward, model)
-    model._slidedp_chunked_loss = chunk
+    # torch types Module.__setattr__'s value as Tensor | Module; a plain attribute is accepted at runtime
+    model._slidedp_chunked_loss = chunk  # type: ignore[assignment]
 
 
 def uninstall(model: nn.Module) -> None:

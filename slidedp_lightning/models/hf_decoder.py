@@ -7,11 +7,30 @@ rotary embedding module with non-persistent frequency buffers.
 
 from __future__ import annotations
 
+from typing import Protocol, cast
+
 from torch import nn
 
 from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError, register_adapter
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")
+
+
+class _DecoderStack(Protocol):
+    """The base model inside a causal LM (``model.model``)."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+
+
+class _CausalLM(Protocol):
+    """The layout :meth:`HFDecoderAdapter.matches` checks, plus transformers' weight initializer."""
+
+    model: _DecoderStack
+    lm_head: nn.Linear
+
+    def _init_weights(self, module: nn.Module) -> None: ...
 
 
 @register_adapter
@@ -32,17 +51,19 @@ class HFDecoderAdapter:
         )
 
     def units(self, model: nn.Module) -> list[UnitSpec]:
-        inner = model.model
+        lm = cast(_CausalLM, model)  # adapter_for() picked this adapter because matches(model) held
+        inner = lm.model
         if len(inner.layers) == 0:
             raise UnsupportedModelError(f"{type(model).__name__} has no decoder layers to stream.")
         units = [UnitSpec("embed", (inner.embed_tokens,))]
         units += [UnitSpec(f"layers.{i}", (layer,), block=True) for i, layer in enumerate(inner.layers)]
-        units.append(UnitSpec("head", (inner.norm, model.lm_head)))
+        units.append(UnitSpec("head", (inner.norm, lm.lm_head)))
         return units
 
     def init_weights(self, model: nn.Module, module: nn.Module) -> None:
+        lm = cast(_CausalLM, model)
         for sub in module.modules():
-            model._init_weights(sub)
+            lm._init_weights(sub)
 
     def materialize_buffers(self, model: nn.Module) -> None:
         for name, module in model.named_modules():

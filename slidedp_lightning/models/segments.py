@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from slidedp_lightning.models.adapter import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +54,57 @@ CheckpointFn = Callable[..., State]
 _LAYER_PARAMS = ("hidden_states", "attention_mask", "position_ids", "cache", "use_cache", "position_embeddings")
 
 
+class AttentionLayout(Protocol):
+    """The attention submodule of a supported decoder layer (transformers' Llama layout)."""
+
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    head_dim: int
+    scaling: float
+    attention_dropout: float
+    training: bool
+    config: PreTrainedConfig
+
+
+class QKNormAttentionLayout(AttentionLayout, Protocol):
+    """Qwen3 attention: RMSNorm over the head dim of q and k."""
+
+    q_norm: nn.Module
+    k_norm: nn.Module
+
+
+class SlidingWindowAttentionLayout(AttentionLayout, Protocol):
+    """Qwen2/Qwen3 attention: a per-layer sliding window (None on full-attention layers)."""
+
+    sliding_window: int | None
+
+
+class MLPLayout(Protocol):
+    """The gated MLP submodule of a supported decoder layer."""
+
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    act_fn: Callable[[torch.Tensor], torch.Tensor]
+
+
+class DecoderLayerLayout(Protocol):
+    """The submodules of a decoder layer that :class:`BlockSegments` runs."""
+
+    self_attn: AttentionLayout
+    mlp: MLPLayout
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+
 class BlockSegments:
     """How to run one family of decoder layers segment by segment (Llama layout; subclasses adjust)."""
 
     qk_norm = False  # Qwen3: RMSNorm over the head dim of q and k before rotary
 
-    def attention_extra(self, attn: nn.Module) -> dict[str, Any]:
+    def attention_extra(self, attn: AttentionLayout) -> dict[str, Any]:
         """Extra keyword arguments the attention module passes to the attention function."""
         return {}
 
@@ -84,16 +132,22 @@ class BlockSegments:
         # What the attention module forwards to the attention function besides its named arguments.
         extra = {"position_ids": call.pop("position_ids", None), "use_cache": call.pop("use_cache", False), **call}
 
-        attn, mlp = layer.self_attn, layer.mlp
+        # segments_for() serves only registered layer classes, all of this layout
+        block = cast(DecoderLayerLayout, layer)
+        attn, mlp = block.self_attn, block.mlp
         modeling = sys.modules[type(attn).__module__]
-        q_norm, k_norm = (attn.q_norm, attn.k_norm) if self.qk_norm else (None, None)
+        q_norm: nn.Module | None = None
+        k_norm: nn.Module | None = None
+        if self.qk_norm:
+            normed = cast(QKNormAttentionLayout, attn)
+            q_norm, k_norm = normed.q_norm, normed.k_norm
 
         def project(proj: nn.Module, norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
             y = proj(x).view(*x.shape[:-1], -1, attn.head_dim)
             return (y if norm is None else norm(y)).transpose(1, 2)
 
         def s0_input_norm(h: torch.Tensor) -> State:
-            return h, layer.input_layernorm(h)
+            return h, block.input_layernorm(h)
 
         def s1_qkv(h: torch.Tensor, x: torch.Tensor) -> State:
             q, k = project(attn.q_proj, q_norm, x), project(attn.k_proj, k_norm, x)
@@ -121,7 +175,7 @@ class BlockSegments:
             return (h + attn.o_proj(a),)
 
         def s4_post_norm(h: torch.Tensor) -> State:
-            return h, layer.post_attention_layernorm(h)
+            return h, block.post_attention_layernorm(h)
 
         def s5_gate_up(h: torch.Tensor, x: torch.Tensor) -> State:
             return h, mlp.gate_proj(x), mlp.up_proj(x)
@@ -132,7 +186,16 @@ class BlockSegments:
         def s7_down_proj(h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
             return h + mlp.down_proj(m)
 
-        segs = [s0_input_norm, s1_qkv, s2_attention, s3_out_proj, s4_post_norm, s5_gate_up, s6_act, s7_down_proj]
+        segs: list[Segment] = [
+            s0_input_norm,
+            s1_qkv,
+            s2_attention,
+            s3_out_proj,
+            s4_post_norm,
+            s5_gate_up,
+            s6_act,
+            s7_down_proj,
+        ]
         return (hidden,), segs
 
 
@@ -159,8 +222,8 @@ class LlamaSegments(BlockSegments):
 class Qwen2Segments(BlockSegments):
     """Qwen2: q/k/v bias; per-layer sliding window."""
 
-    def attention_extra(self, attn: nn.Module) -> dict[str, Any]:
-        return {"sliding_window": attn.sliding_window}
+    def attention_extra(self, attn: AttentionLayout) -> dict[str, Any]:
+        return {"sliding_window": cast(SlidingWindowAttentionLayout, attn).sliding_window}
 
 
 @register_segments(Qwen3DecoderLayer)
@@ -174,7 +237,7 @@ class Qwen3Segments(Qwen2Segments):
 class MistralSegments(BlockSegments):
     """Mistral: the config's sliding window on every layer."""
 
-    def attention_extra(self, attn: nn.Module) -> dict[str, Any]:
+    def attention_extra(self, attn: AttentionLayout) -> dict[str, Any]:
         return {"sliding_window": getattr(attn.config, "sliding_window", None)}
 
 
