@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench.baselines.hostmem import INTERVAL_S, Sampler, mem_available
 from bench.baselines.workload import JobSpec
+from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
@@ -96,8 +97,8 @@ def estimate_host_bytes(spec: JobSpec) -> int:
     n, r = spec.model.num_params, spec.ranks
     model = 4 * n * r  # every rank builds the FP32 model and loads the initial weights (mmapped file)
     per_system = {
-        "slidedp": 14 * n,
-        "replicated": 14 * n * r,
+        "slidedp": LEDGER_BYTES_PER_PARAM * n,
+        "replicated": LEDGER_BYTES_PER_PARAM * n * r,
         "ddp": 12 * n * r,
         "fsdp2": 16 * n,
         "fsdp2_offload": 16 * n,

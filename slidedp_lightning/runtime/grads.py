@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slidedp_lightning.constants import GRAD_ROUTES
 from slidedp_lightning.runtime.comm import reduce_scatter_into
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.lanes import Lanes
@@ -24,7 +25,6 @@ from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import Liveness, PeerFailure, lane_delay, wait_until
 from slidedp_lightning.runtime.trace import Tracer
 
-GRAD_ROUTES = ("gpu_reduce", "host_reduce")
 ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, every rank gets the whole gradient
 
 

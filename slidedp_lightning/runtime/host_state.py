@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM
+
 log = logging.getLogger(__name__)
 
 PAGE = 4096
@@ -92,9 +94,6 @@ def remove_stale_ledgers(directory: str | None = None) -> list[str]:
             size / (1 << 30),
         )
     return removed
-
-
-LEDGER_BYTES_PER_PARAM = 14  # FP32 master 4 + exp_avg 4 + exp_avg_sq 4 + BF16 copy 2
 
 
 class HostMemoryError(MemoryError):

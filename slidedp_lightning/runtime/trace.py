@@ -19,6 +19,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from slidedp_lightning.intervals import merge_intervals
+
 log = logging.getLogger(__name__)
 
 LANES = ("h2d", "offload", "compute", "reduce", "d2h", "update")
@@ -35,17 +37,6 @@ class Span:
     chunk: int
     start: float  # or, until resolved, a device timing event (see Tracer.set_device_clock)
     end: float
-
-
-def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of ``[start, end)`` intervals as sorted, disjoint intervals."""
-    out: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
 
 
 def _length(intervals: list[tuple[float, float]]) -> float:

@@ -8,10 +8,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from slidedp_lightning.constants import GRAD_ROUTES, HOST_LAYOUTS
 from slidedp_lightning.steptime.analytic import Analytic, analyze
 from slidedp_lightning.steptime.graph import (
-    GRAD_ROUTES,
-    HOST_LAYOUTS,
     LANES,
     PARAM_ROUTES,
     PRECISIONS,

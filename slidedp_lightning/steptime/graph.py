@@ -20,20 +20,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from slidedp_lightning.constants import update_bytes_per_param
+from slidedp_lightning import constants
+from slidedp_lightning.constants import GRAD_ROUTES, HOST_LAYOUTS, LEDGER_BYTES_PER_PARAM, update_bytes_per_param
 from slidedp_lightning.steptime.profiles import Profile
 from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, units
 
 # "slideformer" is not a route of this runtime: it models the paper's replicated baseline (SlideFormer's multi-GPU
 # form, SLIDEDP.md §5), see ``_slideformer_ops``.
-PARAM_ROUTES = ("full", "sharded", "replicated", "slideformer")
-GRAD_ROUTES = ("gpu_reduce", "host_reduce")
-PRECISIONS = ("bf16-mixed", "32-true")
+PARAM_ROUTES: tuple[str, ...] = (*constants.PARAM_ROUTES, "slideformer")
+# the precisions the model has rates for: a subset of ``constants.PRECISIONS`` (no 16-mixed)
+PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true")
 LANES = ("h2d", "offload", "compute", "reduce", "net", "d2h", "update")
-HOST_LAYOUTS = ("replicated", "sharded")
-# Host memory of the ledger per parameter: FP32 master + two FP32 Adam moments (12 B) + the BF16 transfer copy (2 B)
-# (SLIDEDP.md §4: "FP32 master + two FP32 moments = 12 B/param; a BF16 transfer copy adds 2 B/param").
-LEDGER_BYTES_PER_PARAM = 14
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from slidedp_lightning.runtime.trace import merge_intervals
+from slidedp_lightning.intervals import merge_intervals
 from slidedp_lightning.steptime.graph import LANES, Op, StepConfig, build_ops
 from slidedp_lightning.steptime.profiles import Profile
 

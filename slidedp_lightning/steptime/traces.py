@@ -8,7 +8,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from slidedp_lightning.runtime.trace import merge_intervals
+from slidedp_lightning.intervals import merge_intervals
 from slidedp_lightning.steptime.graph import LANES
 from slidedp_lightning.steptime.simulate import classify
 

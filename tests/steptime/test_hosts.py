@@ -2,11 +2,10 @@
 
 import pytest
 
-from slidedp_lightning.constants import update_bytes_per_param
+from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM, update_bytes_per_param
 from slidedp_lightning.steptime import StepConfig, analyze, load_config, load_profile, simulate
 from slidedp_lightning.steptime.__main__ import main, scaling_rows
 from slidedp_lightning.steptime.graph import (
-    LEDGER_BYTES_PER_PARAM,
     build_ops,
     host_ledger_bytes,
     host_update_bytes,
