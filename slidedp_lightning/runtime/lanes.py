@@ -12,7 +12,7 @@ events itself:
 - ``submit(lane, fn)``: the lane's host worker thread (one per lane, in order).
 - ``span(...)``/``stamp(lane)``: trace timestamps (CUDA events on the lane's stream, or the monotonic clock).
 
-Lanes (SLIDEDP.md §3.3): ``compute``; ``h2d`` parameter transfer; ``offload`` activation offload/reload;
+Lanes (arXiv 2609.34162, §3.3): ``compute``; ``h2d`` parameter transfer; ``offload`` activation offload/reload;
 ``comm`` collectives issued by the H2D lane (all-gather); ``d2h`` gradient return. The update lane (CPU
 AdamW) is a host thread of its own (:mod:`update`).
 

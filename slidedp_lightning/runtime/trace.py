@@ -1,6 +1,6 @@
 """Lane spans -> TensorBoard scalars per step, a Gantt figure of one step, and a Chrome/Perfetto trace.
 
-Lanes (SLIDEDP.md §3.3): ``h2d`` parameter preparation + host->device, ``offload`` activation offload /
+Lanes (arXiv 2609.34162, §3.3): ``h2d`` parameter preparation + host->device, ``offload`` activation offload /
 reload, ``compute`` forward/backward of a unit, ``reduce`` gradient reduction, ``d2h`` gradient return,
 ``update`` CPU optimizer. ``stall`` is not a lane: it is the compute thread waiting on another lane
 (exposed work). A span's ends are ``time.perf_counter`` seconds, or on CUDA timing events recorded on the

@@ -1,4 +1,4 @@
-"""Step-time model of SlideDP (SLIDEDP.md §3.5): hardware profiles, per-resource bounds and a lane simulator.
+"""Step-time model of SlideDP (arXiv 2609.34162, §3.5): hardware profiles, per-resource bounds and a lane simulator.
 
 Imports nothing of Lightning; the runtime never imports this package.
 """

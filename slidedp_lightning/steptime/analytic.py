@@ -1,4 +1,4 @@
-"""The closed-form model of SLIDEDP.md §3.5: T_step ~ max(per-resource and per-lane service) + dependency exposure.
+"""Closed-form model (arXiv 2609.34162, §3.5): T_step ~ max(per-resource and per-lane service) + dependency exposure.
 
 Per resource r, work_r / capacity_r is the least time r needs (``bounds``); per lane, the sum of its ops'
 stand-alone times (``lanes``). The exposure is the chain that can never overlap compute: after the last

@@ -26,7 +26,7 @@ from slidedp_lightning.steptime.profiles import Profile
 from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, units
 
 # "slideformer" is not a route of this runtime: it models the paper's replicated baseline (SlideFormer's multi-GPU
-# form, SLIDEDP.md §5), see ``_slideformer_ops``.
+# form, as its public code runs it), see ``_slideformer_ops``.
 PARAM_ROUTES: tuple[str, ...] = (*constants.PARAM_ROUTES, "slideformer")
 # the precisions the model has rates for: a subset of ``constants.PRECISIONS`` (no 16-mixed)
 PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true")
@@ -397,7 +397,7 @@ def _gradient(
     return out
 
 
-# --- the paper's replicated baseline: SlideFormer's multi-GPU form (SLIDEDP.md §5) -------------------------------
+# --- the paper's replicated baseline: SlideFormer's multi-GPU form ------------------------------------------------
 # Read from its public code (RegiaYoung/SlideFormer, multi_gpu/: shared_data_parallel.py, transformer_layer.py,
 # offload_transformer.py, scripts/main_dp.py, defaults):
 # - one FP32 copy in /dev/shm; every rank converts every full unit FP32 -> BF16 into its pinned staging buffer and

@@ -1,4 +1,4 @@
-"""The chunked-overlap micro-benchmark of SLIDEDP.md §3.4: one layer's host path, whole vs in chunks.
+"""The chunked-overlap micro-benchmark of arXiv 2609.34162, §3.4: one layer's host path, whole vs in chunks.
 
 Fed the measured un-chunked time of a path, the profile splits it into its stages by rate (the DMA at the
 profile's single-GPU PCIe rate, the rest on the host) and the chunks flow through the stages as a pipeline.
@@ -11,7 +11,7 @@ import math
 from slidedp_lightning.steptime.analytic import pipeline
 from slidedp_lightning.steptime.profiles import Profile
 
-# SlideFormer's chunk (SLIDEDP.md §5): 32 M elements
+# SlideFormer's chunk (its public code): 32 M elements
 CHUNK_ELEMS = 32 * 2**20
 # host bytes per parameter: FP32 -> BF16 conversion (read 4, write 2) and the driver's staging copy of a pageable
 # BF16 buffer into pinned memory (read 2, write 2); chunked, the conversion writes the pinned chunk directly

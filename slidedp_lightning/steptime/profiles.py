@@ -1,7 +1,7 @@
 """Hardware profiles: every constant with the source it came from.
 
 A profile JSON maps each field to ``{"value": ..., "source": "..."}``. Sources start with ``paper:`` (a
-measured number of SLIDEDP.md), ``datasheet:``, ``probe:`` (measured here by ``calibrate``), ``fitted:``
+number measured in arXiv 2609.34162), ``datasheet:``, ``probe:`` (measured here by ``calibrate``), ``fitted:``
 (fitted to a named paper figure; never tested against that figure) or ``assumed:`` (no measurement exists).
 """
 

