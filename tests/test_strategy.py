@@ -12,13 +12,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import slidedp_lightning
 from slidedp_lightning import SlideDPPrecision, SlideDPStrategy
 from slidedp_lightning.runtime.update import UnsupportedOptimizerError
-
-VOCAB = 64
+from tests.helpers import VOCAB, rel_err, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -28,23 +26,6 @@ def _quiet_and_clean():
         yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def tiny_model(tied: bool = True) -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    return Qwen3ForCausalLM(cfg)
 
 
 def adamw(params, lr: float = 3e-3):
@@ -366,10 +347,6 @@ def train_reference(ref: torch.nn.Module, ref_opt, batch_list) -> list[float]:
     return losses
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
 def test_checkpoint_during_fit_and_resume(tmp_path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -426,7 +403,7 @@ def test_checkpoint_during_fit_and_resume(tmp_path) -> None:
 def test_distributed_checkpoint_during_fit_resumes_exactly(tmp_path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from slidedp_lightning.checkpoint import META
+    from slidedp_lightning.checkpoint import META, read_meta
 
     module = TinyLM()
     ref = copy.deepcopy(module.model)
@@ -447,7 +424,7 @@ def test_distributed_checkpoint_during_fit_resumes_exactly(tmp_path) -> None:
     path = tmp_path / "ck.ckpt"
     assert path.is_dir() and (path / META).is_file() and (path / ".metadata").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directories left behind"
-    meta = torch.load(path / META, weights_only=False)
+    meta = read_meta(path)
     assert meta["global_step"] == 2 and meta["slidedp"]["step"] == 2 and "state_dict" not in meta
     dist.destroy_process_group()
     resumed = TinyLM()

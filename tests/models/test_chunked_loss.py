@@ -8,52 +8,21 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
 from slidedp_lightning.models import chunked_loss
+from tests.helpers import tiny_model, tiny_moe_config
 
 VOCAB, SEQ, BATCH, HIDDEN = 96, 24, 2, 64
 
 
 def dense(tied: bool = True) -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=SEQ,
-            tie_word_embeddings=tied,
-            attn_implementation="eager",
-        )
-    )
+    return tiny_model(tied, vocab=VOCAB, max_positions=SEQ)
 
 
 def moe() -> Qwen3MoeForCausalLM:
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(
-        Qwen3MoeConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=SEQ,
-            output_router_logits=True,
-            router_aux_loss_coef=0.01,
-            attn_implementation="eager",
-            tie_word_embeddings=False,
-        )
-    )
+    return Qwen3MoeForCausalLM(tiny_moe_config(vocab=VOCAB, max_positions=SEQ))
 
 
 def loss_and_grads(model, x, labels):

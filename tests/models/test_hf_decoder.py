@@ -12,8 +12,8 @@ from torch import nn
 from slidedp_lightning.models import HFDecoderAdapter, UnitSpec, UnsupportedModelError, adapter_for, register_adapter
 from slidedp_lightning.models import adapter as adapter_module
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from tests.helpers import VOCAB, rel_err, tiny_config, token_batches
 
-VOCAB = 64
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -24,18 +24,7 @@ FAMILIES = {
 
 def tiny(family: str, tied: bool, layers: int = 2, seed: int = 0) -> nn.Module:
     config_cls, model_cls = FAMILIES[family]
-    cfg = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
+    cfg = tiny_config(tied, layers, family=config_cls)
     torch.manual_seed(seed)
     return model_cls(cfg)
 
@@ -46,10 +35,6 @@ def adamw(model: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95)
     )
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def assert_rel_close(actual: dict, expected: dict, what: str) -> None:
@@ -99,11 +84,6 @@ def train_and_compare(model: nn.Module, loss_fn, inputs: list, steps: int = 2) -
         engine.close()
 
 
-def token_batches(n: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (2, 12), generator=g) for _ in range(n)]
-
-
 def lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
@@ -127,7 +107,7 @@ def test_adapter_matches_supported_families(family: str) -> None:
 def test_family_trains_like_adamw(family: str, tied: bool) -> None:
     model = tiny(family, tied)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    train_and_compare(model, lm_loss, token_batches(2))
+    train_and_compare(model, lm_loss, token_batches(2, batch=2, seq=12))
 
 
 def test_supported_families_listed() -> None:
@@ -254,7 +234,7 @@ def test_registered_adapter_is_found_and_trains(toy_adapter) -> None:
     def loss_fn(m, x):
         return nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())
 
-    train_and_compare(model, loss_fn, token_batches(3), steps=3)
+    train_and_compare(model, loss_fn, token_batches(3, batch=2, seq=12), steps=3)
 
 
 def test_unregistered_adapter_is_not_found() -> None:

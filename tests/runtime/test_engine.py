@@ -13,34 +13,21 @@ import threading
 import pytest
 import torch
 from torch import nn
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.models import UnsupportedModelError
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from slidedp_lightning.runtime.update import UnsupportedOptimizerError
+from tests.helpers import (
+    VOCAB,  # noqa: F401  (test_activations.py imports it from here)
+    rel_err,
+    tiny_config,
+    tiny_model,
+    token_batches,
+)
 
-VOCAB, SEQ, BATCH = 64, 16, 2
+SEQ, BATCH = 16, 2
 CPU = torch.device("cpu")
-
-
-def tiny_config(tied: bool) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-
-
-def tiny_model(tied: bool = True, seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(tiny_config(tied))
 
 
 def make_engine(model: nn.Module, **cfg) -> SlideDPEngine:
@@ -59,12 +46,8 @@ def adamw_groups(model: nn.Module, lr: float = 3e-3, **kw) -> torch.optim.AdamW:
 
 
 def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+    """``n`` random [BATCH, SEQ] token batches, the engine tests' data."""
+    return token_batches(n, BATCH, SEQ, seed=seed)
 
 
 def assert_rel_close(actual: dict, expected: dict, tol: float = 1e-5) -> None:

@@ -10,11 +10,12 @@ import torch
 
 from slidedp_lightning.runtime.grads import FlatPool, GradRoute, ReducedShard, _fill_flat
 from slidedp_lightning.runtime.lanes import CpuLanes
-from tests.runtime.test_layout import layout_of, tiny_qwen3
+from tests.helpers import tiny_model
+from tests.runtime.test_layout import layout_of
 
 
 def test_pieces_of_the_flat_gradient_add_up_to_the_whole_with_zeros_in_gaps_and_padding():
-    layout = layout_of(tiny_qwen3(tied=False), world_size=2)
+    layout = layout_of(tiny_model(tied=False), world_size=2)
     unit = layout.units[1]
     grads = [torch.randn(s.shape) for s in unit.slots]
     whole = torch.full((unit.padded,), float("nan"))
@@ -35,7 +36,7 @@ def test_pieces_of_the_flat_gradient_add_up_to_the_whole_with_zeros_in_gaps_and_
 def test_a_chunk_major_fill_puts_chunk_k_of_every_shard_side_by_side():
     """The chunked reduction's layout: chunk k of every rank's shard next to each other, each exactly the unit
     layout's elements (gaps and padding zero), so each chunk's collective reads a contiguous view."""
-    layout = layout_of(tiny_qwen3(tied=False), world_size=2)
+    layout = layout_of(tiny_model(tied=False), world_size=2)
     unit, r = layout.units[1], 2
     n = unit.shard_numel
     grads = [torch.randn(s.shape) for s in unit.slots]
@@ -91,7 +92,7 @@ def test_a_reduced_shard_drops_the_collective_buffers_once_landed_and_the_shard_
 def test_gradients_are_freed_as_soon_as_they_are_reduced_and_updated(monkeypatch):
     """No compute-dtype gradient survives its dispatch, no reduced shard survives its update (nor waits in the
     update lane for the next task)."""
-    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine, tiny_model
+    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine
 
     dispatched: list[weakref.ref] = []
     reduced: list[weakref.ref] = []
@@ -164,7 +165,7 @@ def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypat
     """On a CPU device the engine reuses as many flat gradient buffers as units were in flight at once (at most
     ``max_units_in_flight``), chunked or not, whether the update applies, accumulates or defers each gradient; the
     buffers handed out are the same from step to step."""
-    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine, tiny_model
+    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine
 
     used: list[set[int]] = []
     original = FlatPool.take
@@ -256,7 +257,7 @@ def _two_hosts_dispatch(rank: int, port: int, out: str) -> None:
     cross = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     lanes = CpuLanes(torch.device("cpu"))
     try:
-        layout = layout_of(tiny_qwen3(tied=False), world_size=2)
+        layout = layout_of(tiny_model(tied=False), world_size=2)
         route = GradRoute(
             "gpu_reduce",
             layout,
@@ -300,7 +301,7 @@ def test_two_hosts_the_compute_thread_does_not_wait_for_the_host_reduction(tmp_p
         issued, shard, (lo, hi) = torch.load(tmp_path / f"rank{rank}.pt")
         if rank != 1:
             assert issued < 0.5, f"rank {rank}: dispatch blocked {issued:.2f} s on the late peer"
-        unit = layout_of(tiny_qwen3(tied=False), world_size=2).units[1]
+        unit = layout_of(tiny_model(tied=False), world_size=2).units[1]
         want = torch.zeros(unit.padded)
         for slot in unit.slots:
             want[slot.offset : slot.end] = (1 + 2 + 3 + 4) / 4

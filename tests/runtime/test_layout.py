@@ -3,29 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.models import HFDecoderAdapter, UnsupportedModelError
 from slidedp_lightning.runtime.layout import PARAM_ALIGN, SHARD_ALIGN, build_layout
-
-
-def tiny_qwen3(tied: bool) -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    return Qwen3ForCausalLM(cfg)
+from tests.helpers import tiny_model
 
 
 def layout_of(model: Qwen3ForCausalLM, world_size: int = 1):
@@ -34,7 +17,7 @@ def layout_of(model: Qwen3ForCausalLM, world_size: int = 1):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_units_and_ownership(tied: bool) -> None:
-    model = tiny_qwen3(tied)
+    model = tiny_model(tied)
     layout = layout_of(model)
     assert [u.name for u in layout.units] == ["embed", "layers.0", "layers.1", "head"]
     assert [u.index for u in layout.units] == [0, 1, 2, 3]
@@ -73,7 +56,7 @@ def test_units_and_ownership(tied: bool) -> None:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_offsets_padding_shards_and_gaps(tied: bool, world_size: int) -> None:
-    model = tiny_qwen3(tied)
+    model = tiny_model(tied)
     layout = layout_of(model, world_size)
     params = dict(model.named_parameters())
     offset = 0
@@ -119,7 +102,7 @@ def test_offsets_padding_shards_and_gaps(tied: bool, world_size: int) -> None:
 
 
 def test_frozen_parameter_raises() -> None:
-    model = tiny_qwen3(tied=False)
+    model = tiny_model(tied=False)
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
     with pytest.raises(UnsupportedModelError, match="requires_grad") as info:
         layout_of(model)
@@ -129,7 +112,7 @@ def test_frozen_parameter_raises() -> None:
 class Wrapper(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.lm = tiny_qwen3(tied=True)
+        self.lm = tiny_model(tied=True)
         self.extra = nn.Linear(4, 4)
 
 
