@@ -215,7 +215,7 @@ def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
             jobs.append(Job(name, [Run(name, spec(system, sc.moe_shape), "moe")]))
     if sc.long_seq:  # per-rank batch 1 at the long length; SlideDP adds the chunked loss and half offload
         for system in ("slidedp", "ddp", "fsdp2"):
-            knobs = {"loss_chunk_tokens": 256, "activation_policy": "full@0.5"} if system == "slidedp" else {}
+            knobs = {"loss_chunk": 256, "activation_policy": "full@0.5"} if system == "slidedp" else {}
             name = f"long/{system}"
             s = spec(system, small, global_batch=sc.ranks, seq=sc.long_seq, knobs=knobs)
             jobs.append(Job(name, [Run(name, s, "long")], memory=True))

@@ -185,8 +185,8 @@ def run_slidedp(
             "step_s": statistics.median(times),
             "setup_s": setup_s,
             "peak_device_bytes": peak_device_bytes(device),
-            "peak_resident_unit_bytes": engine.residency.peak_resident_bytes,
-            "ledger_bytes": engine.ledger.geometry.nbytes,
+            "peak_resident_unit_bytes": engine.device_memory()["peak_resident_param_bytes"],
+            "ledger_bytes": engine.ledger_stats().nbytes,
             "host_rss_bytes": rss_bytes(),
             "losses": losses,
         }

@@ -3,10 +3,11 @@
 Usage: ``python -m bench.slidedp_slope OUT [--scale cpu] [--ranks 2] [--depths 3,4,6] [--knob name=json ...]``
 
 Prints, per size, the training-step host peak (PSS sum over the job's processes), its shared-memory part, the
-ranks' exact private peak (kernel high-water mark, see ``bench.baselines.record``) and the median step, then the
-least-squares slopes in GB per billion parameters (the systems table's SlideDP row, without running the other
-systems). ``--knob`` sets a ``SlideDPStrategy`` argument for every run; ``--depths`` replaces the sizes by the
-first size's shape at these block counts.
+memory the ledger holds after the steps (``engine.ledger_stats()``), the ranks' exact private peak (kernel
+high-water mark, see ``bench.baselines.record``) and the median step, then the least-squares slopes in GB per
+billion parameters (the systems table's SlideDP row, without running the other systems). ``--knob`` sets a
+``SlideDPStrategy`` argument for every run (or ``loss_chunk``, see ``bench.baselines.slidedp``); ``--depths``
+replaces the sizes by the first size's shape at these block counts.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         stem = base.name.rsplit("-L", 1)[0]
         shapes = tuple(dataclasses.replace(base, name=f"{stem}-L{n}", layers=int(n)) for n in args.depths.split(","))
         sc = dataclasses.replace(sc, slope_shapes=shapes)
-    xs, ys, private = [], [], []
+    xs, ys, ledger, private = [], [], [], []
     for job in configs.plan(sc, args.out / "init"):
         if not (job.name.startswith("systems/") and job.name.endswith("/slidedp")):
             continue
@@ -47,17 +48,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{job.name}: {r.status}: {r.reason}", flush=True)
             return 1
         exact = r.private_peak / GB if r.private_peak is not None else float("nan")
+        held = r.ledger_host_bytes / GB if r.ledger_host_bytes is not None else float("nan")
         print(
             f"{job.name}: {r.spec.model.num_params / 1e6:.1f} M params, host peak {r.host_peak / GB:.3f} GB "
-            f"(shared {r.host_peak_shmem / GB:.3f}), ranks' exact private peak {exact:.3f} GB, "
-            f"step {r.step_median * 1e3:.0f} ms",
+            f"(shared {r.host_peak_shmem / GB:.3f}), ledger {held:.3f} GB, ranks' exact private peak "
+            f"{exact:.3f} GB, step {r.step_median * 1e3:.0f} ms",
             flush=True,
         )
         xs.append(r.spec.model.num_params / 1e9)
         ys.append(r.host_peak / GB)
+        ledger.append(held)
         private.append(exact)
     b, a = slope(xs, ys)
     print(f"slope {b:.2f} GB per billion parameters, intercept {a:.3f} GB")
+    print(f"slope of the ledger alone: {slope(xs, ledger)[0]:.3f} GB per billion parameters")
     print(f"slope of the exact private peak alone: {slope(xs, private)[0]:.2f} GB per billion parameters")
     return 0
 

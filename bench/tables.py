@@ -1,10 +1,11 @@
-"""The paper's tables (SLIDEDP.md §4) built from run results; shared by ``bench/test_systems.py`` and
+"""The paper's tables (arXiv 2609.34162, §4) built from run results; shared by ``bench/test_systems.py`` and
 ``experiments/``. Every function returns :class:`~bench.report.Table` objects and never invents a value: a
 run that did not finish appears with its status, and its reason is in the table's notes."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from bench.baselines.hostmem import INTERVAL_S
 from bench.baselines.runner import RunResult
@@ -139,27 +140,47 @@ def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     ]
 
 
-def host_slopes(res: dict[str, RunResult], sc: Scale) -> tuple[Table, dict[str, float]]:
+class HostSlopes(NamedTuple):
+    """The host-memory slope table and the slopes in it (GB per billion parameters, per system)."""
+
+    table: Table
+    total: dict[str, float]  # the training-step host peak (PSS sum): every system that ran at every size
+    ledger: dict[str, float]  # the ledgers' memory (SlideDP and its replicated mode), measured after the steps
+
+
+def host_slopes(res: dict[str, RunResult], sc: Scale) -> HostSlopes:
     by = system_runs(res, sc)
     shapes = list(by)
-    slopes: dict[str, float] = {}
+    total: dict[str, float] = {}
+    ledger: dict[str, float] = {}
     rows = []
     for system in SYSTEMS:
         rs = [by[s][system] for s in shapes]
         cells = [round(r.host_peak / GB, 3) if r.ok else r.status for r in rs]
+        xs = [r.spec.model.num_params / 1e9 for r in rs]
         if all(r.ok for r in rs):
-            b, a = slope([r.spec.model.num_params / 1e9 for r in rs], [r.host_peak / GB for r in rs])
-            slopes[system] = b
-            rows.append([system, *cells, round(b, 2), round(a, 3)])
+            b, a = slope(xs, [r.host_peak / GB for r in rs])
+            total[system] = b
+            row = [system, *cells, round(b, 2), round(a, 3)]
         else:
-            rows.append([system, *cells, "-", "-"])
-    rep = slopes.get("replicated")
+            row = [system, *cells, "-", "-"]
+        if all(r.ok and r.ledger_host_bytes is not None for r in rs):
+            ledger[system] = slope(xs, [r.ledger_host_bytes / GB for r in rs])[0]
+            row.append(round(ledger[system], 3))
+        else:
+            row.append("-")
+        rows.append(row)
+    rep, rep_ledger = total.get("replicated"), ledger.get("replicated")
     for row in rows:
-        row.append(round(slopes[row[0]] / rep, 3) if rep and row[0] in slopes else "-")
+        row.append(round(total[row[0]] / rep, 3) if rep and row[0] in total else "-")
+        row.append(round(ledger[row[0]] / rep_ledger, 3) if rep_ledger and row[0] in ledger else "-")
     notes = [
         "slope = least-squares line of the training-step host peak (PSS sum over all ranks, GB) against the "
         f"parameter count (billions) over {len(shapes)} model sizes, {sc.ranks} ranks: GB per billion parameters "
         "= bytes per parameter; constant costs (interpreters, libraries) fall into the intercept",
+        "ledger slope = the same line through the memory the job's ledgers hold after the training steps (pages "
+        "allocated in each ledger file, from the engines' ledger_stats(); a shared ledger counted once); the "
+        "rest of the host slope is private memory of the ranks",
         "SlideDP's ledger holds 14 B/param (FP32 master + 2 FP32 moments + BF16 copy) once per host; the "
         "replicated mode one ledger per rank; paper: SlideDP 14.2 GB/B vs 19.8-22.9 GB/B for the baselines",
     ] + _why([r for v in by.values() for r in v.values()])
@@ -168,9 +189,11 @@ def host_slopes(res: dict[str, RunResult], sc: Scale) -> tuple[Table, dict[str, 
         *[f"{s} ({by[s]['slidedp'].spec.model.num_params / 1e6:.1f} M) GB" for s in shapes],
         "slope GB per B params",
         "intercept GB",
+        "ledger slope GB per B params",
         "slope / replicated",
+        "ledger slope / replicated",
     ]
-    return Table(SUITE, "Host memory slope", headers, rows, notes), slopes
+    return HostSlopes(Table(SUITE, "Host memory slope", headers, rows, notes), total, ledger)
 
 
 def _pair_rows(pairs: list[tuple[str, RunResult]], base: RunResult) -> list[list[object]]:

@@ -4,6 +4,8 @@ Every implementation runs on the same page-aligned buffers (torch and DeepSpeed 
 same parameter, gradient and moment memory), once per round, in a rotating order, so that drifting memory
 bandwidth hits every case alike. One warm-up round, then ``--bench-rounds`` measured rounds; the median
 is reported. Bytes/param follow the update's traffic (see ``slidedp_lightning.constants.update_bytes_per_param``).
+Needs threadpoolctl (the suite is skipped without it) and, for the DeepSpeedCPUAdam case, DeepSpeed: both are the
+``bench`` extra, ``pip install -e ".[bench]"``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from threadpoolctl import threadpool_limits
 
+from bench.baselines.runner import BENCH_EXTRA
 from bench.report import Measurement, Ratio
 from cpu_ops import adam_shaped_copy, adamw_update, adamw_update_sum, physical_cores, set_kernel_threads
 from cpu_ops import warmup as kernel_warmup
 from slidedp_lightning.constants import update_bytes_per_param as bpp
+
+threadpool_limits = pytest.importorskip(
+    "threadpoolctl", reason=f"the CPU update benchmark needs threadpoolctl: {BENCH_EXTRA}"
+).threadpool_limits
 
 SUITE = "cpu_adam"
 PAGE = 4096
@@ -84,7 +90,9 @@ def deepspeed_adam() -> tuple[type | None, str]:
             probe = torch.zeros(8, requires_grad=True)
             DeepSpeedCPUAdam([probe])  # JIT-builds the C++ op on first use (about a minute), then cached
             _DEEPSPEED.update(cls=DeepSpeedCPUAdam, why="")
-        except Exception as exc:  # not installed, no compiler, build failure: say which
+        except ModuleNotFoundError as exc:
+            _DEEPSPEED.update(cls=None, why=f"DeepSpeedCPUAdam skipped: {exc} ({BENCH_EXTRA})")
+        except Exception as exc:  # no compiler, build failure: say which
             _DEEPSPEED.update(cls=None, why=f"DeepSpeedCPUAdam skipped: {type(exc).__name__}: {exc}".splitlines()[0])
     return _DEEPSPEED["cls"], _DEEPSPEED["why"]
 

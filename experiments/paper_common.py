@@ -1,6 +1,6 @@
 """Shared by the ``experiments/table_*.py`` scripts: arguments, running the jobs a table needs, printing.
 
-Each script reproduces one table of the paper (SLIDEDP.md §4) on a multi-GPU host with the ``--scale gpu``
+Each script reproduces one table of the paper (arXiv 2609.34162, §4) on a multi-GPU host with the ``--scale gpu``
 configurations of ``bench/configs.py`` (Qwen3-4B/8B/14B shapes) and prints it next to the paper's numbers.
 Results (JSON per run, logs) go under ``--out``.
 """

@@ -14,7 +14,7 @@ PAPER = """SlideDP 14.2 GB per billion parameters; the others 19.8 - 22.9 GB
 def build(results, sc):
     from bench import tables
 
-    return [tables.host_slopes(results, sc)[0]]
+    return [tables.host_slopes(results, sc).table]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import lightning as L
 import torch
 
@@ -10,12 +12,17 @@ from bench.baselines.workload import JobSpec, adamw_groups, build_model, rank_lo
 
 
 class BenchLM(L.LightningModule):
-    """Causal-LM loss on the workload's tokens; records step starts and per-step loss."""
+    """Causal-LM loss on the workload's tokens; records step starts and per-step loss.
 
-    def __init__(self, spec: JobSpec, rec: Recorder, hf_checkpointing: bool, fused_adamw: bool) -> None:
+    ``loss_chunk``: compute the loss ``loss_chunk`` tokens at a time (:func:`slidedp_lightning.use_chunked_loss`).
+    """
+
+    def __init__(
+        self, spec: JobSpec, rec: Recorder, hf_checkpointing: bool, fused_adamw: bool, loss_chunk: int | None = None
+    ) -> None:
         super().__init__()
         self.spec, self.rec = spec, rec
-        self.hf_checkpointing, self.fused_adamw = hf_checkpointing, fused_adamw
+        self.hf_checkpointing, self.fused_adamw, self.loss_chunk = hf_checkpointing, fused_adamw, loss_chunk
         self.model = None
 
     def configure_model(self) -> None:
@@ -24,6 +31,10 @@ class BenchLM(L.LightningModule):
             self.model.config.use_cache = False
             if self.hf_checkpointing:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if self.loss_chunk:
+                from slidedp_lightning import use_chunked_loss
+
+                use_chunked_loss(self.model, self.loss_chunk)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self.rec.step_start()
@@ -46,16 +57,21 @@ class BenchLM(L.LightningModule):
         # the steps end here, before the strategy's teardown (where SlideDP gives the module FP32 copies of the
         # master weights while the ledger is still mapped): the plain systems also stop the window at their loop
         self.rec.steps_done()
-        engine = getattr(self.trainer.strategy, "engine", None)
+        strategy = self.trainer.strategy
+        engine = getattr(strategy, "engine", None)
         if engine is not None:
             self.rec.extra["device_memory"] = engine.device_memory()
-            self.rec.extra["ledger_bytes"] = engine.ledger.geometry.nbytes
+            # the ledger's size and the pages it holds after the steps; "counted" on one rank per ledger file
+            # (the rank that writes it), so a host's ledger memory is the sum over the counted ranks
+            self.rec.extra["ledger"] = {**asdict(engine.ledger_stats()), "counted": strategy.topology.writes_ledger}
 
 
-def fit(spec: JobSpec, strategy, out: str, hf_checkpointing: bool, fused_adamw: bool) -> tuple[L.Trainer, BenchLM]:
+def fit(
+    spec: JobSpec, strategy, out: str, hf_checkpointing: bool, fused_adamw: bool, loss_chunk: int | None = None
+) -> tuple[L.Trainer, BenchLM]:
     """One Lightning fit of ``spec``; the data split is the workload's own (``rank_loader``), as in every system."""
     rec = Recorder(out, rank=0)
-    module = BenchLM(spec, rec, hf_checkpointing, fused_adamw)
+    module = BenchLM(spec, rec, hf_checkpointing, fused_adamw, loss_chunk)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator=spec.accelerator,

@@ -2,11 +2,13 @@
 
 A job that cannot run is reported, never dropped: ``infeasible`` (the preflight estimate exceeds the memory
 there is; the estimate and the limit are in the reason), ``oom`` (sampled host memory crossed the limit and the
-job was stopped), ``timeout``, ``failed`` (the last lines of its output are the reason).
+job was stopped), ``timeout``, ``failed`` (the last lines of its output are the reason), ``unavailable`` (the
+system needs a package of the ``bench`` extra that is not installed; the reason names it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -24,13 +26,16 @@ from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM
 
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
-# Interpreter shutdown of a finished gloo job sometimes aborts (shared/notes/baselines.md): such a run counts as
-# finished only with this signature and every rank's done marker, and the result says so.
+# Interpreter shutdown of a finished gloo job sometimes aborts: such a run counts as finished only with this
+# signature and every rank's done marker, and the result says so.
 EXIT_ABORT = "terminate called without an active exception"
 GB = 1e9
 # Fixed glibc mmap threshold for every system: large buffers are mmapped and go back to the OS when freed
 # (glibc's dynamic threshold would otherwise keep freed tensors of up to 32 MiB in the heap, run-dependently).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+# systems that need a package of the optional ``bench`` extra (not a dependency of the project)
+NEEDS = {"zero_offload": "deepspeed"}
+BENCH_EXTRA = 'pip install -e ".[bench]"'
 
 
 @dataclass
@@ -50,6 +55,9 @@ class RunResult:
     # sum over ranks of each rank's exact peak of private memory in the training window: the kernel's RSS
     # high-water mark, reset at the first step, minus file and shared-memory RSS at the end (None: unavailable)
     private_peak: int | None = None
+    # SlideDP and its replicated mode: the memory the job's ledgers hold after the training steps, from the
+    # engines' ledger_stats() (pages allocated in each ledger file, every file counted once; None: no ledger)
+    ledger_host_bytes: int | None = None
     device: dict | None = None  # rank 0's device accounting (CUDA allocator, or SlideDP's runtime on CPU)
     device_note: str = ""
     extra: dict = field(default_factory=dict)
@@ -80,6 +88,7 @@ class RunResult:
                 "host_peak_shmem",
                 "rss_sum_peak",
                 "private_peak",
+                "ledger_host_bytes",
                 "device",
                 "device_note",
                 "extra",
@@ -110,6 +119,14 @@ def estimate_host_bytes(spec: JobSpec) -> int:
     return model + per_system[spec.system] + int(1.5 * GB) * r
 
 
+def missing_package(spec: JobSpec) -> str:
+    """Why ``spec``'s system cannot run in this environment ("" when it can): a package of the bench extra."""
+    module = NEEDS.get(spec.system)
+    if module is None or importlib.util.find_spec(module) is not None:
+        return ""
+    return f"unavailable: {spec.system} needs {module}, which is not installed ({BENCH_EXTRA})"
+
+
 def _launch_env(spec: JobSpec) -> dict[str, str]:
     cores = os.cpu_count() or 1
     env = {
@@ -131,6 +148,9 @@ def run_job(
     """Run ``runs`` (one system, one after the other in the same R processes) and collect their results."""
     out.mkdir(parents=True, exist_ok=True)
     first = runs[0][1]
+    missing = missing_package(first)
+    if missing:
+        return [RunResult(name, spec, "unavailable", missing) for name, spec in runs]
     limit = mem_limit if mem_limit is not None else int(mem_available() * 0.9)
     need = max(estimate_host_bytes(s) for _, s in runs)
     if need > limit:
@@ -236,5 +256,9 @@ def _collect(res: RunResult, folder: Path, sampler: Sampler) -> None:
     peaks = [p.get("private_peak_bytes") for p in per]
     res.private_peak = sum(peaks) if all(v is not None for v in peaks) else None
     res.device, res.device_note = per[0]["device_memory"], per[0]["device_note"]
-    res.extra.update({k: v for k, v in per[0].items() if k in ("adamw", "optimizer", "ledger_bytes")})
+    res.extra.update({k: v for k, v in per[0].items() if k in ("adamw", "optimizer")})
+    ledgers = [p["ledger"] for p in per if "ledger" in p]
+    if ledgers:
+        res.extra["ledger_bytes"] = ledgers[0]["nbytes"]  # the size of one ledger file
+        res.ledger_host_bytes = sum(led["allocated_bytes"] for led in ledgers if led["counted"])
     res.extra["train_wall_s"] = end - start

@@ -1,4 +1,8 @@
-"""SlideDP (shared ledger) and its replicated SlideFormer-style mode (``param_route="replicated"``)."""
+"""SlideDP (shared ledger) and its replicated SlideFormer-style mode (``param_route="replicated"``).
+
+``spec.knobs`` are ``SlideDPStrategy`` arguments, except ``loss_chunk`` (tokens per chunk of the loss, applied to
+the model with :func:`slidedp_lightning.use_chunked_loss`).
+"""
 
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ def run(spec: JobSpec, out: str) -> int:
     knobs = {**DEFAULT_KNOBS, **spec.knobs}
     if spec.system == "replicated":
         knobs.update(param_route="replicated", grad_route="gpu_reduce")
+    loss_chunk = knobs.pop("loss_chunk", None)
     activations = knobs.pop("activation_policy", "full" if spec.checkpointing else None)
     strategy = SlideDPStrategy(**knobs, activation_policy=activations, timeout=timedelta(seconds=spec.timeout_s))
-    trainer, module = lit.fit(spec, strategy, out, hf_checkpointing=False, fused_adamw=False)
+    trainer, module = lit.fit(spec, strategy, out, hf_checkpointing=False, fused_adamw=False, loss_chunk=loss_chunk)
     device = module.rec.extra.pop("device_memory", None)
     module.rec.write(
         device, "SlideDP runtime accounting (resident unit parameters + retained activations + pooled gradient buffers)"
