@@ -1,4 +1,4 @@
-"""Elastic activation checkpointing per unit (SLIDEDP.md §3.6) and lane 2, activation offload/reload.
+"""Elastic activation checkpointing per unit (arXiv 2609.34162, §3.6) and lane 2, activation offload/reload.
 
 Each decoder-block unit runs under one :class:`UnitPolicy`:
 
@@ -28,10 +28,9 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
+from slidedp_lightning.runtime.compat import disable_dispatch_modes, selective_checkpoint_contexts, tensor_version
 from slidedp_lightning.runtime.lanes import Lanes
 
 log = logging.getLogger(__name__)
@@ -355,10 +354,11 @@ class ActivationManager:
             saved = getattr(op, "overloadpacket", op) in SAVED_OPS
             return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-        caching, cached = create_selective_checkpoint_contexts(policy)
-        store = _RetainingStore(self)
-        caching.storage = cached.storage = store
-        return caching, cached
+        return selective_checkpoint_contexts(policy, self._stash, self._get)
+
+    def _stash(self, t: torch.Tensor) -> _Retained | torch.Tensor:
+        """An operator output selective checkpointing caches: retained when a unit's forward saves it."""
+        return self.retain(t) if self._unit is not None else t
 
     def _pack(self, t: torch.Tensor):
         if self._unit is None or t.untyped_storage().data_ptr() in self._params:
@@ -372,7 +372,7 @@ class ActivationManager:
     def retain(self, t: torch.Tensor) -> _Retained:
         """Account ``t`` as retained by the current unit and offload the policy's fraction of it."""
         # outside any dispatch mode: selective checkpointing counts the operators of the region, ours are not
-        with _disable_current_modes():
+        with disable_dispatch_modes():
             return self._retain(t)
 
     def _retain(self, t: torch.Tensor) -> _Retained:
@@ -381,7 +381,7 @@ class ActivationManager:
             t.storage_offset(),
             tuple(t.shape),
             tuple(t.stride()),
-            t._version,
+            tensor_version(t),
             t.dtype,
         )
         if key in self._seen:  # saved twice (e.g. one input of two operators): one copy
@@ -441,7 +441,7 @@ class ActivationManager:
                 r.reload = self.lanes.submit("offload", self._reload, r, v)
 
     def _get(self, r: _Retained) -> torch.Tensor:
-        with _disable_current_modes():
+        with disable_dispatch_modes():
             return self._fetch(r)
 
     def _fetch(self, r: _Retained) -> torch.Tensor:
@@ -465,7 +465,7 @@ class ActivationManager:
         the original did, or the recompute would save fewer tensors than the forward)."""
         x = self._get(r)
         if r.requires_grad and not x.requires_grad:
-            with _disable_current_modes():
+            with disable_dispatch_modes():
                 x = x.detach().requires_grad_()
         return x
 
@@ -480,49 +480,3 @@ class ActivationManager:
         self._pending.clear()
         self._step += 1
         return self.last_step
-
-
-class _RetainingStore(defaultdict):
-    """The cache of selective checkpointing with every saved operator output passed through ``retain`` when
-    stored and brought back when read in backward. Each op's entries are kept in either of torch's forms:
-    ``{call index: entry}`` (torch >= 2.13: ``store[key][i] = entry``, ``store[key].get(i)``) or a list in call
-    order (earlier releases: ``store[op].append(entry)``, ``store[op].pop(0)``)."""
-
-    def __init__(self, manager: ActivationManager) -> None:
-        super().__init__(partial(_RetainingEntries, manager))
-
-
-class _RetainingEntries(dict):
-    def __init__(self, manager: ActivationManager) -> None:
-        super().__init__()
-        self.manager = manager
-        self._appended = 0
-
-    def __setitem__(self, index, entry) -> None:
-        # an entry is a pytree of version-checked wrappers of the op's outputs (or a marker object)
-        super().__setitem__(index, tree_map(self._retain, entry))
-
-    def append(self, entry) -> None:
-        self[self._appended] = entry
-        self._appended += 1
-
-    def pop(self, index: int = 0):
-        """The list form's ``pop(0)``: the oldest entry not yet read, brought back."""
-        if index != 0:
-            raise IndexError("selective checkpointing reads its saved outputs in call order")
-        return tree_map(self._restore, super().pop(min(self)))
-
-    def _retain(self, w):
-        if isinstance(getattr(w, "val", None), torch.Tensor) and self.manager._unit is not None:
-            w.val = self.manager.retain(w.val)
-        return w
-
-    def get(self, index, default=None):
-        entry = super().get(index, default)
-        return None if entry is None else tree_map(self._restore, entry)
-
-    def _restore(self, w):
-        if isinstance(getattr(w, "val", None), _Retained):
-            w.val = self.manager._get(w.val)
-            w.version = w.val._version
-        return w

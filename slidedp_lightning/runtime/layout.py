@@ -91,9 +91,8 @@ def _param_locations(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
         if id(module) in seen_modules:
             continue
         seen_modules.add(id(module))
-        for attr, p in module._parameters.items():
-            if p is not None:
-                where.setdefault(id(p), []).append((module, attr))
+        for attr, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            where.setdefault(id(p), []).append((module, attr))
     return where
 
 

@@ -160,7 +160,8 @@ def test_selective_store_keeps_torch_entries_in_either_form(form):
     from torch import nn
     from torch.utils.checkpoint import _VersionWrapper
 
-    from slidedp_lightning.runtime.activations import ActivationManager, _Retained, _RetainingStore
+    from slidedp_lightning.runtime.activations import ActivationManager, _Retained
+    from slidedp_lightning.runtime.compat import SelectiveCacheStore
     from slidedp_lightning.runtime.lanes import make_lanes
 
     lanes = make_lanes(torch.device("cpu"))
@@ -172,7 +173,7 @@ def test_selective_store_keeps_torch_entries_in_either_form(form):
         param_storages=lambda: [],
     )
     outputs = [torch.randn(4, 8) for _ in range(3)]
-    store = _RetainingStore(manager)
+    store = SelectiveCacheStore(manager._stash, manager._get)  # what the selective mode installs
     op = torch.ops.aten.mm.default
     try:
         manager._unit = 0
@@ -183,7 +184,7 @@ def test_selective_store_keeps_torch_entries_in_either_form(form):
             else:
                 store[op][i] = entry
         manager._unit = None
-        assert all(isinstance(e[0].val, _Retained) for e in store[op].values()), "stored outputs are retained"
+        assert all(isinstance(e[0].val.handle, _Retained) for e in store[op].values()), "stored outputs are retained"
         assert sum(manager.offloaded_bytes.values()) == sum(t.numel() * t.element_size() for t in outputs) // 2
         if form == "list":
             back = [store[op].pop(0) for _ in outputs]
