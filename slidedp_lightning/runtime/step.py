@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 import cpu_ops
 from slidedp_lightning.runtime.activations import ActivationManager
+from slidedp_lightning.runtime.compat import queue_backward_callback
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.grads import GradRoute
 from slidedp_lightning.runtime.host_state import trim_host_heap
@@ -158,7 +159,7 @@ class StepDriver:
                 "pass; each parameter takes part in a forward pass once."
             )
         if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._check_backward_complete)
+            queue_backward_callback(self._check_backward_complete)
             self._callback_queued = True
         self._any_grad = True
         self._grads[ui][si] = grad
