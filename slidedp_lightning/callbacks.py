@@ -57,7 +57,9 @@ class LaneTrace(pl.Callback):
     @staticmethod
     def dir_for(trainer: pl.Trainer) -> str | None:
         """The trace directory of the Trainer's LaneTrace callback, or None without one."""
-        found = [cb for cb in trainer.callbacks if isinstance(cb, LaneTrace)]
+        # Trainer.callbacks is assigned by Lightning's callback connector, never declared on the class
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        found = [cb for cb in callbacks if isinstance(cb, LaneTrace)]
         if len(found) > 1:
             raise ValueError(f"one LaneTrace callback per Trainer, got {len(found)}.")
         return found[0].dirpath if found else None

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, get_args
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed")
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import Steppable
+
+SlideDPPrecisionName = Literal["32-true", "bf16-mixed", "16-mixed"]
+SUPPORTED_PRECISION: tuple[SlideDPPrecisionName, ...] = get_args(SlideDPPrecisionName)
+
+
+def _is_supported(precision: str) -> TypeGuard[SlideDPPrecisionName]:
+    return precision in SUPPORTED_PRECISION
 
 
 class SlideDPPrecision(Precision):
@@ -22,7 +31,7 @@ class SlideDPPrecision(Precision):
     def __init__(
         self, precision: str = "32-true", device: str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000
     ) -> None:
-        if precision not in SUPPORTED_PRECISION:
+        if not _is_supported(precision):
             raise ValueError(
                 f"SlideDP supports precision {SUPPORTED_PRECISION}, got {precision!r}. The FP32 master lives on the "
                 "host; pick 'bf16-mixed' for speed or '32-true' for exactness."
@@ -74,7 +83,11 @@ class SlideDPPrecision(Precision):
         """Nothing here: the parameters hold no gradients; the engine clips by the exact global norm (or by
         value) when it applies the step."""
 
-    def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    # Lightning's own Precision.optimizer_step carries the same ignore: it adds model and closure to the
+    # signature of the Fabric precision it derives from
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Steppable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         """Run forward + backward only: the update happens on the CPU as gradients land, not in ``optimizer.step``."""
         return self._wrap_closure(model, optimizer, closure)
 

@@ -119,7 +119,8 @@ class SlideDPEngine:
                 topology.param_group if sharded else None,
             )
             self.residency.bind()
-            stack.callback(lambda: self.residency.unbind(self._restore))
+            # close() resolves "auto" to a bool first; a construction failing midway still holds "auto" (truthy)
+            stack.callback(lambda: self.residency.unbind(bool(self._restore)))
             stack.callback(self.residency.evict_all)
             blocks = {i: spec.modules[0] for i, spec in enumerate(specs) if spec.block}
             self.activations = ActivationManager(

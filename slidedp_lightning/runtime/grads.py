@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,10 +22,13 @@ import torch.distributed as dist
 from slidedp_lightning.constants import GRAD_ROUTES
 from slidedp_lightning.runtime.comm import reduce_scatter_into
 from slidedp_lightning.runtime.host_state import HostLedger
-from slidedp_lightning.runtime.lanes import Lanes
+from slidedp_lightning.runtime.lanes import CollectiveHandle, Lanes
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import Liveness, PeerFailure, lane_delay, wait_until
 from slidedp_lightning.runtime.trace import Tracer
+
+if TYPE_CHECKING:
+    from slidedp_lightning.runtime.update import GradSource
 
 ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, every rank gets the whole gradient
 
@@ -53,7 +58,7 @@ class _Chained:
     its handle): ``wait()`` and ``is_completed()`` as for a collective's handle; a failure to issue it is raised by
     ``wait()``."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future[CollectiveHandle]) -> None:
         self.future = future
 
     def is_completed(self) -> bool:
@@ -116,7 +121,7 @@ class FlatLease:
 
     def __init__(self, pool: FlatPool, buf: torch.Tensor, users: int) -> None:
         self.pool = pool
-        self.buf = buf
+        self.buf: torch.Tensor | None = buf  # None once the last user has dropped it
         self.users = users
         self.reusable = True
 
@@ -128,6 +133,7 @@ class FlatLease:
             self.reusable = self.reusable and reusable
             last = self.users == 0
         if last and self.reusable:
+            assert self.buf is not None, "a lease has one last user"
             self.pool._put(self.buf)
         if last:
             self.buf = None
@@ -145,7 +151,7 @@ class ReducedShard:
     lanes: Lanes
     shard: torch.Tensor | None
     marker: object
-    work: object | None
+    work: CollectiveHandle | None
     keep: tuple = ()
     step: int = -1
     unit: int = -1
@@ -174,6 +180,7 @@ class ReducedShard:
             tracer.record(
                 "reduce", "reduce + return", self.step, self.issued, time.perf_counter(), self.unit, self.chunk
             )
+        assert self.shard is not None, "get() before release()"
         return self.shard.numpy()
 
     def landed(self) -> bool:
@@ -224,7 +231,9 @@ class StagedSlots:
         need = self.gen * WATERMARK + self.hi
         with self.tracer.span("reduce", "wait all ranks' slots", self.step, self.unit, self.chunk):
             wait_until(lambda: bool((marks >= need).all()), self.liveness, f"gradient slot {self.slot} of all ranks")
-        rows = self.ledger.staging[:, self.slot, self.lo : self.hi]
+        staging = self.ledger.staging
+        assert staging is not None, "host_reduce runs on a ledger with staging slots"
+        rows = staging[:, self.slot, self.lo : self.hi]
         if rows.dtype == torch.bfloat16:
             return rows.view(torch.int16).numpy().view(np.uint16)
         return rows.numpy()
@@ -302,7 +311,7 @@ class GradRoute:
         """Factor the update applies to the gradient it reads (host_reduce averages inside the update)."""
         return 1.0 / self.world_size if self.route == "host_reduce" else 1.0
 
-    def dispatch(self, u: int, grads: list[torch.Tensor], step: int) -> list[tuple[int, int, object]]:
+    def dispatch(self, u: int, grads: list[torch.Tensor], step: int) -> Sequence[tuple[int, int, GradSource]]:
         """Start the reduction of unit ``u``'s gradient for engine step ``step``.
 
         Returns ``(lo, hi, source)`` per chunk of this rank's range of the unit (shard-relative), in order:
@@ -338,6 +347,7 @@ class GradRoute:
         chunks = self.chunks(n)
         lease = self.pool.take(len(chunks)) if self.pool is not None else None  # each chunk's shard holds it
         if lease is not None:
+            assert lease.buf is not None, "a lease just taken holds its buffer"
             flat = lease.buf[: unit.padded]
         else:
             flat = torch.empty(unit.padded, dtype=torch.float32, device=self.device)
@@ -355,7 +365,8 @@ class GradRoute:
         streams = self.lanes.is_stream("compute")
         out = []
         for k, (a, b) in enumerate(chunks):
-            work, inp = None, None
+            work: CollectiveHandle | None = None
+            inp: torch.Tensor | None = None
             if whole:
                 piece = flat[a:b]
                 if r > 1:
@@ -395,7 +406,7 @@ class GradRoute:
             out.append((a, b, shard))
         return out
 
-    def _across(self, work, piece: torch.Tensor):
+    def _across(self, work: CollectiveHandle, piece: torch.Tensor) -> CollectiveHandle:
         """D2H lane thread: wait (never on a dead peer) for the host's reduction of ``piece``, then start its
         all-reduce between the hosts; returns that collective's handle."""
         wait_until(work.is_completed, self.liveness, "a gradient reduction within the host")
@@ -464,7 +475,9 @@ class GradRoute:
         lane_delay()
         lanes = self.lanes
         unit = self.layout.units[u]
-        row = self.ledger.staging[self.rank, k, : unit.padded]
+        staging = self.ledger.staging
+        assert staging is not None, "host_reduce runs on a ledger with staging slots"
+        row = staging[self.rank, k, : unit.padded]
         mark = self.ledger.grad_gen[self.rank : self.rank + 1, k]
         landed: list[tuple[int, object]] = []
         with lanes.on("d2h"):

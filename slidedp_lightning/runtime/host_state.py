@@ -65,7 +65,7 @@ def remove_stale_ledgers(directory: str | None = None) -> list[str]:
     """Delete ledger files whose creating process is gone (a job killed before its ranks had mapped the file);
     a ledger whose creator still runs is never touched, nor any file whose name does not parse."""
     directory = directory or shm_dir()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -221,7 +221,8 @@ class HostLedger:
             finally:
                 os.close(fd)
         self._raw = torch.from_file(path, shared=True, size=geometry.nbytes, dtype=torch.uint8)
-        self._fd = os.open(path, os.O_RDONLY)  # the file's allocated size stays readable after the name goes
+        # the file's allocated size stays readable after the name goes
+        self._fd: int | None = os.open(path, os.O_RDONLY)
         self._linked = create
         off = geometry.offsets
         g = geometry
@@ -295,6 +296,7 @@ class HostLedger:
 
     def allocated_bytes(self) -> int:
         """Bytes of memory the ledger file holds now (a page is allocated when first written)."""
+        assert self._fd is not None, "the ledger is closed"
         return os.fstat(self._fd).st_blocks * 512
 
     def unlink(self) -> None:
@@ -310,8 +312,9 @@ class HostLedger:
     def close(self) -> None:
         self.unlink()
         self.unpin()
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+        fd = getattr(self, "_fd", None)  # absent when __init__ failed before opening it
+        if fd is not None:
+            os.close(fd)
             self._fd = None
         for name in ("master", "exp_avg", "exp_avg_sq", "bf16", "staging", "_raw"):
             setattr(self, name, None)

@@ -27,6 +27,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
@@ -37,6 +38,16 @@ log = logging.getLogger(__name__)
 STREAM_LANES = ("h2d", "d2h", "comm", "offload")
 WORKER_LANES = ("h2d", "d2h", "offload")
 _NULL = nullcontext()
+
+
+class CollectiveHandle(Protocol):
+    """A pending collective: ``torch.distributed.Work``, or one the runtime issues later on a lane thread."""
+
+    def wait(self) -> object:
+        """Block until it has completed (raising its error)."""
+
+    def is_completed(self) -> bool:
+        """Whether it has completed (never blocks)."""
 
 
 class Lanes:
@@ -73,7 +84,9 @@ class Lanes:
         """Block until every device operation issued so far on any lane has completed (before host memory that
         copies read or write is rewritten, unpinned or unmapped)."""
 
-    def to_host(self, piece: torch.Tensor, work) -> tuple[torch.Tensor, object, object]:
+    def to_host(
+        self, piece: torch.Tensor, work: CollectiveHandle | None
+    ) -> tuple[torch.Tensor, object, CollectiveHandle | None]:
         """``(host tensor, marker, work)``: the host copy of ``piece`` once ``marker`` and then ``work``
         (a pending collective handle, or None) are waited for."""
         return piece, None, work
@@ -157,7 +170,9 @@ class CudaLanes(Lanes):
     def drain(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def to_host(self, piece: torch.Tensor, work) -> tuple[torch.Tensor, object, object]:
+    def to_host(
+        self, piece: torch.Tensor, work: CollectiveHandle | None
+    ) -> tuple[torch.Tensor, object, CollectiveHandle | None]:
         host = self.pinned(piece.numel(), piece.dtype)
         with self.on("d2h"):
             if work is not None:

@@ -128,7 +128,7 @@ class UnitResidency:
             storage.resize_(unit.padded * self.buffers[u].element_size())
             # an alias with its own version counter: refilling must not look like an in-place edit to autograd,
             # which saved these parameters for backward
-            buf = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, (unit.padded,))
+            buf = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, (unit.padded,), (1,))
             if self.route == "full":
                 with lanes.span("h2d", "copy", step, u):
                     buf.copy_(src, non_blocking=True)

@@ -49,7 +49,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], None], device: torch.device, group) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, group) -> float:
     """Median of REPEATS runs after one warm-up, all ranks starting together."""
     fn()
     times = []
@@ -117,7 +117,12 @@ def probe_routes(
             if c < 1024:
                 continue
             pieces = [(grad[: c * r], out[:c]) for _ in range(parts)]
-            secs = _timed(lambda p=pieces: [reduce_scatter_into(o, g, group=group) for g, o in p], device, group)
+
+            def chunked(p: list[tuple[torch.Tensor, torch.Tensor]] = pieces) -> None:
+                for g, o in p:
+                    reduce_scatter_into(o, g, group=group)
+
+            secs = _timed(chunked, device, group)
             t[f"chunk_1/{parts}"] = secs
     # every rank decides from the slowest rank's numbers
     names = sorted(t)

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -170,7 +170,10 @@ class StepDriver:
     def _unit_ready(self, u: int) -> None:
         self._compute_until_now(u)
         self.residency.release_backward(u)
-        grads, self._grads[u] = self._grads[u], [None] * len(self._grads[u])
+        # complete: _pending[u] reached 0, so every slot holds the gradient its post-accumulate hook collected;
+        # the list itself goes to dispatch(), which empties it to free the gradients early
+        grads = cast(list[torch.Tensor], self._grads[u])
+        self._grads[u] = [None] * len(grads)
         if self.optimizer is None:
             raise RuntimeError("SlideDP got gradients but no optimizer is attached; call attach_optimizer first.")
         if self._hyper is None:

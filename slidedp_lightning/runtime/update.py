@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 import torch
@@ -104,8 +105,22 @@ class UpdateTask:
 
 @dataclass
 class _Call:
-    fn: object
-    future: Future
+    fn: Callable[[], object]
+    future: Future[Any]
+
+
+class _AdamKwargs(TypedDict):
+    """The keyword arguments of :func:`cpu_ops.adamw_update` and :func:`cpu_ops.adamw_update_sum`."""
+
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    grad_scale: float
+    bf16_out: np.ndarray | None
 
 
 class UpdateLane:
@@ -127,7 +142,7 @@ class UpdateLane:
         self.tracer = tracer or Tracer(None, rank)
         self.segments: list[list[tuple[int, int, int]]] = []
         self._arrays = ledger.np_arrays()
-        self._queue: queue.Queue[UpdateTask | None] = queue.Queue()
+        self._queue: queue.Queue[UpdateTask | _Call | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
         self._units_in_flight = 0  # units whose last chunk is queued or running
@@ -154,7 +169,7 @@ class UpdateLane:
             s0, s1 = unit.shard(self.rank)
             # every element up to the next parameter (alignment gaps, tail padding) joins the previous group
             bounds = [(0 if i == 0 else slot.offset, g) for i, (slot, g) in enumerate(zip(unit.slots, groups))]
-            ranges = []
+            ranges: list[tuple[int, int, int]] = []
             for i, (start, g) in enumerate(bounds):
                 end = bounds[i + 1][0] if i + 1 < len(bounds) else unit.padded
                 a, b = max(start, s0), min(end, s1)
@@ -171,13 +186,13 @@ class UpdateLane:
             self._acc = np.zeros(self._acc_total, np.float32)
         return self._acc
 
-    def call(self, fn) -> Future:
+    def call(self, fn: Callable[[], object]) -> Future[Any]:
         """Run ``fn()`` on the lane thread after the tasks queued before it (kernels must run there)."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         self.submit(_Call(fn, future))
         return future
 
-    def submit(self, task: UpdateTask) -> None:
+    def submit(self, task: UpdateTask | _Call) -> None:
         self.raise_if_failed()
         with self._idle:
             self._outstanding += 1
@@ -241,7 +256,10 @@ class UpdateLane:
                 elif self.error is None:
                     self._apply(task)
             except BaseException as exc:  # reported to the training thread
-                log.error("SlideDP update of unit %s failed: %s", task.unit, exc)
+                if isinstance(task, _Call):
+                    log.error("SlideDP update-lane call %r failed: %s", task.fn, exc)
+                else:
+                    log.error("SlideDP update of unit %s failed: %s", task.unit, exc)
                 self.error = exc
             finally:
                 with self._idle:
@@ -256,6 +274,7 @@ class UpdateLane:
         s0 = unit.shard(self.rank)[0]
         scale = task.grad_scale
         if task.action == "update":
+            assert task.grad is not None, "an update task carries its gradient"
             grad = task.grad.get()
         else:
             off = self._acc_offset[task.unit]
@@ -264,6 +283,7 @@ class UpdateLane:
                 if task.clamp is not None:
                     np.clip(acc, -task.clamp, task.clamp, out=acc)
             else:
+                assert task.grad is not None, f"an {task.action} task carries its gradient"
                 grad = task.grad.get()
                 lane_delay()
                 with self.tracer.span("update", "accumulate", task.step - 1, task.unit, task.chunk):
@@ -291,7 +311,7 @@ class UpdateLane:
                 continue
             h = task.hyper[g]
             lo, hi = unit.offset + a, unit.offset + b
-            kw = dict(
+            kw = _AdamKwargs(
                 step=task.step,
                 lr=h.lr,
                 beta1=h.beta1,
