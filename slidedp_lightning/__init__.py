@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from slidedp_lightning.callbacks import LaneTrace, SaveHuggingFace
 from slidedp_lightning.models.chunked_loss import use_chunked_loss
 from slidedp_lightning.precision import SlideDPPrecision
+from slidedp_lightning.pretrained import from_pretrained
 from slidedp_lightning.strategy import SlideDPStrategy
 
 # like Lightning's own logger: show what the strategy decided unless the application configured logging
@@ -22,5 +23,5 @@ if not logging.getLogger().hasHandlers() and not _logger.handlers:
 if "slidedp" not in StrategyRegistry:
     SlideDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["LaneTrace", "SaveHuggingFace", "SlideDPPrecision", "SlideDPStrategy", "use_chunked_loss"]
+__all__ = ["LaneTrace", "SaveHuggingFace", "SlideDPPrecision", "SlideDPStrategy", "from_pretrained", "use_chunked_loss"]
 __version__ = "0.1.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,6 +37,7 @@ from slidedp_lightning.callbacks import LaneTrace
 from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, ParamRoute, UpdateMode
 from slidedp_lightning.options import ActivationOption, SlideDPOptions
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
+from slidedp_lightning.pretrained import loading_into_ledger, warn_if_materialized
 from slidedp_lightning.runtime.engine import SlideDPEngine
 from slidedp_lightning.runtime.topology import Topology
 
@@ -291,6 +292,7 @@ class SlideDPStrategy(ParallelStrategy):
         if planner is not None and planner.plan is not None:
             config = replace(config, activation_policy=planner.plan.activations)
             planner = None
+        warn_if_materialized(self.model, self._topology())
         self.engine = SlideDPEngine(
             self.model,
             config,
@@ -332,11 +334,9 @@ class SlideDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        if self.options.meta_init:
-            with torch.device("meta"):
+        with loading_into_ledger():  # slidedp_lightning.from_pretrained: a meta skeleton, its checkpoint attached
+            with torch.device("meta") if self.options.meta_init else nullcontext():
                 yield
-        else:
-            yield
 
     # -- the step ------------------------------------------------------------------------------------
     @override

@@ -142,10 +142,8 @@ class FinetuneModule(L.LightningModule):
         # Same weights on every rank, whatever RNG state the caller left.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(hp.seed)
-            if hp.model_dir is not None:
-                model = AutoModelForCausalLM.from_pretrained(
-                    hp.model_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
-                )
+            if hp.model_dir is not None:  # under SlideDP: a meta skeleton, the checkpoint read into the ledger
+                model = slidedp_lightning.from_pretrained(hp.model_dir, attn_implementation="sdpa")
             else:
                 config, attn = load_tiny_config(hp.config_name)
                 model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)

@@ -1,4 +1,5 @@
-"""Setting an engine up: "auto" routes resolved by measurement, the host ledger created, filled and mapped.
+"""Setting an engine up: "auto" routes resolved by measurement, the host ledger created, filled and mapped (from
+a checkpoint by every rank, else by local rank 0).
 
 Every function here is collective over the ranks named by the :class:`Topology`: all of them call it, in the
 same order, with the same arguments.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import torch
@@ -27,7 +28,9 @@ from slidedp_lightning.runtime.host_state import (
 )
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.probe import RouteProbe, probe_routes
+from slidedp_lightning.runtime.progress import ByteProgress, rate
 from slidedp_lightning.runtime.topology import Topology
+from slidedp_lightning.runtime.weights import CheckpointError, weight_source_of
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +122,85 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
     )
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """How a ledger's initial weights were written."""
+
+    kind: str  # "checkpoint" (read from a WeightSource), "init" (meta units initialized) or "copy" (the model's)
+    nbytes: int  # checkpoint: bytes read from storage by this host's ranks; else FP32 bytes written
+    seconds: float  # the slowest of the ranks that wrote
+    ranks: int  # ranks of this host that wrote
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.nbytes / max(self.seconds, 1e-9)
+
+
+def balanced_shares(sizes: list[int], count: int) -> list[list[int]]:
+    """Indices of ``sizes`` split into ``count`` shares of about equal sum (largest first, each to the lightest
+    share so far; the same on every rank)."""
+    shares: list[list[int]] = [[] for _ in range(count)]
+    load = [0] * count
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(count), key=lambda r: (load[r], r))
+        shares[r].append(i)
+        load[r] += sizes[i]
+    return [sorted(s) for s in shares]
+
+
 class InitialWeights:
-    """Writes the model's weights into a new ledger, materializing meta-device units one at a time."""
+    """Writes the initial weights into a new ledger: read from the model's :class:`WeightSource` (a checkpoint) by
+    every rank, each its share of the units; else the model's own weights, copied by local rank 0, which
+    materializes meta-device units one at a time."""
 
     def __init__(self, model: nn.Module, adapter: ArchitectureAdapter, layout: Layout, topology: Topology) -> None:
         self.model, self.adapter, self.layout, self.topology = model, adapter, layout, topology
+        self.report: LoadReport | None = None
+        source = weight_source_of(model)
+        if source is not None and not all(getattr(*s.locations[0]).is_meta for _, s in layout.slots()):
+            # parameters given back after an earlier run (its trained weights): they, not the checkpoint, go in
+            log.debug("SlideDP: the model's parameters are materialized; %s is not read", source.describe())
+            source = None
+        self.source = source
+        self._names = self._source_names() if source is not None else []
+
+    @property
+    def from_source(self) -> bool:
+        """Every rank reads its share of the weights from the source (:meth:`load`), instead of local rank 0
+        copying them (:meth:`fill`)."""
+        return self.source is not None
+
+    def _source_names(self) -> list[list[str]]:
+        """Per unit and slot, the name under which the source holds that parameter; raises for any the source
+        lacks or holds in another shape (before any ledger exists)."""
+        assert self.source is not None
+        names_of: dict[int, list[str]] = {}
+        for prefix, module in self.model.named_modules(remove_duplicate=False):
+            names_of.setdefault(id(module), []).append(prefix)
+        provided = self.source.names()
+        out, missing, mismatched = [], [], []
+        for unit in self.layout.units:
+            row = []
+            for slot in unit.slots:
+                candidates = [
+                    f"{prefix}.{attr}" if prefix else attr
+                    for module, attr in slot.locations
+                    for prefix in names_of.get(id(module), [])
+                ]
+                name = next((n for n in candidates if n in provided), None)
+                if name is None:
+                    missing.append(candidates[0] if candidates else slot.name)
+                elif tuple(self.source.shape(name)) != tuple(slot.shape):
+                    mismatched.append(f"{name}: stored {list(self.source.shape(name))}, model {list(slot.shape)}")
+                row.append(name or "")
+            out.append(row)
+        if missing or mismatched:
+            raise CheckpointError(
+                f"{self.source.describe()} does not match the streamed model"
+                + (f"; missing {len(missing)} parameter(s): {missing[:8]}" if missing else "")
+                + (f"; shape mismatch: {mismatched[:8]}" if mismatched else "")
+            )
+        return out
 
     def host_ranges(self) -> list[tuple[int, int]] | None:
         """Host-sharded: the ledger elements ``[a, b)`` of each unit that this host holds; else None (all)."""
@@ -134,24 +211,56 @@ class InitialWeights:
             (u.offset + owners.start * u.shard_numel, u.offset + owners.stop * u.shard_numel) for u in self.layout.units
         ]
 
+    def release_unwritten(self) -> int:
+        """A rank that does not write its ledger gives its materialized copy of the weights back at once (local
+        rank 0's copy goes into the ledger); returns the bytes freed. Binding only needs the parameters' shapes."""
+        if self.source is not None or self.topology.writes_ledger:
+            return 0
+        freed = 0
+        for _, slot in self.layout.slots():
+            param = getattr(*slot.locations[0])
+            if param.is_meta:
+                continue
+            freed += param.numel() * param.element_size()
+            empty = nn.Parameter(torch.empty(slot.shape, dtype=param.dtype, device="meta"), param.requires_grad)
+            for module, attr in slot.locations:
+                setattr(module, attr, empty)
+        return freed
+
+    # -- local rank 0: the model's own weights ------------------------------------------------------------
     def fill(self, ledger: HostLedger) -> None:
         """Copy the weights in (a new file reads as zeros: moments, gaps and padding need no writing); with
         several hosts every host receives global rank 0's weights."""
         ranges = self.host_ranges()
         leaders = self.topology.leaders
-        if ranges is None:
-            for unit in self.layout.units:
-                self._copy_unit(unit, ledger.master[unit.offset : unit.offset + unit.padded])
-            if leaders is not None:
-                dist.broadcast(ledger.master, src=0, group=leaders)
-        else:  # each host keeps only its slice of global rank 0's weights, received one unit at a time
-            for unit, (a, b) in zip(self.layout.units, ranges):
-                flat = torch.zeros(unit.padded)
-                self._copy_unit(unit, flat)
+        meta = any(getattr(*s.locations[0]).is_meta for _, s in self.layout.slots())
+        kind = "init" if meta else "copy"
+        total = 4 * self.layout.num_params
+        what = "SlideDP initializing weights" if meta else "SlideDP copying weights"
+        with ByteProgress(what, total, show=True) as bar:
+            if ranges is None:
+                for unit in self.layout.units:
+                    self._copy_unit(unit, ledger.master[unit.offset : unit.offset + unit.padded])
+                    bar.update(4 * sum(s.numel for s in unit.slots))
                 if leaders is not None:
-                    dist.broadcast(flat, src=0, group=leaders)
-                ledger.master[a:b].copy_(flat[a - unit.offset : b - unit.offset])
-        ledger.refresh_bf16(ranges)
+                    dist.broadcast(ledger.master, src=0, group=leaders)
+            else:  # each host keeps only its slice of global rank 0's weights, received one unit at a time
+                for unit, (a, b) in zip(self.layout.units, ranges):
+                    flat = torch.zeros(unit.padded)
+                    self._copy_unit(unit, flat)
+                    if leaders is not None:
+                        dist.broadcast(flat, src=0, group=leaders)
+                    ledger.master[a:b].copy_(flat[a - unit.offset : b - unit.offset])
+                    bar.update(4 * sum(s.numel for s in unit.slots))
+            ledger.refresh_bf16(ranges)
+        self.report = LoadReport(kind, total, bar.seconds, 1)
+        if meta:
+            log.log(
+                logging.INFO if self.topology.global_rank == 0 else logging.DEBUG,
+                "SlideDP initialized %s params unit by unit into the ledger: %s of FP32",
+                f"{self.layout.num_params:,}",
+                rate(total, bar.seconds),
+            )
 
     def _copy_unit(self, unit: Unit, flat: torch.Tensor) -> None:
         """Write ``unit``'s weights into its flat layout ``flat`` (meta modules materialized for the copy only)."""
@@ -170,11 +279,78 @@ class InitialWeights:
         with torch.no_grad():
             self.adapter.init_weights(self.model, module)
 
+    # -- every rank: a checkpoint ---------------------------------------------------------------------------
+    def _pieces(self, unit: Unit, names: list[str], a: int, b: int) -> list[tuple[str, int, int, int]]:
+        """``(name, first element, ledger offset, count)`` of each parameter of ``unit`` inside ledger ``[a, b)``."""
+        out = []
+        for slot, name in zip(unit.slots, names):
+            s0 = unit.offset + slot.offset
+            lo, hi = max(a, s0), min(b, s0 + slot.numel)
+            if lo < hi:
+                out.append((name, lo - s0, lo, hi - lo))
+        return out
+
+    def load(self, ledger: HostLedger) -> None:
+        """Collective over the job: every rank reads a balanced share of its ledger's units (host-sharded: of this
+        host's ranges of them) from the source into the FP32 master and writes their BF16 copy. Every host reads
+        the files itself. An error on any rank is raised on every rank, once all have stopped writing."""
+        assert self.source is not None
+        topo, units = self.topology, self.layout.units
+        index, count = (0, 1) if topo.ledger_per_rank else (topo.local_rank, topo.ranks_per_host)
+        ranges = self.host_ranges() or [(u.offset, u.offset + u.padded) for u in units]
+        mine = balanced_shares([b - a for a, b in ranges], count)[index]
+        work = [(u, self._pieces(units[u], self._names[u], *ranges[u])) for u in mine]
+        total = sum(self.source.nbytes(name, n) for _, pieces in work for name, _, _, n in pieces)
+        error: Exception | None = None
+        what = f"SlideDP reading the checkpoint ({'1/' + str(count) + ' per rank' if count > 1 else 'all'})"
+        bar = ByteProgress(what, total, show=topo.local_rank == 0)
+        try:
+            for u, pieces in work:
+                for name, start, lo, n in pieces:
+                    self.source.read_into(name, ledger.master[lo : lo + n], start)
+                    bar.update(self.source.nbytes(name, n))
+                ledger.refresh_bf16([ranges[u]])
+        except Exception as exc:  # raised below, after every rank has reported
+            error = exc
+        finally:
+            seconds = bar.close()
+            self.source.close()
+        mine_result = (None if error is None else f"{type(error).__name__}: {error}", total, seconds)
+        results = [mine_result]
+        if topo.job_group is not None:
+            results = [None] * topo.world_size  # type: ignore[list-item]
+            dist.all_gather_object(results, mine_result, group=topo.job_group)
+        if error is not None:
+            raise error
+        failed = [(r, res[0]) for r, res in enumerate(results) if res[0] is not None]
+        if failed:
+            rank, message = failed[0]
+            raise CheckpointError(f"rank {rank} could not read the checkpoint into its ledger: {message}")
+        if topo.ledger_per_rank or topo.job_group is None:
+            host = [mine_result]
+        else:
+            host = results[topo.host * topo.ranks_per_host : (topo.host + 1) * topo.ranks_per_host]
+        self.report = LoadReport("checkpoint", sum(r[1] for r in host), max(r[2] for r in host), count)
+        log.log(
+            logging.INFO if topo.global_rank == 0 else logging.DEBUG,
+            "SlideDP read %s into the ledger on %d rank(s) per host: %s",
+            self.source.describe(),
+            count,
+            rate(self.report.nbytes, self.report.seconds),
+        )
+
 
 def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology) -> HostLedger:
-    """The host's ledger, created and filled by local rank 0 and mapped by every local rank, its name unlinked
-    once all have mapped it; with a ledger per rank (replicated route), a private one holding rank 0's weights."""
+    """The host's ledger, created by local rank 0 and mapped by every local rank, its name unlinked once all have
+    mapped it; with a ledger per rank (replicated route), a private one.
+
+    The weights go in before the name is unlinked: from a checkpoint, every rank reads its share of the units into
+    the mapped ledger (:meth:`InitialWeights.load`); otherwise local rank 0 copies (or initializes) them while it
+    creates the file, and a private ledger receives rank 0's weights. Ranks that do not write their ledger give
+    their own copy of the weights back first."""
     copies = topology.ledger_copies
+    weights.release_unwritten()
+    by_rank0 = not weights.from_source
 
     def create() -> tuple[str, HostLedger]:
         remove_stale_ledgers()  # before the preflight: a dead job's ledger may hold the room this one needs
@@ -183,7 +359,8 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
         path = ledger_path(topology.ledger_name(job))
         ledger = HostLedger(path, geometry, create=True)
         try:
-            weights.fill(ledger)
+            if by_rank0:
+                weights.fill(ledger)
         except BaseException:
             ledger.close()
             raise
@@ -193,9 +370,16 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
         on_rank0_for_all(lambda: check_host_memory(geometry, num_params, copies), topology)
         _, ledger = create()
         ledger.unlink()
-        if topology.world is not None:  # DDP's rule: rank 0's weights
-            dist.broadcast(ledger.master, group=topology.world, group_src=0)
-        ledger.refresh_bf16()
+        try:
+            if by_rank0:
+                if topology.world is not None:  # DDP's rule: rank 0's weights
+                    dist.broadcast(ledger.master, group=topology.world, group_src=0)
+                ledger.refresh_bf16()
+            else:  # every rank reads the same files
+                weights.load(ledger)
+        except BaseException:
+            ledger.close()
+            raise
         ledger.pids[0] = os.getpid()
         return ledger
     created: list[HostLedger] = []
@@ -209,6 +393,8 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
     ledger = created[0] if created else HostLedger(path, geometry, create=False)
     try:
         ledger.pids[topology.local_rank] = os.getpid()
+        if not by_rank0:
+            weights.load(ledger)
         if topology.ledger_group is not None:
             dist.barrier(group=topology.ledger_group)
         ledger.unlink()  # every rank has mapped it: the name is no longer needed
