@@ -197,8 +197,7 @@ class SlideDPStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    @override
-    def is_distributed(self) -> bool:
+    def is_distributed(self) -> bool:  # read by Lightning's accelerator connector (not a base method)
         return True
 
     @property
@@ -211,7 +210,7 @@ class SlideDPStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
-    @property  # type: ignore[override]
+    @property
     @override
     def precision_plugin(self) -> SlideDPPrecision:
         plugin = self._precision_plugin
@@ -231,7 +230,6 @@ class SlideDPStrategy(ParallelStrategy):
             )
         self._precision_plugin = SlideDPPrecision(name, getattr(plugin, "device", "cpu"))
 
-    @override
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
@@ -409,7 +407,8 @@ class SlideDPStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Distributed format: a directory written by every rank through ``torch.distributed.checkpoint``,
-        swapped into place atomically (see :mod:`slidedp_lightning.checkpoint`); full format: one file."""
+        swapped into place atomically, Lightning's part of ``checkpoint`` stored as JSON and tensors (what has
+        no such form is refused; see :mod:`slidedp_lightning.checkpoint`); full format: one file."""
         if self.engine is None or self.checkpoint_format == "full":
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
@@ -431,6 +430,11 @@ class SlideDPStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Distributed format: read into the ledger. Nothing of such a checkpoint can run code when loaded (JSON,
+        safetensors, DCP's tensors read with ``weights_only=True`` and its metadata checked before it is
+        unpickled), so it loads alike whatever ``weights_only`` says. Full
+        format: Lightning's ``torch.load`` with ``weights_only`` as given; when not given, True (torch's default,
+        stated so that no environment setting can turn it off)."""
         if self.engine is not None and sharded.is_sharded(checkpoint_path):
             meta = sharded.load(self.engine, checkpoint_path)
             return {**meta, "state_dict": {}, _LOADED: True}
@@ -440,7 +444,7 @@ class SlideDPStrategy(ParallelStrategy):
                 "Trainer(strategy=SlideDPStrategy(...)).fit(ckpt_path=...), which reads it into the "
                 "ledger."
             )
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

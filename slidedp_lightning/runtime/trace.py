@@ -18,6 +18,7 @@ from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slidedp_lightning.intervals import merge_intervals
 
@@ -87,9 +88,11 @@ class Tracer:
         self._written: set[int] = set()
         self.metrics: dict[int, dict[str, float]] = {}  # step -> step_metrics(), in seconds
         self._lock = threading.Lock()
-        self._writer = None
+        self._writer: Any = None  # a SummaryWriter, made at the first step written
         self.origin = time.perf_counter()
-        self._clock = None  # (timing event, host seconds when it completed): maps device events to host time
+        self._clock: tuple[Any, float] | None = (
+            None  # (timing event, host seconds when it completed): maps device events to host time
+        )
         self._cpu: tuple[float, float] | None = None  # (process, compute thread) CPU seconds at the last mark_step
         self._cpu_used: dict[int, tuple[float, float]] = {}  # step -> CPU seconds since the mark before it
 
@@ -100,6 +103,7 @@ class Tracer:
     def _seconds(self, t) -> float:
         if isinstance(t, float):
             return t
+        assert self._clock is not None, "a device span needs set_device_clock() first"
         ref, host = self._clock
         t.synchronize()
         return host + ref.elapsed_time(t) / 1e3
@@ -136,7 +140,8 @@ class Tracer:
             self._write_step(done)
 
     # -- output ----------------------------------------------------------------------------------
-    def _tb(self):
+    def _tb(self) -> Any:
+        assert self.dir is not None
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -212,6 +217,7 @@ class Tracer:
             return
         for step in sorted(s for s in self._bounds if s not in self._written):
             self._write_step(step)
+        assert self.dir is not None  # enabled implies a directory
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"trace_rank{self.rank}.json"
         path.write_text(json.dumps(self.chrome_trace()))

@@ -172,7 +172,12 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads
 
         with torch.no_grad():
             t_f = _timed(fwd, group)
-            losses.append(_timed(lambda: (fwd(), loss()), group) - t_f)
+
+            def fwd_and_loss() -> None:
+                fwd()
+                loss()
+
+            losses.append(_timed(fwd_and_loss, group) - t_f)
     runtime = _runtime_compute(model_name, seq, batches, threads, group)
     (f1, b1), (f2, b2) = runtime[batches[0]], runtime[batches[1]]
     x1, x2 = (b * seq * fwd_per_token for b in batches)

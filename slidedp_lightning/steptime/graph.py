@@ -458,9 +458,10 @@ def _slideformer_ops(cfg: StepConfig, profile: Profile, steps: int) -> list[Op]:
     def fetch(u: int, step: int, tag: str, extra: list[int]) -> int:
         p = us[u].params
         deps = list(extra)
-        if len(release) >= SF_GPU_UNITS and release[-SF_GPU_UNITS] is not None:
-            deps.append(release[-SF_GPU_UNITS])
-        demand = {"h2d": 2 * p, "dram": (2 + SF_CONVERT_BYTES) * p, "cpu": SF_CONVERT_BYTES * p}
+        freed = release[-SF_GPU_UNITS] if len(release) >= SF_GPU_UNITS else None
+        if freed is not None:
+            deps.append(freed)
+        demand: dict[str, float] = {"h2d": 2 * p, "dram": (2 + SF_CONVERT_BYTES) * p, "cpu": SF_CONVERT_BYTES * p}
         i = xfer(Op(f"h2d {tag}", "h2d", step, u, demand, lat, deps))
         release.append(None)
         return i
