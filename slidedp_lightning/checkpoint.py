@@ -1,41 +1,68 @@
 """Sharded checkpoints of the host ledger through ``torch.distributed.checkpoint``, written atomically.
 
-A checkpoint is a directory: DCP files holding every parameter's FP32 master and both Adam moments (one
-tensor per parameter name, so a checkpoint loads on any number of ranks), and ``meta.pt`` (rank 0: Lightning's
-loops, schedulers, optimizer hyper-parameters, the precision plugin's state, the step count and the module's
-buffers). The ledger is shared by the ranks of a host, so each rank writes (and reads) a balanced share of
-the parameters (with several hosts, each host's ranks split them again: every host's ledger is complete and
-the checkpoint keeps one copy). With host-sharded ledgers each host writes its 1/N of every parameter as
-rectangular chunks of the same tensors, so a checkpoint resumes with either host layout and any number of hosts
-and ranks. Everything is written into a hidden sibling directory first; rank 0 swaps it into place only after
-every rank finished, so an interrupted save leaves the previous checkpoint whole.
+A checkpoint (format 2) is a directory:
+
+- DCP files holding every parameter's FP32 master and both Adam moments as plain 1-D tensors, each a piece of
+  the flattened tensor under ``<kind>/<name>@<start>-<stop>`` (its elements ``[start, stop)``). The ledger is
+  shared by the ranks of a host, so each rank writes (and reads) a balanced share of the parameters (with
+  several hosts, each host's ranks split them again: every host's ledger is complete and the checkpoint keeps
+  one copy). With host-sharded ledgers each host writes its elements of each of those parameters as one
+  piece. A rank that loads reads from the pieces that overlap what it holds, whatever layout, number of
+  hosts and of ranks wrote them (a custom DCP ``LoadPlanner`` of element ranges: public API only);
+- ``meta.json`` (rank 0): Lightning's loops, callbacks, schedulers, optimizer hyper-parameters and precision
+  state, and the SlideDP header (format, step count, parameter shapes, the module's buffers, the Hugging Face
+  config), as JSON; the tensors among them are in ``meta.safetensors``, referred to by name.
+
+Loading one runs no code of the checkpoint's: the metadata is JSON and safetensors, DCP's tensor data is read
+with ``torch.load(weights_only=True)``, and DCP's own pickled ``.metadata`` is checked to hold only DCP's
+records before DCP unpickles it (:class:`~slidedp_lightning.runtime.compat.CheckedFileSystemReader`). What of
+Lightning's checkpoint has no such form (an arbitrary object in a callback's state or the hyper-parameters)
+is refused at save. Everything is written into a hidden sibling directory first; rank 0 swaps it into place
+only after every rank finished, so an interrupted save leaves the previous checkpoint whole.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from slidedp_lightning.runtime.compat import CheckedFileSystemReader
 
 log = logging.getLogger(__name__)
 
-META = "meta.pt"
-FORMAT = 1
+META = "meta.json"
+TENSORS = "meta.safetensors"
+LEGACY_META = "meta.pt"  # format 1: the metadata pickled
+FORMAT = 2
+
+# tags of the JSON values that stand for what JSON has no form of
+_TENSOR, _TUPLE, _ITEMS, _DTYPE = "__tensor__", "__tuple__", "__items__", "__dtype__"
+_TAGS = frozenset((_TENSOR, _TUPLE, _ITEMS, _DTYPE))
+
+
+class CheckpointContentError(TypeError):
+    """Something in Lightning's checkpoint has no form in a distributed checkpoint's JSON/tensor metadata."""
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    return Path(path).is_dir() and (Path(path) / META).is_file()
+    """Whether ``path`` is a SlideDP distributed checkpoint directory (of any format: loading checks which)."""
+    path = Path(path)
+    return path.is_dir() and ((path / META).is_file() or (path / LEGACY_META).is_file())
 
 
 def share(sizes: dict[str, int], world_size: int) -> list[list[str]]:
@@ -49,31 +76,122 @@ def share(sizes: dict[str, int], world_size: int) -> list[list[str]]:
     return out
 
 
-def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-    """The row-major elements ``[start, stop)`` of a tensor of ``shape`` as rectangular boxes ``(offsets, sizes,
-    first element)``, each contiguous in memory (at most ``2 * ndim - 1`` of them)."""
-    if stop <= start:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (stop - start,), start)] if shape else [((), (), 0)]
-    inner = math.prod(shape[1:])
-    out = []
+def piece_key(key: str, start: int, stop: int) -> str:
+    """The DCP key of the elements ``[start, stop)`` of the flattened tensor ``key`` (``model/<name>``)."""
+    return f"{key}@{start}-{stop}"
 
-    def within(row: int, a: int, b: int) -> None:
-        out.extend(((row, *o), (1, *z), row * inner + f) for o, z, f in boxes(shape[1:], a, b))
 
-    first, last = start // inner, stop // inner
-    if first == last:
-        within(first, start - first * inner, stop - first * inner)
-        return out
-    if start % inner:
-        within(first, start % inner, inner)
-        first += 1
-    if last > first:
-        out.append(((first, *[0] * (len(shape) - 1)), (last - first, *shape[1:]), first * inner))
-    if stop % inner:
-        within(last, 0, stop % inner)
-    return out
+def parse_piece(fqn: str) -> tuple[str, int, int] | None:
+    """``(key, start, stop)`` of a :func:`piece_key`; None for any other key."""
+    key, at, span = fqn.rpartition("@")
+    start, dash, stop = span.partition("-")
+    if not (at and dash and start.isdigit() and stop.isdigit()) or int(stop) < int(start):
+        return None
+    return key, int(start), int(stop)
+
+
+# -- Lightning's checkpoint as JSON and tensors --------------------------------------------------------------
+
+
+def encode(value: Any, tensors: dict[str, torch.Tensor], where: str = "checkpoint") -> Any:
+    """``value`` as JSON, its tensors (CPU copies) added to ``tensors`` and referred to by name. Dicts (string
+    keys or not), lists, tuples, strings, numbers, booleans, None, dtypes and strided tensors have a form;
+    anything else raises :class:`CheckpointContentError` naming ``where`` it is."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
+            raise _refused(value, where)
+        name = str(len(tensors))
+        tensors[name] = value.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        return {_TENSOR: name}
+    if isinstance(value, torch.dtype):
+        return {_DTYPE: str(value).removeprefix("torch.")}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not _TAGS & value.keys():
+            return {k: encode(v, tensors, f"{where}[{k!r}]") for k, v in value.items()}
+        return {
+            _ITEMS: [
+                [encode(k, tensors, f"{where} key {k!r}"), encode(v, tensors, f"{where}[{k!r}]")]
+                for k, v in value.items()
+            ]
+        }
+    if isinstance(value, list):
+        return [encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+    if type(value) in (tuple, torch.Size):
+        return {_TUPLE: [encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
+    raise _refused(value, where)
+
+
+def _refused(value: Any, where: str) -> CheckpointContentError:
+    return CheckpointContentError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}: SlideDP's distributed checkpoints "
+        "store Lightning's checkpoint as JSON and tensors, never pickled, so that loading one cannot run code, "
+        "and this value has no such form. Keep it out of the checkpoint (save_hyperparameters(ignore=[...]), a "
+        "callback's state_dict() of plain values), store it as a dict of plain values, or pass "
+        "checkpoint_format='full'."
+    )
+
+
+def decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`encode`."""
+    if isinstance(value, list):
+        return [decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1 and _TAGS & value.keys():
+        ((tag, body),) = value.items()
+        if tag == _TENSOR:
+            return tensors[body]
+        if tag == _DTYPE:
+            dtype = getattr(torch, body, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype {body!r} in a checkpoint's metadata")
+            return dtype
+        if tag == _TUPLE:
+            return tuple(decode(v, tensors) for v in body)
+        return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in body}
+    return {k: decode(v, tensors) for k, v in value.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """Lightning's part of the checkpoint at ``path`` with the SlideDP header under ``"slidedp"``; refuses a
+    checkpoint of another format (naming both)."""
+    path = Path(path)
+    if not (path / META).is_file():
+        if (path / LEGACY_META).is_file():
+            raise ValueError(
+                f"{path} is a SlideDP checkpoint of format 1 (metadata pickled in {LEGACY_META}); this version of "
+                f"slidedp-lightning reads format {FORMAT} only, whose metadata cannot run code when loaded. Export "
+                "its weights with the release that wrote it (python -m slidedp_lightning.export) and start from them."
+            )
+        raise FileNotFoundError(f"{path} is not a SlideDP distributed checkpoint directory (no {META}).")
+    try:
+        doc = json.loads((path / META).read_text(encoding="utf-8"))
+    except ValueError as err:  # not UTF-8, or not JSON
+        raise ValueError(
+            f"{path / META} is not JSON: a damaged checkpoint, or not one SlideDP wrote ({err})."
+        ) from None
+    found = (
+        doc.get("slidedp", {}).get("format") if isinstance(doc, dict) and isinstance(doc.get("slidedp"), dict) else None
+    )
+    if found != FORMAT:
+        raise ValueError(
+            f"{path} is a SlideDP checkpoint of format {found!r}; this version of slidedp-lightning reads format "
+            f"{FORMAT} only."
+        )
+    try:
+        tensors = load_safetensors((path / TENSORS).read_bytes()) if (path / TENSORS).is_file() else {}
+    except Exception as err:  # safetensors' own error type
+        raise ValueError(f"{path / TENSORS} is not a safetensors file: a damaged checkpoint ({err}).") from None
+    return decode(doc, tensors)
+
+
+# -- the ledger's pieces ----------------------------------------------------------------------------------
 
 
 def _job_size(engine) -> int:
@@ -87,48 +205,115 @@ def _mine(engine) -> list[str]:
     return share(sizes, count)[index]
 
 
-def _host_chunks(engine, view: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor | None:
-    """This host's elements of ``view`` (a whole parameter in a host-sharded ledger) as a tensor DCP writes and
-    reads by chunk: the view itself when the host holds all of it, None when it holds none of it."""
-    lo, hi = parts[engine.topology.host]
-    if hi == lo:
-        return None
-    if hi - lo == view.numel():
-        return view
-    shape, flat = tuple(view.shape), view.reshape(-1)
-    props = TensorProperties(
-        dtype=view.dtype,
-        layout=torch.strided,
-        requires_grad=False,
-        memory_format=torch.contiguous_format,
-        pin_memory=False,
-    )
-    meta, local = [], []
-    for host, (a, b) in enumerate(parts):
-        owner = host * engine.topology.ranks_per_host + engine.topology.local_rank  # the same share on every host
-        for offsets, sizes, first in boxes(shape, a, b):
-            md = ShardMetadata(list(offsets), list(sizes), f"rank:{owner}/cpu")
-            meta.append(md)
-            if host == engine.topology.host:
-                local.append(Shard(flat[first : first + math.prod(sizes)].view(sizes), md))
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local, ShardedTensorMetadata(meta, view.shape, props), process_group=_job_group(engine)
-    )
-
-
-def _state(engine) -> dict[str, torch.Tensor]:
-    """What this rank writes and reads: views of its share of the ledger's parameters and moments."""
-    names = _mine(engine)
-    views = engine.state.ledger_tensors(names)
-    if not engine.topology.host_sharded:
-        return views
+def _held(engine) -> list[tuple[str, int, int, torch.Tensor]]:
+    """``(key, start, stop, view)``: what this rank writes and reads, its share's parameters and moments, each
+    the elements ``[start, stop)`` its host holds (all of them unless host-sharded) as a 1-D view of the
+    ledger."""
     slots = engine.state.named_slots()
-    out = {}
-    for key, view in views.items():
-        part = _host_chunks(engine, view, engine.state.host_parts(slots[key.split("/", 1)[1]]))
-        if part is not None:
-            out[key] = part
+    out = []
+    for key, view in engine.state.ledger_tensors(_mine(engine)).items():
+        parts = engine.state.host_parts(slots[key.split("/", 1)[1]])
+        lo, hi = parts[engine.topology.host] if engine.topology.host_sharded else parts[0]
+        if hi > lo:
+            out.append((key, lo, hi, view.view(-1)[lo:hi]))
     return out
+
+
+def _stored(path: Path, metadata: Any) -> dict[str, list[tuple[int, int, str, TensorStorageMetadata]]]:
+    """The pieces in a checkpoint's DCP metadata by tensor key, in element order (they must not overlap)."""
+    out: dict[str, list[tuple[int, int, str, TensorStorageMetadata]]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        piece = parse_piece(fqn)
+        if piece is None:
+            continue
+        key, start, stop = piece
+        if (
+            not isinstance(md, TensorStorageMetadata)
+            or tuple(md.size) != (stop - start,)
+            or any(len(c.offsets) != 1 or c.offsets[0] + c.sizes[0] > stop - start for c in md.chunks)
+        ):
+            raise ValueError(f"{path}: {fqn} is not a 1-D tensor of {stop - start} elements: a damaged checkpoint?")
+        out.setdefault(key, []).append((start, stop, fqn, md))
+    for pieces in out.values():
+        pieces.sort(key=lambda p: p[:2])
+        for (_, stop, a, _), (start, _, b, _) in zip(pieces, pieces[1:]):
+            if start < stop:
+                raise ValueError(f"{path}: the pieces {a} and {b} overlap: a damaged checkpoint?")
+    return out
+
+
+class _RangeReads(LoadPlanner):
+    """A DCP load planner that reads exactly the given items: element ranges of stored 1-D pieces into element
+    ranges of the 1-D tensors of the state dict. Tensors only: the checkpoint's objects are never unpickled."""
+
+    def __init__(self, items: list[ReadItem]) -> None:
+        self.items = items
+        self.state_dict: dict[str, torch.Tensor] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = state_dict
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan(self.items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise ValueError(f"a SlideDP checkpoint holds tensors only; {read_item.storage_index.fqn} is an object")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self.state_dict[read_item.dest_index.fqn].narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def read_ranges(
+    path: str | os.PathLike,
+    wanted: Iterable[tuple[str, int, int, torch.Tensor]],
+    process_group: Any = None,
+    no_dist: bool = False,
+) -> None:
+    """Fill each ``(key, start, stop, out)`` of ``wanted`` (``out`` 1-D, ``stop - start`` elements) with the
+    elements ``[start, stop)`` of the flattened tensor ``key`` of the checkpoint at ``path``, from the pieces
+    that overlap them: one DCP load (collective over ``process_group`` unless ``no_dist``). Each stored piece
+    is read into memory whole, once per range it overlaps, as DCP reads any chunk."""
+    path = Path(path)
+    reader = CheckedFileSystemReader(path)
+    stored = _stored(path, reader.read_metadata())
+    items, dest = [], {}
+    for key, lo, hi, out in wanted:
+        name = piece_key(key, lo, hi)
+        dest[name] = out
+        covered = 0
+        for start, _, fqn, md in stored.get(key, ()):
+            for i, chunk in enumerate(md.chunks):  # one chunk per piece as written; any 1-D chunking reads alike
+                c0 = start + chunk.offsets[0]
+                a, b = max(lo, c0), min(hi, c0 + chunk.sizes[0])
+                if a < b:
+                    items.append(
+                        ReadItem(
+                            type=LoadItemType.TENSOR,
+                            dest_index=MetadataIndex(name),
+                            dest_offsets=torch.Size([a - lo]),
+                            storage_index=MetadataIndex(fqn, chunk.offsets, i),
+                            storage_offsets=torch.Size([a - c0]),
+                            lengths=torch.Size([b - a]),
+                        )
+                    )
+                    covered += b - a
+        if covered != hi - lo:
+            raise ValueError(
+                f"{path} holds {covered} of the elements [{lo}, {hi}) of {key}: an incomplete or damaged checkpoint."
+            )
+    dcp.load(dest, storage_reader=reader, planner=_RangeReads(items), process_group=process_group, no_dist=no_dist)
+
+
+# -- save and load ------------------------------------------------------------------------------------------
 
 
 def _job_group(engine):
@@ -149,23 +334,45 @@ def _agree(engine, value: Any) -> Any:
     return box[0]
 
 
+def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[bytes, bytes]:
+    """``meta.json`` and ``meta.safetensors`` of a checkpoint: Lightning's dict without the state dict, and the
+    SlideDP header."""
+    meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+    slots = engine.state.named_slots()
+    meta["slidedp"] = {
+        "format": FORMAT,
+        "step": engine.step,
+        "world_size": _job_size(engine),
+        "params": {n: list(engine.layout.units[u].slots[s].shape) for n, (u, s) in sorted(slots.items())},
+        "buffers": engine.state.buffers(),
+        **_hf_configs(engine.model),
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    doc = encode(meta, tensors)
+    return json.dumps(doc, indent=1).encode(), save_safetensors(tensors)
+
+
 def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     """Write ``checkpoint`` (Lightning's dict, without the tensors the ledger holds) and the ledger to ``path``."""
     path = Path(_agree(engine, str(path)))
     tmp = path.with_name(f".{path.name}.tmp-{_agree(engine, uuid.uuid4().hex[:8])}")
     engine.synchronize()
-    dcp.save(_state(engine), checkpoint_id=tmp, process_group=_job_group(engine))
-    if engine.topology.global_rank == 0:
-        meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
-        meta["slidedp"] = {
-            "format": FORMAT,
-            "step": engine.step,
-            "world_size": _job_size(engine),
-            "params": sorted(engine.state.named_slots()),
-            "buffers": engine.state.buffers(),
-            **_hf_configs(engine.model),
-        }
-        torch.save(meta, tmp / META)
+    files, failed = None, None
+    if engine.topology.global_rank == 0:  # before any rank writes: what cannot be stored stops every rank
+        try:
+            files = _meta_files(engine, checkpoint)
+        except Exception as err:
+            failed = err
+    reason = _agree(engine, None if failed is None else (type(failed) is CheckpointContentError, str(failed)))
+    if reason is not None:
+        kind = CheckpointContentError if reason[0] else RuntimeError
+        raise kind(f"SlideDP checkpoint {path} not written: {reason[1]}") from failed
+    dcp.save(
+        {piece_key(k, a, b): v for k, a, b, v in _held(engine)}, checkpoint_id=tmp, process_group=_job_group(engine)
+    )
+    if files is not None:
+        (tmp / META).write_bytes(files[0])
+        (tmp / TENSORS).write_bytes(files[1])
     _barrier(engine)
     if engine.topology.global_rank == 0:
         _swap_in(tmp, path)
@@ -178,7 +385,7 @@ def _hf_configs(model) -> dict[str, dict]:
     out = {}
     for key, attr in (("hf_config", "config"), ("generation_config", "generation_config")):
         value = getattr(model, attr, None)
-        if hasattr(value, "to_dict"):
+        if value is not None and hasattr(value, "to_dict"):
             out[key] = value.to_dict()
     return out
 
@@ -195,22 +402,23 @@ def _swap_in(tmp: Path, path: Path) -> None:
 
 
 def load(engine, path: str | os.PathLike) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save` (with any number of ranks) into the ledger; returns Lightning's
-    part of it."""
+    """Read a checkpoint written by :func:`save` (with any number of ranks and hosts, either host layout) into
+    the ledger; returns Lightning's part of it."""
     path = Path(_agree(engine, str(path)))
-    meta = torch.load(path / META, map_location="cpu", weights_only=False)
-    info = meta.get("slidedp", {})
-    if info.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a SlideDP checkpoint of format {FORMAT} (found {info.get('format')!r}).")
-    have = sorted(engine.state.named_slots())
-    if info["params"] != have:
-        missing, unexpected = sorted(set(have) - set(info["params"])), sorted(set(info["params"]) - set(have))
+    meta = read_meta(path)
+    info = meta["slidedp"]
+    slots = engine.state.named_slots()
+    shapes = {n: list(engine.layout.units[u].slots[s].shape) for n, (u, s) in slots.items()}
+    if info["params"] != shapes:
+        missing, unexpected = sorted(set(shapes) - set(info["params"])), sorted(set(info["params"]) - set(shapes))
+        reshaped = sorted(n for n in set(shapes) & set(info["params"]) if shapes[n] != info["params"][n])
         raise KeyError(
-            f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"other shapes {reshaped[:5]}"
         )
     engine.synchronize()
     engine.drop_resident()
-    dcp.load(_state(engine), checkpoint_id=path, process_group=_job_group(engine))
+    read_ranges(path, _held(engine), process_group=_job_group(engine))
     engine.restored(info["step"], info["buffers"])
     log.info(
         "SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks",

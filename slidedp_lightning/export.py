@@ -113,7 +113,6 @@ def export_checkpoint(
     training job: one shard's tensors are read from the checkpoint at a time (whatever host layout, number of
     hosts or ranks saved it). ``config``: a Hugging Face model directory or ``config.json``, needed only when the
     checkpoint does not carry the model's config."""
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from slidedp_lightning import checkpoint as sharded
@@ -122,7 +121,7 @@ def export_checkpoint(
     checkpoint = Path(checkpoint)
     if not sharded.is_sharded(checkpoint):
         raise FileNotFoundError(f"{checkpoint} is not a SlideDP distributed checkpoint directory (no {sharded.META}).")
-    info = torch.load(checkpoint / sharded.META, map_location="cpu", weights_only=False)["slidedp"]
+    info = sharded.read_meta(checkpoint)["slidedp"]
     if config is not None:
         hf_config = AutoConfig.from_pretrained(Path(config).parent if Path(config).is_file() else config)
     elif info.get("hf_config"):
@@ -140,7 +139,6 @@ def export_checkpoint(
             f"{checkpoint} does not hold {first!r} once (found {found}): was it saved from a {type(model).__name__}?"
         )
     prefix = found[0][: len(found[0]) - len(first)]
-    stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     meta, seen = {}, set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:
@@ -148,7 +146,7 @@ def export_checkpoint(
         seen.add(id(t))
         key = prefix + name
         if key in info["params"]:
-            meta[name] = torch.empty(tuple(stored[f"model/{key}"].size), dtype=torch.float32, device="meta")
+            meta[name] = torch.empty(tuple(info["params"][key]), dtype=torch.float32, device="meta")
         elif key in info["buffers"]:
             meta[name] = info["buffers"][key]
         else:
@@ -159,9 +157,10 @@ def export_checkpoint(
 
     def read(shard: list[str]) -> dict[str, torch.Tensor]:
         params = {n: torch.empty(meta[n].shape) for n in shard if prefix + n in info["params"]}
+        wanted = [(f"model/{prefix}{n}", 0, t.numel(), t.view(-1)) for n, t in params.items()]
         with warnings.catch_warnings():  # one process reading on purpose
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load({f"model/{prefix}{n}": t for n, t in params.items()}, checkpoint_id=checkpoint, no_dist=True)
+            sharded.read_ranges(checkpoint, [w for w in wanted if w[2]], no_dist=True)
         return {**params, **{n: meta[n] for n in shard if n not in params}}
 
     write_hf(directory, meta, read, hf_config, generation, dtype, max_shard_size)

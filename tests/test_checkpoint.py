@@ -1,33 +1,254 @@
-"""Checkpoint helpers that need no process group: the balanced share and the box decomposition."""
+"""Distributed checkpoints: the balanced share, pieces read across layouts, metadata as JSON and tensors, and
+checkpoints whose files were tampered with refused without running anything of them."""
 
 from __future__ import annotations
 
-import math
+import json
+import pickle
+import shutil
+import warnings
 
+import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from slidedp_lightning.checkpoint import boxes, share
-
-
-@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)])
-def test_boxes_cover_a_flat_range_exactly_with_contiguous_boxes(shape):
-    n = math.prod(shape)
-    index = torch.arange(n).reshape(shape)
-    for a in range(n + 1):
-        for b in range(a, n + 1):
-            covered = torch.zeros(n, dtype=torch.int64)
-            found = boxes(shape, a, b)
-            assert len(found) <= 2 * len(shape) - 1
-            for offsets, sizes, first in found:
-                region = index[tuple(slice(o, o + z) for o, z in zip(offsets, sizes))].reshape(-1)
-                assert torch.equal(region, torch.arange(first, first + math.prod(sizes)))  # contiguous in memory
-                covered[region] += 1
-            want = torch.zeros(n, dtype=torch.int64)
-            want[a:b] = 1
-            assert torch.equal(covered, want), (shape, a, b, found)
+from slidedp_lightning import SlideDPStrategy
+from slidedp_lightning.checkpoint import (
+    FORMAT,
+    LEGACY_META,
+    META,
+    TENSORS,
+    CheckpointContentError,
+    decode,
+    encode,
+    parse_piece,
+    piece_key,
+    read_meta,
+    read_ranges,
+    share,
+)
+from slidedp_lightning.export import export_checkpoint
+from slidedp_lightning.runtime.compat import DCP_METADATA, UnsafeCheckpointError
+from tests.test_strategy import TinyLM, _quiet_and_clean, data, trainer  # noqa: F401
 
 
 def test_share_balances_elements_and_is_deterministic():
     sizes = {"a": 100, "b": 60, "c": 50, "d": 10}
     assert share(sizes, 2) == [["a", "d"], ["b", "c"]] == share(dict(reversed(sizes.items())), 2)
+
+
+def test_piece_keys_round_trip_and_other_keys_are_not_pieces():
+    assert parse_piece(piece_key("exp_avg/model.layers.0.mlp.up_proj.weight", 3, 4096)) == (
+        "exp_avg/model.layers.0.mlp.up_proj.weight",
+        3,
+        4096,
+    )
+    for other in ("model/w", "model/w@3", "model/w@a-4", "model/w@5-4", "model/w@-4"):
+        assert parse_piece(other) is None, other
+
+
+def _save_pieces(path, tensor: torch.Tensor, key: str, cuts: list[int]) -> None:
+    """Write ``tensor`` flattened as the pieces between ``cuts``, as ranks of some layout would."""
+    flat = tensor.reshape(-1)
+    pieces = {piece_key(key, a, b): flat[a:b] for a, b in zip(cuts, cuts[1:]) if b > a}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(pieces, checkpoint_id=path, no_dist=True)
+
+
+@pytest.mark.parametrize("cuts", [[0, 12], [0, 5, 12], [0, 1, 2, 7, 7, 11, 12]])
+def test_ranges_are_read_from_whatever_pieces_overlap_them(tmp_path, cuts):
+    full = torch.arange(12, dtype=torch.float32).reshape(3, 4) * 1.5
+    _save_pieces(tmp_path, full, "model/w", cuts)
+    wanted = [(0, 12), (0, 6), (6, 12), (2, 9), (11, 12)]
+    outs = [torch.full((b - a,), -1.0) for a, b in wanted]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        read_ranges(tmp_path, [("model/w", a, b, out) for (a, b), out in zip(wanted, outs)], no_dist=True)
+    for (a, b), out in zip(wanted, outs):
+        assert torch.equal(out, full.reshape(-1)[a:b]), (cuts, a, b)
+
+
+def test_a_range_no_piece_covers_is_refused(tmp_path):
+    full = torch.arange(12, dtype=torch.float32)
+    flat = full.reshape(-1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {piece_key("model/w", 0, 5): flat[0:5], piece_key("model/w", 7, 12): flat[7:12]},
+            checkpoint_id=tmp_path,
+            no_dist=True,
+        )
+        with pytest.raises(ValueError, match=r"holds 10 of the elements \[0, 12\) of model/w"):
+            read_ranges(tmp_path, [("model/w", 0, 12, torch.empty(12))], no_dist=True)
+        read_ranges(tmp_path, [("model/w", 7, 9, torch.empty(2))], no_dist=True)  # what is there reads
+
+
+def test_metadata_round_trips_through_json_and_tensors():
+    value = {
+        "epoch": 3,
+        "loops": {"fit_loop": {"state_dict": {}, "epoch_loop.batch_progress": {"total": {"ready": 7}}}},
+        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_score": torch.tensor(0.25), "kth": None}},
+        "optimizer_states": [{"state": {}, "param_groups": [{"betas": (0.9, 0.95), "lr": 1e-3, "params": [0, 1]}]}],
+        "int_keys": {0: "a", (1, 2): [float("inf")]},
+        "reserved": {"__tensor__": "not a reference"},
+        "dtype": torch.bfloat16,
+        "buffers": {"inv_freq": torch.arange(4, dtype=torch.bfloat16), "n": torch.tensor(5), "e": torch.zeros(0, 3)},
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    doc = encode(value, tensors)
+    back = decode(json.loads(json.dumps(doc)), tensors)
+    assert back.keys() == value.keys()
+    assert back["int_keys"] == {0: "a", (1, 2): [float("inf")]}
+    assert back["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert back["reserved"] == value["reserved"] and back["dtype"] is torch.bfloat16
+    for name, t in value["buffers"].items():
+        assert back["buffers"][name].dtype == t.dtype and torch.equal(back["buffers"][name], t), name
+    assert torch.equal(back["callbacks"]["ModelCheckpoint{'monitor': None}"]["best_model_score"], torch.tensor(0.25))
+
+
+def test_metadata_without_a_json_form_is_refused_naming_where_it_is():
+    class Opaque:
+        pass
+
+    with pytest.raises(CheckpointContentError, match=r"checkpoint\['hyper_parameters'\]\['cfg'\] is a .*Opaque"):
+        encode({"epoch": 1, "hyper_parameters": {"cfg": Opaque()}}, {})
+
+
+# -- real checkpoints ---------------------------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this writes the marker file: proof that a checkpoint file ran code."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A distributed checkpoint after 2 steps of the tiny model, written by Lightning's ModelCheckpoint."""
+    root = tmp_path_factory.mktemp("saved")
+    cb = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _checkpointing_trainer(max_steps=2, callbacks=[cb]).fit(TinyLM(), data())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return root / "ck.ckpt"
+
+
+def _checkpointing_trainer(**kw) -> L.Trainer:
+    kw.setdefault("strategy", "slidedp")
+    return L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False, **kw
+    )
+
+
+def _copy(saved, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    return ck
+
+
+def _resume(ck, **kw):
+    trainer(max_steps=3, **kw).fit(TinyLM(), data(), ckpt_path=str(ck))
+
+
+def test_a_checkpoint_holds_json_metadata_and_no_pickle_but_dcps_own(saved):
+    assert {p.name for p in saved.iterdir() if not p.name.endswith(".distcp")} == {META, TENSORS, DCP_METADATA}
+    doc = json.loads((saved / META).read_text())
+    assert doc["slidedp"]["format"] == FORMAT and doc["global_step"] == 2 and "state_dict" not in doc
+    meta = read_meta(saved)
+    info = meta["slidedp"]
+    assert info["step"] == 2 and info["params"]["model.model.embed_tokens.weight"] == [64, 64]
+    assert all(isinstance(t, torch.Tensor) for t in info["buffers"].values())
+    groups = meta["optimizer_states"][0]["param_groups"]
+    assert groups[0]["betas"] == (0.9, 0.95) and groups[0]["weight_decay"] == 0.1
+    keys = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    assert piece_key("model/model.model.embed_tokens.weight", 0, 64 * 64) in keys
+    assert all(parse_piece(k) for k in keys), "the ledger is stored as pieces only"
+
+
+def test_the_checkpoint_resumes(saved, tmp_path):
+    _resume(_copy(saved, tmp_path))
+
+
+@pytest.mark.parametrize("target", [DCP_METADATA, META, TENSORS, LEGACY_META])
+def test_a_pickle_payload_planted_in_a_checkpoint_is_refused_and_never_runs(saved, tmp_path, target):
+    ck = _copy(saved, tmp_path)
+    marker = tmp_path / "payload-ran"
+    if target == LEGACY_META:  # a directory as format 1 wrote it: its metadata a pickle
+        (ck / META).unlink()
+    (ck / target).write_bytes(pickle.dumps({"slidedp": {"format": FORMAT}, "x": Payload(marker)}))
+    expected = {
+        DCP_METADATA: (UnsafeCheckpointError, r"names builtins\.exec.*refusing to load it"),
+        META: (ValueError, rf"{META} is not JSON"),
+        TENSORS: (ValueError, rf"{TENSORS} is not a safetensors file"),
+        LEGACY_META: (ValueError, rf"format 1 .*reads format {FORMAT} only"),
+    }[target]
+    with pytest.raises(expected[0], match=expected[1]):
+        _resume(ck)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    with pytest.raises(expected[0], match=expected[1]):
+        export_checkpoint(ck, tmp_path / "hf")
+    assert not marker.exists(), "loading the checkpoint ran the planted payload"
+
+
+def test_a_checkpoint_of_another_format_is_refused_naming_both(saved, tmp_path):
+    ck = _copy(saved, tmp_path)
+    doc = json.loads((ck / META).read_text())
+    doc["slidedp"]["format"] = FORMAT + 1
+    (ck / META).write_text(json.dumps(doc))
+    with pytest.raises(
+        ValueError, match=rf"format {FORMAT + 1}; this version of slidedp-lightning reads format {FORMAT}"
+    ):
+        read_meta(ck)
+
+
+def test_lightning_state_without_a_json_form_is_refused_at_save_and_nothing_is_written(tmp_path):
+    class Opaque:
+        pass
+
+    class Keeps(TinyLM):
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["mine"] = {"thing": Opaque()}
+
+    class SaveAtEnd(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(tmp_path / "ck")
+
+    with pytest.raises(
+        CheckpointContentError, match=r"checkpoint\['mine'\]\['thing'\] is a .*Opaque.*checkpoint_format='full'"
+    ):
+        trainer(max_steps=1, callbacks=[SaveAtEnd()]).fit(Keeps(), data())
+    assert not list(tmp_path.iterdir()), "a refused save left files behind"
+
+
+def test_a_full_checkpoint_loads_with_weights_only_and_a_planted_one_is_refused(tmp_path, monkeypatch):
+    """checkpoint_format='full': the file SlideDP writes loads under torch.load(weights_only=True), and the
+    strategy loads with weights_only=True unless told otherwise, even where the environment asks torch not to."""
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="full")
+    _checkpointing_trainer(strategy=SlideDPStrategy(checkpoint_format="full"), max_steps=1, callbacks=[cb]).fit(
+        TinyLM(), data()
+    )
+    ckpt = torch.load(tmp_path / "full.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 1 and ckpt["state_dict"] and ckpt["optimizer_states"][0]["state"]
+    dist.destroy_process_group()
+
+    marker = tmp_path / "payload-ran"
+    ckpt["planted"] = Payload(marker)
+    torch.save(ckpt, tmp_path / "planted.ckpt")
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        trainer(strategy=SlideDPStrategy(checkpoint_format="full"), max_steps=2).fit(
+            TinyLM(), data(), ckpt_path=str(tmp_path / "planted.ckpt")
+        )
+    assert not marker.exists(), "loading the full checkpoint ran the planted payload"

@@ -110,3 +110,32 @@ def test_selective_checkpoint_contexts_refuse_a_torch_without_the_storage_cache(
     monkeypatch.setattr(compat, "create_selective_checkpoint_contexts", lambda policy: (Bare(), Bare()))
     with pytest.raises(RuntimeError, match="storage"):
         compat.selective_checkpoint_contexts(_policy, lambda t: t, lambda h: h)
+
+
+def test_the_dcp_metadata_this_torch_writes_passes_the_check(tmp_path):
+    """What the checked reader admits covers what DCP pickles into ``.metadata`` in this release."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a@0-6": torch.randn(6), "b@3-9": torch.randn(6, dtype=torch.bfloat16), "c": torch.zeros(2, 3, 4)}
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    assert (tmp_path / compat.DCP_METADATA).is_file()
+    compat.check_dcp_metadata(tmp_path / compat.DCP_METADATA)
+    checked = compat.CheckedFileSystemReader(tmp_path).read_metadata()
+    assert checked.state_dict_metadata == dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        b"cbuiltins\neval\n(S'1'\ntR.",  # a builtin called
+        b"ctorch.distributed.checkpoint.filesystem\nos.system\n(S'true'\ntR.",  # a dotted name through a DCP module
+        b"ctorch.distributed.checkpoint.filesystem\nos\n.",  # a module a DCP module imported
+        b"ctorch\nload\n(S'x'\ntR.",  # a torch function that is not a dtype
+        b"ctorch.serialization\nload\n(S'x'\ntR.",  # a function beside the one admitted
+    ],
+)
+def test_the_dcp_metadata_check_refuses_anything_else(tmp_path, planted):
+    (tmp_path / compat.DCP_METADATA).write_bytes(planted)
+    with pytest.raises(compat.UnsafeCheckpointError, match="refusing to load it"):
+        compat.CheckedFileSystemReader(tmp_path).read_metadata()
