@@ -23,6 +23,8 @@ import logging
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -174,9 +176,9 @@ class _Retained:
         self.requires_grad = t.requires_grad
         self.live: torch.Tensor | None = t  # the original, until the unit's forward ends
         self.kept: torch.Tensor | None = None  # the part that stays on the device
-        self.host = None  # future -> (host tensor, marker) of the offloaded part
-        self.offloaded = None
-        self.reload = None  # future -> (device tensor, marker)
+        self.host: Future | None = None  # -> (host tensor, marker) of the offloaded part
+        self.offloaded: torch.Tensor | None = None
+        self.reload: Future | None = None  # -> (device tensor, marker)
         self.split = 0
 
 
@@ -201,14 +203,15 @@ class ActivationManager:
         self.planner = planner
         self.lanes = lanes
         self._param_storages = param_storages  # () -> data_ptrs of resident unit buffers (parameters, not activations)
-        self._originals: dict[int, object] = {}
+        self._originals: dict[int, Callable] = {}
         self._unit: int | None = None  # the block whose forward runs now
         self._step = 0
         self._seen: dict[tuple, _Retained] = {}
         self._params: set[int] = set()
         self._pending: dict[int, list[_Retained]] = defaultdict(list)  # offloaded, by unit, for prefetch
-        self.retained_bytes: dict[int, int] = defaultdict(int)  # this step, on the device, by unit
-        self.offloaded_bytes: dict[int, int] = defaultdict(int)
+        # this step, on the device / offloaded, by unit (None: retained outside any unit's forward)
+        self.retained_bytes: dict[int | None, int] = defaultdict(int)
+        self.offloaded_bytes: dict[int | None, int] = defaultdict(int)
         self.last_step: dict[str, int] = {}  # totals of the last finished step (device / offloaded bytes)
 
     # -- installation ---------------------------------------------------------------------------------
@@ -395,6 +398,7 @@ class ActivationManager:
         off = r.split * t.element_size()
         self.retained_bytes[u] += nbytes - off
         if r.split:
+            assert u is not None, "an offload ratio comes from a unit's policy"
             self.offloaded_bytes[u] += off
             flat = t.detach().reshape(-1)
             if r.split < t.numel():
@@ -420,6 +424,7 @@ class ActivationManager:
     def _reload(self, r: _Retained, u: int):
         """Offload lane thread: bring ``r``'s host part back to the device."""
         lanes = self.lanes
+        assert r.host is not None, "only an offloaded tensor is reloaded"
         host, marker = r.host.result()
         lanes.host_wait(marker)  # the offload copy landed (and the host part is complete)
         with lanes.on("offload"), lanes.span("offload", "reload", self._step, u):
@@ -448,6 +453,7 @@ class ActivationManager:
         if r.live is not None:
             return r.live  # still inside the forward that retained it
         if not r.split:
+            assert r.kept is not None, "a tensor kept whole stays on the device"
             return r.kept
         if r.reload is None:  # read before any prefetch (e.g. an early recompute): reload now
             for items in list(self._pending.values()):
