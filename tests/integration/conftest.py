@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration.job_config import JobConfig, check_keys
+
 JOB = Path(__file__).with_name("job.py")
 # Interpreter shutdown of a finished job sometimes aborts (a joinable C++ std::thread destroyed; seen in ~1 of 40
 # jobs inside full suite runs, never in isolation; FSDP2 on gloo aborts the same way in about 1 run in 10).
@@ -65,9 +67,10 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, **cfg) -> JobResult:
+    """Run one job (``cfg``: JobConfig fields; ``out`` defaults to ``tmp``); an unknown key raises before it starts."""
+    config = JobConfig.from_dict({"out": str(tmp), **cfg})
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg.setdefault("out", str(tmp))
-    (tmp / "config.json").write_text(json.dumps(cfg))
+    (tmp / "config.json").write_text(config.to_json())
     env = clean_env(**(env or {}))
     proc = subprocess.run(
         [sys.executable, str(JOB), str(tmp / "config.json")],
@@ -77,7 +80,7 @@ def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, 
         env=env,
     )
     output = proc.stdout + proc.stderr
-    ranks = int(cfg.get("devices", 1))
+    ranks = config.devices
     finished = all((tmp / f"done_rank{r}").exists() for r in range(ranks))
     if proc.returncode == -signal.SIGABRT and finished and output.rstrip().endswith(EXIT_ABORT):
         warnings.warn(
@@ -92,10 +95,9 @@ def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
     ``cfg["devices"]`` ranks each, one rendezvous."""
     import socket
 
+    config = JobConfig.from_dict({"out": str(tmp), **cfg, "num_nodes": nodes})
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg.setdefault("out", str(tmp))
-    cfg["num_nodes"] = nodes
-    (tmp / "config.json").write_text(json.dumps(cfg))
+    (tmp / "config.json").write_text(config.to_json())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,7 +122,7 @@ def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
             raise
         outputs.append(out)
         codes.append(p.returncode)
-    ranks = nodes * int(cfg["devices"])
+    ranks = nodes * config.devices
     output = "\n".join(f"--- node {n} ---\n{o}" for n, o in enumerate(outputs))
     finished = all((tmp / f"done_rank{r}").exists() for r in range(ranks))
     code = next((c for c in codes if c != 0), 0)
@@ -138,12 +140,14 @@ def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
 
 @pytest.fixture(scope="session")
 def job_runner(tmp_path_factory):
-    """``job_runner(name, **cfg)``: run one job once per session (results are cached by name)."""
+    """``job_runner(name, **cfg)``: run one job once per session (results are cached by name); the keys of
+    ``cfg`` are checked on every call, so a misspelt one fails even when the name's result is cached."""
     cache: dict[str, JobResult] = {}
 
-    def run(name: str, env: dict[str, str] | None = None, **cfg) -> JobResult:
+    def run(name: str, env: dict[str, str] | None = None, timeout: float = 240, **cfg) -> JobResult:
+        check_keys(cfg)
         if name not in cache:
-            cache[name] = run_job(tmp_path_factory.mktemp(name), env=env, **cfg)
+            cache[name] = run_job(tmp_path_factory.mktemp(name), timeout=timeout, env=env, **cfg)
         return cache[name]
 
     return run

@@ -20,11 +20,11 @@ pytestmark = [
 # one process runs every variant in turn (one start-up, one Numba compilation)
 VARIANTS = {
     "gpu_reduce": {"grad_route": "gpu_reduce"},
-    "host_reduce-window1": {"grad_route": "host_reduce", "window": 1},
-    "chunk4KiB-window3": {"chunk_bytes": 4096, "window": 3},
-    "full-offload0.5": {"activations": "full@0.5"},
-    "selective-host_reduce": {"activations": "selective@0", "grad_route": "host_reduce"},
-    "auto": {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto", "activations": "auto"},
+    "host_reduce-window1": {"grad_route": "host_reduce", "prefetch_window": 1},
+    "chunk4KiB-window3": {"chunk_bytes": 4096, "prefetch_window": 3},
+    "full-offload0.5": {"activation_policy": "full@0.5"},
+    "selective-host_reduce": {"activation_policy": "selective@0", "grad_route": "host_reduce"},
+    "auto": {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto", "activation_policy": "auto"},
 }
 COMMON = dict(accelerator="cuda", devices=1, tied=True, steps=STEPS, batch=BATCH, distributed_sampler=False)
 

@@ -58,11 +58,17 @@ CASES = {
     "tied-host_reduce": (True, {"grad_route": "host_reduce"}),
     "untied-gpu_reduce": (False, {"grad_route": "gpu_reduce"}),
     "untied-host_reduce": (False, {"grad_route": "host_reduce"}),
-    "tied-window1": (True, {"window": 1}),
-    "untied-window3-host_reduce": (False, {"window": 3, "grad_route": "host_reduce"}),
+    "tied-window1": (True, {"prefetch_window": 1}),
+    "untied-window3-host_reduce": (False, {"prefetch_window": 3, "grad_route": "host_reduce"}),
     "tied-sharded-gpu_reduce": (True, {"param_route": "sharded"}),
-    "tied-sharded-host_reduce-window3": (True, {"param_route": "sharded", "grad_route": "host_reduce", "window": 3}),
-    "untied-sharded-host_reduce-window1": (False, {"param_route": "sharded", "grad_route": "host_reduce", "window": 1}),
+    "tied-sharded-host_reduce-window3": (
+        True,
+        {"param_route": "sharded", "grad_route": "host_reduce", "prefetch_window": 3},
+    ),
+    "untied-sharded-host_reduce-window1": (
+        False,
+        {"param_route": "sharded", "grad_route": "host_reduce", "prefetch_window": 1},
+    ),
     "untied-sharded-gpu_reduce-traced": (False, {"param_route": "sharded", "trace": True}),
     "tied-replicated": (True, {"param_route": "replicated"}),
     "tied-replicated-chunk4KiB": (True, {"param_route": "replicated", "chunk_bytes": 4096}),
@@ -71,12 +77,15 @@ CASES = {
     "untied-sharded-chunk4KiB-window2": (False, {"param_route": "sharded", "chunk_bytes": 4096}),
     "tied-auto": (True, {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto"}),
     "untied-host_reduce-2-update-threads": (False, {"grad_route": "host_reduce", "update_threads": 2}),
-    "untied-replicated-window3": (False, {"param_route": "replicated", "window": 3}),
-    "tied-full-offload0.5-host_reduce": (True, {"activations": "full@0.5", "grad_route": "host_reduce"}),
-    "untied-segments-offload1-sharded": (False, {"activations": "segments:0110010@1", "param_route": "sharded"}),
-    "tied-selective-offload0.5-window1": (True, {"activations": "selective@0.5", "window": 1}),
+    "untied-replicated-window3": (False, {"param_route": "replicated", "prefetch_window": 3}),
+    "tied-full-offload0.5-host_reduce": (True, {"activation_policy": "full@0.5", "grad_route": "host_reduce"}),
+    "untied-segments-offload1-sharded": (False, {"activation_policy": "segments:0110010@1", "param_route": "sharded"}),
+    "tied-selective-offload0.5-window1": (True, {"activation_policy": "selective@0.5", "prefetch_window": 1}),
     "tied-chunked-loss": (True, {"loss_chunk": 7, "grad_route": "host_reduce"}),
-    "untied-chunked-loss-full-offload": (False, {"loss_chunk": 5, "activations": "full@1", "param_route": "sharded"}),
+    "untied-chunked-loss-full-offload": (
+        False,
+        {"loss_chunk": 5, "activation_policy": "full@1", "param_route": "sharded"},
+    ),
 }
 
 
@@ -175,7 +184,7 @@ def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner
 
 # every param route x grad route x chunk size x window (replicated all-reduces on the devices: no host_reduce)
 MATRIX = {
-    f"{p}-{g}-chunk{c or 'unit'}-window{w}": {"param_route": p, "grad_route": g, "chunk_bytes": c, "window": w}
+    f"{p}-{g}-chunk{c or 'unit'}-window{w}": {"param_route": p, "grad_route": g, "chunk_bytes": c, "prefetch_window": w}
     for p in ("full", "sharded", "replicated")
     for g in ("gpu_reduce", "host_reduce")
     if not (p == "replicated" and g == "host_reduce")
@@ -187,7 +196,10 @@ MATRIX_STEPS = 6
 
 def run_matrix(job_runner, name: str = "slidedp_matrix", env: dict[str, str] | None = None):
     """One 2-rank job fitting the P1 path ("p1") and then every MATRIX combination, each a fit of its own."""
-    variants = {"p1": {"param_route": "full", "grad_route": "gpu_reduce", "chunk_bytes": None, "window": 2}, **MATRIX}
+    variants = {
+        "p1": {"param_route": "full", "grad_route": "gpu_reduce", "chunk_bytes": None, "prefetch_window": 2},
+        **MATRIX,
+    }
     res = job_runner(
         name,
         env=env,
@@ -242,7 +254,7 @@ POLICIES = [
 
 @pytest.mark.integration
 def test_every_activation_policy_is_bit_identical_to_no_checkpointing(job_runner):
-    variants = {"plain": {"activations": None}, **{p: {"activations": p} for p in POLICIES}}
+    variants = {"plain": {"activation_policy": None}, **{p: {"activation_policy": p} for p in POLICIES}}
     res = job_runner(
         "slidedp_policies",
         strategy="slidedp",
@@ -266,7 +278,7 @@ def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_ide
     """activation_policy="auto": both ranks measure at the first step, run rank 0's plan (bit-identical to no
     checkpointing), save it; a second job given the plan's path reuses it without measuring."""
     common = dict(strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH)
-    planned = job_runner("slidedp_autopolicy", activations="auto", memory_budget=900_000, **common)
+    planned = job_runner("slidedp_autopolicy", activation_policy="auto", memory_budget=900_000, **common)
     _assert_ok(planned)
     assert planned.output.count("AutoPolicy: measured per block") == 1, "rank 0 reports the plan once"
     plan_path = planned.out / "slidedp_policy.json"
@@ -280,7 +292,7 @@ def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_ide
         assert planned.losses(rank) == base.losses(rank)
     a, b = base.state(), planned.state()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    reused = job_runner("slidedp_autopolicy_reused", activations=str(plan_path), **common)
+    reused = job_runner("slidedp_autopolicy_reused", activation_policy=str(plan_path), **common)
     _assert_ok(reused)
     assert "AutoPolicy: measured" not in reused.output
     assert reused.losses(0) == base.losses(0)
@@ -289,7 +301,7 @@ def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_ide
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "knobs",
-    [{}, {"loss_chunk": 6, "activations": "full@0.5", "grad_route": "host_reduce"}],
+    [{}, {"loss_chunk": 6, "activation_policy": "full@0.5", "grad_route": "host_reduce"}],
     ids=["plain", "chunked-loss-offload"],
 )
 def test_qwen3_moe_equals_ddp_adamw(job_runner, knobs):

@@ -24,7 +24,7 @@ def test_traced_run_writes_tensorboard_gantt_and_chrome_trace(job_runner, tmp_pa
         grad_route=grad_route,
         param_route="sharded",
         trace_dir=str(trace_dir),
-        activations=activations,
+        activation_policy=activations,
     )
     assert res.returncode == 0, res.output[-3000:]
     # without activation offload lane 2 is idle; a gpu_reduce run on CPU has no device->host copy

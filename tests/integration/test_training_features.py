@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import rel_err
 from tests.integration.test_equivalence import BATCH
 
 STEPS = 12
@@ -39,10 +40,6 @@ def run_features(job_runner, strategy: str, **extra):
     return res
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_feature_matches_ddp(job_runner, feature):
@@ -55,10 +52,10 @@ def test_feature_matches_ddp(job_runner, feature):
         worst = max(abs(x - y) / abs(y) for x, y in zip(losses[r], ref_losses[r]))
         assert worst <= rtol, f"rank {r}: per-step loss differs by {worst:.2e} relative"
     for k in ref_state:
-        assert _rel(state[k], ref_state[k]) <= (rtol if rtol == RTOL else 1e-1), k
+        assert rel_err(state[k], ref_state[k], floor=1e-12) <= (rtol if rtol == RTOL else 1e-1), k
     if "clip" in feature:  # the clip binds: the result is not the unclipped one
         plain = matrix_result_any(got, "accumulate2" if "accumulate" in feature else "plain")[1]
-        assert max(_rel(state[k], plain[k]) for k in state) > 1e-3, "the clip threshold did not bind"
+        assert max(rel_err(state[k], plain[k], floor=1e-12) for k in state) > 1e-3, "the clip threshold did not bind"
 
 
 def matrix_result_any(res, variant: str):
