@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two 2-rank jobs of 50 steps
+
 STEPS = 50
 
 

@@ -8,6 +8,8 @@ import torch
 from tests.integration.conftest import shm_files
 from tests.integration.test_equivalence import BATCH
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 STEPS, SAVE_AT = 10, 5
 COMMON = dict(strategy="slidedp", tied=True, batch=BATCH, constant_data=True, grad_route="host_reduce")
 

@@ -14,6 +14,7 @@ from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compar
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.integration,
+    pytest.mark.slow,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 

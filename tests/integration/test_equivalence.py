@@ -89,8 +89,14 @@ CASES = {
 }
 
 
+# the one case of the fast tier (pytest -m "not slow"): sharded parameters, host reduction, window 3, tied weights
+FAST_CASE = "tied-sharded-host_reduce-window3"
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=() if c == FAST_CASE else pytest.mark.slow) for c in sorted(CASES)]
+)
 def test_two_ranks_equal_ddp_adamw(job_runner, case, tmp_path):
     tied, knobs = CASES[case]
     knobs = dict(knobs)
@@ -103,6 +109,7 @@ def test_two_ranks_equal_ddp_adamw(job_runner, case, tmp_path):
     assert not shm_files(), "a shared-memory ledger file was left behind"
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("grad_route", ["gpu_reduce", "host_reduce"])
 def test_one_rank_equals_single_process(job_runner, grad_route):
@@ -121,6 +128,7 @@ def test_one_rank_equals_single_process(job_runner, grad_route):
     _compare(ref, got, ranks=1)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_meta_init_equals_ddp_from_the_same_initial_weights(job_runner):
     """meta_init materializes one unit at a time on local rank 0: the reference starts from those weights."""
@@ -161,6 +169,7 @@ def _p1_path(job_runner, tied: bool):
 ARITHMETIC = ("tied-chunked-loss", "untied-chunked-loss-full-offload")
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "case", sorted(c for c in CASES if c not in ("tied-gpu_reduce", "untied-gpu_reduce") + ARITHMETIC)
@@ -226,6 +235,7 @@ def differing(ref: tuple, got: tuple) -> bool:
     return got[0] != ref[0] or any(not torch.equal(ref[1][k], got[1][k]) for k in ref[1])
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_full_matrix_is_bit_identical_to_the_p1_path(job_runner):
     """All 30 combinations against the P1 path fitted in that same job."""
@@ -252,6 +262,7 @@ POLICIES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_every_activation_policy_is_bit_identical_to_no_checkpointing(job_runner):
     variants = {"plain": {"activation_policy": None}, **{p: {"activation_policy": p} for p in POLICIES}}
@@ -273,6 +284,7 @@ def test_every_activation_policy_is_bit_identical_to_no_checkpointing(job_runner
     assert not differ, f"{len(differ)} of {len(POLICIES)} activation policies change results: {differ}"
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_identically(job_runner):
     """activation_policy="auto": both ranks measure at the first step, run rank 0's plan (bit-identical to no
@@ -298,6 +310,7 @@ def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_ide
     assert reused.losses(0) == base.losses(0)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "knobs",
@@ -314,6 +327,7 @@ def test_qwen3_moe_equals_ddp_adamw(job_runner, knobs):
     _compare(ref, got, ranks=2)
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_auto_routes_are_measured_logged_and_agreed(job_runner):
     res = job_runner(

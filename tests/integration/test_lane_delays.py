@@ -7,6 +7,8 @@ import torch
 
 from tests.integration.test_equivalence import BATCH, CASES, MATRIX, STEPS, differing, matrix_result, run_matrix
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 DELAYS = {"SLIDEDP_TEST_LANE_DELAY_MS": "3"}
 
 

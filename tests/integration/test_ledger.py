@@ -8,6 +8,8 @@ import pytest
 
 from tests.integration.conftest import run_job, shm_files
 
+pytestmark = pytest.mark.slow  # multi-process jobs, 10-30 s each
+
 
 @pytest.mark.integration
 @pytest.mark.parametrize("devices", [1, 2])

@@ -11,6 +11,8 @@ import torch
 from tests.integration.conftest import run_nodes, shm_files
 from tests.integration.test_equivalence import BATCH, RTOL, STEPS, _compare
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 
 @pytest.fixture(scope="module")
 def reference(job_runner):

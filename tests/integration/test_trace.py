@@ -9,6 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from slidedp_lightning.runtime.trace import LANES
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 
 @pytest.mark.integration
 @pytest.mark.parametrize("grad_route, activations", [("gpu_reduce", None), ("host_reduce", "full@0.5")])

@@ -9,6 +9,8 @@ import torch
 from tests.helpers import rel_err
 from tests.integration.test_equivalence import BATCH
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 STEPS = 12
 RTOL = 1e-5
 FEATURES = {

@@ -318,6 +318,7 @@ print("no error")
 """
 
 
+@pytest.mark.slow  # a fresh interpreter per case
 @pytest.mark.parametrize("scenario, tied", [("forward-backward-twice", "tied"), ("two-forwards", "untied")])
 def test_second_backward_before_end_step_raises(scenario: str, tied: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -225,6 +225,7 @@ def _gloo_reduce_scatter_vs_all_reduce(rank: int, world: int, port: int, out: st
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns a process group
 def test_gloo_reduce_scatter_is_an_all_reduce_and_a_slice_bit_for_bit(tmp_path):
     """The gloo path all-reduces the flat gradient in place and copies this rank's slice out: the same sums as
     gloo's reduce-scatter, bit for bit (three ranks, so the summation order matters)."""
@@ -285,6 +286,7 @@ def _two_hosts_dispatch(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns a process group
 def test_two_hosts_the_compute_thread_does_not_wait_for_the_host_reduction(tmp_path):
     """Replicated ledgers on two hosts, host collectives: the reduction within the host and then between the hosts
     run on the lanes; ``dispatch`` returns while a peer of the host has not even started its reduction, and every

@@ -179,6 +179,7 @@ def test_check_host_memory_small_passes() -> None:
     check_host_memory(g, num_params=4000)
 
 
+@pytest.mark.slow  # a child interpreter imports the package
 def test_stale_ledgers_of_dead_jobs_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
     import subprocess
     import sys

@@ -206,6 +206,7 @@ def test_build_profile_writes_the_network():
     assert not build_profile(raw, 2, "qwen3-tiny", 26).colocated
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_network_probe_returns_sane_numbers():
     """4 gloo ranks as 2 hosts x 2 (a few seconds): positive latency and rate, every collective timed."""
