@@ -92,7 +92,7 @@ def test_slideformer_structure():
 
 
 def test_slideformer_rank0_update_grows_with_r():
-    from slidedp_lightning.steptime.graph import slideformer_reduce_bytes
+    from slidedp_lightning.steptime.slideformer import slideformer_reduce_bytes
 
     assert slideformer_reduce_bytes(8) - slideformer_reduce_bytes(4) == 72  # 4 more BF16 slots, 18 B each
     p = load_profile("a800x8_bridge")
