@@ -16,17 +16,28 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
-from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import slidedp_lightning  # noqa: F401  (registers the strategy)
 from slidedp_lightning import SlideDPStrategy
 
 # run as a script: the repository root makes the tests package importable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import Tokens, tiny_config, tiny_moe_config  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import Tokens  # noqa: E402
 from tests.integration.job_config import JobConfig  # noqa: E402
 
 VOCAB, SEQ = 96, 24
+
+
+def tiny_config(tied: bool, layers: int = 2) -> Qwen3Config:
+    """The job's dense model: ``tests.helpers.tiny_config`` at the job's vocabulary and sequence length."""
+    return helpers.tiny_config(tied, layers, vocab=VOCAB, max_positions=SEQ)
+
+
+def tiny_moe_config(layers: int = 2) -> Qwen3MoeConfig:
+    """The job's MoE model: ``tests.helpers.tiny_moe_config`` at the job's vocabulary and sequence length."""
+    return helpers.tiny_moe_config(layers, vocab=VOCAB, max_positions=SEQ)
 
 
 class TinyLM(L.LightningModule):
@@ -42,9 +53,9 @@ class TinyLM(L.LightningModule):
         cfg = self.cfg
         torch.manual_seed(cfg.init_seed)
         if cfg.arch == "moe":
-            self.model = Qwen3MoeForCausalLM(tiny_moe_config(cfg.layers, vocab=VOCAB, max_positions=SEQ))
+            self.model = Qwen3MoeForCausalLM(tiny_moe_config(cfg.layers))
         else:
-            self.model = Qwen3ForCausalLM(tiny_config(cfg.tied, cfg.layers, vocab=VOCAB, max_positions=SEQ))
+            self.model = Qwen3ForCausalLM(tiny_config(cfg.tied, cfg.layers))
         if cfg.loss_chunk:
             from slidedp_lightning import use_chunked_loss
 
