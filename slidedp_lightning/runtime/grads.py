@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from slidedp_lightning.constants import GRAD_ROUTES
 from slidedp_lightning.runtime.comm import reduce_scatter_into
+from slidedp_lightning.runtime.flat_grads import FlatLease, FlatPool, _fill_flat
 from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.lanes import CollectiveHandle, Lanes
-from slidedp_lightning.runtime.layout import Layout, Unit
+from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.sync import Liveness, PeerFailure, lane_delay, wait_until
 from slidedp_lightning.runtime.trace import Tracer
 
@@ -34,23 +35,6 @@ ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, e
 
 
 WATERMARK = 1 << 32  # host_reduce stamps: generation * WATERMARK + elements of the slot written so far
-
-
-def _fill_flat(
-    flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: int = 0, hi: int | None = None, at: int | None = None
-) -> None:
-    """Write elements [lo, hi) of a unit's flat gradient layout into ``flat`` (zeros in alignment gaps and
-    padding), element ``lo`` at index ``at`` of ``flat`` (default: at ``lo``)."""
-    hi = unit.padded if hi is None else hi
-    shift = 0 if at is None else lo - at
-    for a, b in unit.gaps():
-        if max(a, lo) < min(b, hi):
-            flat[max(a, lo) - shift : min(b, hi) - shift].zero_()
-    for slot, g in zip(unit.slots, grads):
-        a, b = max(slot.offset, lo), min(slot.end, hi)
-        if a < b:
-            src = g.reshape(-1)[a - slot.offset : b - slot.offset]
-            flat[a - shift : b - shift].copy_(src, non_blocking=True)
 
 
 class _Chained:
@@ -67,76 +51,6 @@ class _Chained:
 
     def wait(self) -> None:
         self.future.result().wait()
-
-
-class FlatPool:
-    """Reusable FP32 flat gradient buffers of the largest unit, for a device without an allocator of its own.
-
-    On a CPU "device" every unit's flat gradient would otherwise be a fresh allocation, which glibc maps anew
-    (or keeps in its heap, depending on its dynamic threshold), and whose first write faults in every page (about
-    20x the copy itself). The pool hands a buffer to one unit's reduction (:meth:`take`) and gets it back once
-    the last shard reading it has been released; it holds as many buffers as units were ever in flight at once
-    (``max_units_in_flight``). CUDA's caching allocator does this for device buffers, so streams do not use it.
-    """
-
-    def __init__(self, elems: int, device: torch.device) -> None:
-        self.elems = elems
-        self.device = device
-        self._free: list[torch.Tensor] = []
-        self._made = 0
-        self._lock = threading.Lock()
-
-    @property
-    def buffers(self) -> int:
-        """Buffers allocated so far (in use or free)."""
-        return self._made
-
-    @property
-    def nbytes(self) -> int:
-        return self._made * self.elems * 4
-
-    def take(self, users: int) -> FlatLease:
-        """A buffer for ``users`` (>= 1) holders; it returns to the pool when each of them has dropped it."""
-        with self._lock:
-            if self._free:
-                buf = self._free.pop()
-            else:
-                buf = torch.empty(self.elems, dtype=torch.float32, device=self.device)
-                self._made += 1
-        return FlatLease(self, buf, users)
-
-    def _put(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-    def clear(self) -> None:
-        """Forget every buffer (those still leased are freed with their last user)."""
-        with self._lock:
-            self._free.clear()
-            self._made = 0
-
-
-class FlatLease:
-    """One pooled buffer lent to the shards of one unit (:class:`FlatPool`)."""
-
-    def __init__(self, pool: FlatPool, buf: torch.Tensor, users: int) -> None:
-        self.pool = pool
-        self.buf: torch.Tensor | None = buf  # None once the last user has dropped it
-        self.users = users
-        self.reusable = True
-
-    def drop(self, reusable: bool = True) -> None:
-        """One user is done with the buffer. ``reusable=False``: a collective may still write it (a failed or
-        abandoned step), so it is never handed out again."""
-        with self.pool._lock:
-            self.users -= 1
-            self.reusable = self.reusable and reusable
-            last = self.users == 0
-        if last and self.reusable:
-            assert self.buf is not None, "a lease has one last user"
-            self.pool._put(self.buf)
-        if last:
-            self.buf = None
 
 
 @dataclass
