@@ -25,6 +25,7 @@ from slidedp_lightning.runtime.host_state import (
     check_host_memory,
     ledger_path,
     remove_stale_ledgers,
+    trim_host_heap,
 )
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.probe import RouteProbe, probe_routes
@@ -273,6 +274,8 @@ class InitialWeights:
             flat[slot.offset : slot.end].copy_(getattr(module, attr).detach().reshape(-1))
         for module in materialized:  # the unit lives in the ledger now: hand its memory back at once
             module.to_empty(device="meta", recurse=True)
+        if materialized:  # to the OS too: glibc keeps freed blocks of a few MB, and they add up unit after unit
+            trim_host_heap()
 
     def _materialize(self, module: nn.Module) -> None:
         module.to_empty(device="cpu", recurse=True)
@@ -305,11 +308,10 @@ class InitialWeights:
         what = f"SlideDP reading the checkpoint ({'1/' + str(count) + ' per rank' if count > 1 else 'all'})"
         bar = ByteProgress(what, total, show=topo.local_rank == 0)
         try:
-            for u, pieces in work:
-                for name, start, lo, n in pieces:
-                    self.source.read_into(name, ledger.master[lo : lo + n], start)
+            for _, pieces in work:
+                for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
+                    self.source.read_into(name, ledger.master[lo : lo + n], start, ledger.bf16[lo : lo + n])
                     bar.update(self.source.nbytes(name, n))
-                ledger.refresh_bf16([ranges[u]])
         except Exception as exc:  # raised below, after every rank has reported
             error = exc
         finally:

@@ -25,8 +25,8 @@ from torch import nn
 WEIGHT_SOURCE_ATTR = "slidedp_weight_source"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# elements of one block read from a file and converted at once (bounds the temporary copy: 16 MiB of BF16)
-BLOCK_ELEMS = 8 << 20
+# elements of one block read from a file and converted at once (its BF16 copy converted from it right after)
+BLOCK_ELEMS = 1 << 24
 # safetensors dtype -> (bytes per element, torch dtype) of the floating formats a parameter may be stored in
 FLOAT_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "BF16": (2, torch.bfloat16),
@@ -56,9 +56,10 @@ class WeightSource(Protocol):
         """Bytes read from storage for ``count`` elements of ``name`` (default: all of them)."""
         ...
 
-    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0, bf16: torch.Tensor | None = None) -> None:
         """Write elements ``[start, start + out.numel())`` of the flattened parameter ``name`` into ``out``, a flat
-        FP32 tensor (converted exactly as ``tensor.to(torch.float32)`` does)."""
+        FP32 tensor (converted exactly as ``tensor.to(torch.float32)`` does); with ``bf16`` (as long as ``out``),
+        also their BF16 copy, converted from the FP32 values (the bits ``bf16.copy_(out)`` would write)."""
         ...
 
     def describe(self) -> str:
@@ -210,28 +211,33 @@ class SafetensorsWeights:
             handle = self._handles[t.file] = _safe_open(t.file)
         return handle
 
-    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> None:
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0, bf16: torch.Tensor | None = None) -> None:
         t = self._tensors[name]
         count = out.numel()
         if start < 0 or start + count > t.numel:
             raise CheckpointError(f"elements [{start}, {start + count}) are outside {t.key!r} ({t.numel} elements)")
+        if bf16 is not None and bf16.numel() != count:
+            raise ValueError(f"the BF16 view holds {bf16.numel()} elements, the FP32 one {count}")
         if count == 0:
             return
         handle = self._handle(t)
         try:
             if len(t.shape) == 0:  # a scalar cannot be sliced
-                out.copy_(handle.get_tensor(t.key).reshape(-1))
-                return
-            piece = handle.get_slice(t.key)
-            row = math.prod(t.shape[1:])
-            first, last = start // row, -(-(start + count) // row)  # rows holding the range
-            step = max(1, BLOCK_ELEMS // max(row, 1))
+                blocks = [(0, handle.get_tensor(t.key).reshape(-1))]
+            else:
+                # rows holding the range, a bounded block at a time (the handle maps the file: no whole-file read)
+                piece = handle.get_slice(t.key)
+                row = math.prod(t.shape[1:])
+                first, last = start // row, -(-(start + count) // row)
+                step = max(1, BLOCK_ELEMS // max(row, 1))
+                blocks = ((r * row, piece[r : min(r + step, last)].reshape(-1)) for r in range(first, last, step))
             pos = 0
-            for r in range(first, last, step):
-                block = piece[r : min(r + step, last)].reshape(-1)
-                lo = max(start - r * row, 0)
-                hi = min(start + count - r * row, block.numel())
-                out[pos : pos + hi - lo].copy_(block[lo:hi])
+            for offset, block in blocks:
+                lo, hi = max(start - offset, 0), min(start + count - offset, block.numel())
+                dest = out[pos : pos + hi - lo]
+                dest.copy_(block[lo:hi])
+                if bf16 is not None:  # from the FP32 values just written
+                    bf16[pos : pos + hi - lo].copy_(dest)
                 pos += hi - lo
         except CheckpointError:
             raise
@@ -243,7 +249,7 @@ class SafetensorsWeights:
         ta, tb = self._tensors[a], self._tensors[b]
         if ta.shape != tb.shape:
             return False
-        block = max(BLOCK_ELEMS // 4, 1)
+        block = 1 << 22
         x, y = torch.empty(min(block, ta.numel)), torch.empty(min(block, ta.numel))
         for s in range(0, ta.numel, block):
             n = min(block, ta.numel - s)

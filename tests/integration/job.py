@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-import slidedp_lightning  # noqa: F401  (registers the strategy)
+import slidedp_lightning  # registers the strategy
 from slidedp_lightning import SlideDPStrategy
 
 # run as a script: the repository root makes the tests package importable
@@ -52,7 +52,9 @@ class TinyLM(L.LightningModule):
             return
         cfg = self.cfg
         torch.manual_seed(cfg.init_seed)
-        if cfg.arch == "moe":
+        if cfg.pretrained:  # SlideDP: read into the ledger; DDP: transformers' from_pretrained
+            self.model = slidedp_lightning.from_pretrained(cfg.pretrained, attn_implementation="eager")
+        elif cfg.arch == "moe":
             self.model = Qwen3MoeForCausalLM(tiny_moe_config(cfg.layers))
         else:
             self.model = Qwen3ForCausalLM(tiny_config(cfg.tied, cfg.layers))

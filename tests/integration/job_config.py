@@ -55,6 +55,7 @@ class JobConfig:
     layers: int = 2
     init_seed: int = 1234
     init_from: str | None = None  # a LightningModule state dict to start from
+    pretrained: str | None = None  # a save_pretrained directory, loaded with slidedp_lightning.from_pretrained
     loss_chunk: int | None = None  # use_chunked_loss with this chunk
     # data
     num_nodes: int = 1

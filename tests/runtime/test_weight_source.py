@@ -96,6 +96,9 @@ def test_any_element_range_reads_as_the_fp32_conversion_of_the_stored_tensor(tmp
             out = torch.full((count,), float("nan"))
             source.read_into(name, out, start)
             assert torch.equal(out, flat[start : start + count]), (name, start, count)
+            both = torch.full((count,), float("nan")), torch.full((count,), float("nan"), dtype=torch.bfloat16)
+            source.read_into(name, *both[:1], start, both[1])
+            assert torch.equal(both[0], out) and torch.equal(both[1], out.to(torch.bfloat16)), (name, start, count)
     with pytest.raises(CheckpointError, match="outside 'fp32'"):
         source.read_into("fp32", torch.empty(5), 100)
     source.close()
@@ -213,11 +216,11 @@ def _two_ranks(rank: int, port: int, directory: str, out: str) -> None:
     read: list[str] = []
     original = SafetensorsWeights.read_into
 
-    def recording(self, name, out_, start=0):
+    def recording(self, name, out_, start=0, bf16=None):
         read.append(name)
         if os.environ.get("SLIDEDP_TEST_FAIL_RANK") == str(rank):
             raise OSError(f"disk gone under {name}")
-        return original(self, name, out_, start)
+        return original(self, name, out_, start, bf16)
 
     SafetensorsWeights.read_into = recording  # type: ignore[method-assign]
     results: dict = {"pid": os.getpid()}

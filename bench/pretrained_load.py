@@ -1,0 +1,267 @@
+"""Loading a pretrained checkpoint into the ledger: read throughput and the ranks' private memory.
+
+Usage::
+
+    python -m bench.pretrained_load make DIR            # a ~268M-parameter BF16 Qwen3 checkpoint (random weights)
+    python -m bench.pretrained_load read DIR --ranks 2  # sequential safe_open + float() of every tensor (each rank
+                                                        # its half of the tensors), the reference read; --fresh:
+                                                        # converted into one new FP32 buffer instead
+    python -m bench.pretrained_load load DIR --ranks 2 --mode new|naive|meta
+    python -m bench.pretrained_load all DIR --repeat 3  # every case above once per round, medians over the rounds
+
+``load`` builds a SlideDP engine (CPU, FP32, full/gpu_reduce) over ``--ranks`` processes on one host: ``new`` loads
+with ``slidedp_lightning.from_pretrained`` (the checkpoint read into the ledger by every rank), ``naive`` with
+transformers' ``from_pretrained`` on every rank (local rank 0's copy goes in), ``meta`` builds the model on the meta
+device and initializes it randomly unit by unit (``meta_init``). Throughput: checkpoint bytes on disk / seconds of the
+slowest rank's reading (the fill of the ledger, for ``new``). Private memory: each rank's peak ``RssAnon``
+(``/proc/self/status``, sampled every 2 ms from before the model is built until the engine is ready; the ledger is
+shared memory and the mapped files are page cache, neither is private), summed over the ranks, with the kernel's
+high-water mark less file and shared pages at the end (``bench.baselines.record``'s measure) beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+GB = 1e9
+
+
+def make(directory: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(directory, max_shard_size="200MB")
+    print(f"{sum(p.numel() for p in model.parameters()):,} parameters written to {directory}")
+
+
+def _status() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        fields = (line.partition(":") for line in f)
+        keys = ("VmHWM", "RssAnon", "RssFile", "RssShmem")
+        return {k: int(v.split()[0]) * 1024 for k, _, v in fields if k in keys}
+
+
+class AnonPeak(threading.Thread):
+    """The peak of this process's RssAnon, sampled every ``interval`` seconds until stopped."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        super().__init__(daemon=True)
+        self.interval, self.peak, self._done = interval, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, _status()["RssAnon"])
+            time.sleep(self.interval)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        self.peak = max(self.peak, _status()["RssAnon"])
+        return self.peak
+
+
+def _checkpoint_tensors(directory: Path) -> list[tuple[str, str, int]]:
+    """(file, key, bytes) of every tensor of the checkpoint."""
+    from slidedp_lightning.runtime.weights import scan_safetensors
+
+    return [(t.file, t.key, t.numel * t.itemsize) for t in scan_safetensors(str(directory)).values()]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of a ``read`` or ``load`` run; writes ``rank{r}.json`` into ``args.out``."""
+    import torch
+    import torch.distributed as dist
+
+    rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    if ranks > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    with open("/proc/self/clear_refs", "w") as f:  # the high-water mark restarts here, after the imports
+        f.write("5")
+    base = _status()["RssAnon"]
+    sampler = AnonPeak()
+    sampler.start()
+    result: dict = {"rank": rank}
+    if args.command == "read":
+        from safetensors import safe_open
+
+        from slidedp_lightning.runtime.build import balanced_shares
+        from slidedp_lightning.runtime.weights import scan_safetensors
+
+        tensors = _checkpoint_tensors(args.dir)
+        numel = [t.numel for t in scan_safetensors(str(args.dir)).values()]
+        mine = balanced_shares([n for _, _, n in tensors], ranks)[rank]
+        if ranks > 1:
+            dist.barrier()
+        fresh = torch.empty(sum(numel[i] for i in mine)) if args.fresh else None  # untouched pages
+        t0 = time.perf_counter()
+        nbytes, handles, pos = 0, {}, 0
+        for i in mine:
+            file, key, n = tensors[i]
+            handle = handles.get(file) or handles.setdefault(file, safe_open(file, "pt"))
+            if fresh is None:
+                value = handle.get_tensor(key).float()
+                del value
+            else:
+                fresh[pos : pos + numel[i]].copy_(handle.get_tensor(key).reshape(-1))
+                pos += numel[i]
+            nbytes += n
+        result.update(seconds=time.perf_counter() - t0, nbytes=nbytes)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        import slidedp_lightning
+        from slidedp_lightning.pretrained import loading_into_ledger
+        from slidedp_lightning.runtime import EngineConfig, SlideDPEngine, Topology
+        from slidedp_lightning.runtime.build import InitialWeights
+
+        reports: list = []
+        for name in ("load", "fill"):
+            original = getattr(InitialWeights, name)
+
+            def kept(self, ledger, _original=original):
+                _original(self, ledger)
+                reports.append(self.report)
+
+            setattr(InitialWeights, name, kept)
+        t0 = time.perf_counter()
+        if args.mode == "new":
+            with loading_into_ledger():
+                model = slidedp_lightning.from_pretrained(args.dir)
+        elif args.mode == "naive":
+            model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=torch.float32, local_files_only=True)
+        else:
+            config = AutoConfig.from_pretrained(args.dir, local_files_only=True)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        built = time.perf_counter() - t0
+        topology = Topology.build(global_rank=rank, local_rank=rank, ranks_per_host=ranks)
+        engine = SlideDPEngine(
+            model, EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32, topology=topology
+        )
+        result.update(build_s=built, setup_s=time.perf_counter() - t0)
+        if reports:
+            result.update(seconds=reports[0].seconds, nbytes=reports[0].nbytes, kind=reports[0].kind)
+        engine.close(restore=False)
+    status = _status()
+    result.update(
+        anon_peak=sampler.stop(),
+        anon_base=base,
+        hwm_private=status["VmHWM"] - status["RssFile"] - status["RssShmem"],
+    )
+    if ranks > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool = False) -> dict:
+    """One run over ``ranks`` processes; the ranks' results combined."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks)}
+        cmd = [sys.executable, "-m", "bench.pretrained_load", "_worker", str(directory), "--out", out, "--job", command]
+        procs = [
+            subprocess.Popen(
+                cmd + (["--mode", mode] if mode else []) + (["--fresh"] if fresh else []), env={**env, "RANK": str(r)}
+            )
+            for r in range(ranks)
+        ]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise RuntimeError(f"{command} {mode} x{ranks} failed: exit codes {codes}")
+        results = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
+    disk = sum(n for _, _, n in _checkpoint_tensors(directory))
+    combined = {
+        "anon_peak_sum": sum(r["anon_peak"] for r in results),
+        "anon_growth_sum": sum(r["anon_peak"] - r["anon_base"] for r in results),
+        "hwm_private_sum": sum(r["hwm_private"] for r in results),
+        "setup_s": max(r.get("setup_s", 0.0) for r in results),
+        "anon_peak_per_rank": [r["anon_peak"] for r in results],
+    }
+    if command == "read" or mode == "new":
+        seconds = max(r["seconds"] for r in results)
+        combined.update(seconds=seconds, gbps=disk / GB / seconds)
+    elif mode == "meta":
+        combined.update(seconds=results[0]["seconds"])
+    return combined
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("make", "read", "load", "all", "_worker"))
+    p.add_argument("dir", type=Path)
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--mode", choices=("new", "naive", "meta"), default="new")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--job", choices=("read", "load"), default="load")
+    p.add_argument("--fresh", action="store_true", help="read: convert into one new FP32 buffer (first-touch pages)")
+    args = p.parse_args(argv)
+    if args.command == "make":
+        make(args.dir)
+        return 0
+    if args.command == "_worker":
+        args.command = args.job
+        worker(args)
+        return 0
+    cases = (
+        [("read", 1, "", False), ("read", 2, "", False), ("read", 1, "", True), ("read", 2, "", True)]
+        + [
+            ("load", 1, "new", False),
+            ("load", 2, "new", False),
+            ("load", 2, "naive", False),
+            ("load", 2, "meta", False),
+        ]
+        if args.command == "all"
+        else [(args.command, args.ranks, args.mode if args.command == "load" else "", args.fresh)]
+    )
+    disk = sum(n for _, _, n in _checkpoint_tensors(args.dir))
+    print(f"checkpoint {args.dir}: {disk / GB:.3f} GB on disk")
+    # rounds outside, cases inside: the machine's drift spreads over every case alike
+    rounds = [
+        [run(command, args.dir, ranks, mode, fresh) for command, ranks, mode, fresh in cases]
+        for _ in range(args.repeat)
+    ]
+    for case, (command, ranks, mode, fresh) in enumerate(cases):
+        runs = [r[case] for r in rounds]
+        median = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "anon_peak_per_rank"}
+        label = f"{command} {mode or ('into new buffer' if fresh else 'sequential')} x{ranks}"
+        line = f"{label:22s}"
+        if "gbps" in median:
+            line += f" {median['gbps']:6.3f} GB/s ({median['seconds']:.2f} s)"
+        line += (
+            f" | private peak sum {median['anon_peak_sum'] / GB:.2f} GB (growth {median['anon_growth_sum'] / GB:.2f}"
+            f" GB; VmHWM-file-shmem {median['hwm_private_sum'] / GB:.2f} GB) | setup {median['setup_s']:.1f} s"
+        )
+        print(line, flush=True)
+        print("   runs:", json.dumps(runs), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
