@@ -8,6 +8,7 @@ import logging
 from lightning.pytorch.strategies import StrategyRegistry
 
 from slidedp_lightning.callbacks import LaneTrace, SaveHuggingFace
+from slidedp_lightning.models.block_list import stream_blocks
 from slidedp_lightning.models.chunked_loss import use_chunked_loss
 from slidedp_lightning.precision import SlideDPPrecision
 from slidedp_lightning.pretrained import from_pretrained
@@ -23,5 +24,13 @@ if not logging.getLogger().hasHandlers() and not _logger.handlers:
 if "slidedp" not in StrategyRegistry:
     SlideDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["LaneTrace", "SaveHuggingFace", "SlideDPPrecision", "SlideDPStrategy", "from_pretrained", "use_chunked_loss"]
+__all__ = [
+    "LaneTrace",
+    "SaveHuggingFace",
+    "SlideDPPrecision",
+    "SlideDPStrategy",
+    "from_pretrained",
+    "stream_blocks",
+    "use_chunked_loss",
+]
 __version__ = "0.1.0"

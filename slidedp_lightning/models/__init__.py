@@ -5,15 +5,20 @@ from slidedp_lightning.models.adapter import (
     UnitSpec,
     UnsupportedModelError,
     adapter_for,
+    find_streamed_model,
     register_adapter,
 )
+from slidedp_lightning.models.block_list import BlockListAdapter, stream_blocks
 from slidedp_lightning.models.hf_decoder import HFDecoderAdapter
 
 __all__ = [
     "ArchitectureAdapter",
+    "BlockListAdapter",
     "HFDecoderAdapter",
     "UnitSpec",
     "UnsupportedModelError",
     "adapter_for",
+    "find_streamed_model",
     "register_adapter",
+    "stream_blocks",
 ]

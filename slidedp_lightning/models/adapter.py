@@ -50,19 +50,53 @@ _ADAPTERS: list[type[ArchitectureAdapter]] = []
 
 
 def register_adapter(cls: _A) -> _A:
-    """Class decorator: make an adapter discoverable by :func:`adapter_for`."""
+    """Class decorator: make an adapter discoverable by :func:`adapter_for`; adapters registered later are asked
+    first (a user's adapter takes precedence over the built-in ones)."""
     _ADAPTERS.append(cls)
     return cls
 
 
-def adapter_for(model: nn.Module) -> ArchitectureAdapter:
-    """Find the adapter for ``model`` or say clearly why there is none."""
-    for cls in _ADAPTERS:
+def _marked(model: nn.Module) -> ArchitectureAdapter | None:
+    """The adapter of a model marked with ``stream_blocks`` (transformers models keep their own adapter)."""
+    from slidedp_lightning.models.block_list import BlockListAdapter
+    from slidedp_lightning.models.hf_decoder import HFDecoderAdapter, blocks_mark
+
+    if blocks_mark(model) is None:
+        return None
+    return HFDecoderAdapter() if HFDecoderAdapter.matches(model) else BlockListAdapter()
+
+
+def _registered(model: nn.Module) -> ArchitectureAdapter | None:
+    for cls in reversed(_ADAPTERS):
         if cls.matches(model):
             return cls()
-    known = ", ".join(getattr(c, "name", c.__name__) for c in _ADAPTERS)
-    raise UnsupportedModelError(
-        f"SlideDP found no block list in {type(model).__name__}: it streams models one decoder block at a "
-        f"time and knows these architectures: {known}. Wrap a supported transformers causal LM, or register "
-        "an adapter with slidedp_lightning.models.register_adapter."
-    )
+    return None
+
+
+def adapter_for(model: nn.Module) -> ArchitectureAdapter:
+    """The adapter for ``model``: its ``stream_blocks`` mark, else the registered adapters (transformers models),
+    else an unambiguous block list; or :class:`UnsupportedModelError` saying clearly why there is none."""
+    from slidedp_lightning.models.block_list import BlockListAdapter, detect_blocks
+
+    found = _marked(model) or _registered(model)
+    if found is not None:
+        return found
+    detect_blocks(model)  # raises, naming the model's class and how to name its blocks
+    return BlockListAdapter()
+
+
+def find_streamed_model(root: nn.Module) -> nn.Module:
+    """The module of ``root`` (itself included) that SlideDP streams: the outermost one marked with
+    ``stream_blocks``, else the outermost one a registered adapter understands (a transformers model inside a
+    LightningModule), else ``root`` itself when it has an unambiguous block list. The error names ``root``'s class."""
+    modules = list(root.modules())
+    for find in (_marked, _registered):
+        for module in modules:
+            if find(module) is not None:
+                return module
+    try:
+        adapter_for(root)
+    except UnsupportedModelError as err:
+        known = ", ".join(getattr(c, "name", c.__name__) for c in reversed(_ADAPTERS))
+        raise UnsupportedModelError(f"{err} Registered adapters: {known}.") from None
+    return root

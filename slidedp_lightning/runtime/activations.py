@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 MODES = ("none", "full", "segments", "selective")
 MASK_BITS = 7
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
+def _without_cache(args: tuple) -> tuple:
+    """``args`` with a KV cache passed positionally (GPT-2 passes it so) replaced by None: any object with a
+    cache's ``update`` and ``get_seq_length`` (transformers' ``Cache``)."""
+    return tuple(None if callable(getattr(a, "get_seq_length", None)) and hasattr(a, "update") else a for a in args)
+
+
 # operators whose outputs selective checkpointing saves (the expensive ones to recompute)
 SAVED_OPS = frozenset(
     op
@@ -264,6 +272,7 @@ class ActivationManager:
         and the KV cache, if any, is left out."""
         layer, forward = self.blocks[u], self._originals[u]
         kwargs = {k: (None if k in CACHE_KWARGS else v) for k, v in kwargs.items()}
+        args = _without_cache(args)
         saved = (self.policy[u], self.retained_bytes[u], self.offloaded_bytes[u], self._pending.pop(u, []))
         cuda = self.lanes.device.type == "cuda"
         params = [p for p in layer.parameters() if p.requires_grad]
@@ -318,6 +327,7 @@ class ActivationManager:
         if pol.mode != "none":
             # a recomputed block would append its keys/values to a KV cache a second time; training has no use
             # for the cache (an empty one changes no result), so checkpointed blocks run without it
+            args = _without_cache(args)
             for name in CACHE_KWARGS:
                 if kwargs.get(name) is not None:
                     kwargs[name] = None

@@ -149,6 +149,15 @@ def balanced_shares(sizes: list[int], count: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
+def _buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    return [(m, n, b) for m in module.modules() for n, b in m._buffers.items() if b is not None]
+
+
+def _restore(buffers: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    for m, n, b in buffers:
+        m._buffers[n] = b
+
+
 class InitialWeights:
     """Writes the initial weights into a new ledger: read from the model's :class:`WeightSource` (a checkpoint) by
     every rank, each its share of the units; else the model's own weights, copied by local rank 0, which
@@ -273,12 +282,16 @@ class InitialWeights:
                 materialized.append(module)
             flat[slot.offset : slot.end].copy_(getattr(module, attr).detach().reshape(-1))
         for module in materialized:  # the unit lives in the ledger now: hand its memory back at once
+            buffers = _buffers(module)  # not in the ledger (embedding scales, router biases): they stay
             module.to_empty(device="meta", recurse=True)
+            _restore(buffers)
         if materialized:  # to the OS too: glibc keeps freed blocks of a few MB, and they add up unit after unit
             trim_host_heap()
 
     def _materialize(self, module: nn.Module) -> None:
+        buffers = [(m, n, b) for m, n, b in _buffers(module) if not b.is_meta]  # computed ones keep their values
         module.to_empty(device="cpu", recurse=True)
+        _restore(buffers)
         with torch.no_grad():
             self.adapter.init_weights(self.model, module)
 

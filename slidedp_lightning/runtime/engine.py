@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import cpu_ops
+from slidedp_lightning import models
 from slidedp_lightning.models import adapter_for
-from slidedp_lightning.models.adapter import UnsupportedModelError
 from slidedp_lightning.runtime.activations import ActivationManager
 from slidedp_lightning.runtime.build import InitialWeights, ledger_geometry, open_ledger, resolve_auto_routes
 from slidedp_lightning.runtime.config import EngineConfig
@@ -46,16 +46,9 @@ log = logging.getLogger(__name__)
 
 
 def find_streamed_model(root: nn.Module) -> nn.Module:
-    """The first submodule of ``root`` (itself included) that an architecture adapter understands."""
-    last_error: UnsupportedModelError | None = None
-    for module in root.modules():
-        try:
-            adapter_for(module)
-            return module
-        except UnsupportedModelError as err:
-            last_error = err
-    assert last_error is not None
-    raise last_error
+    """The module of ``root`` (itself included) that SlideDP streams (see :func:`models.find_streamed_model`); the
+    error, when there is none, names ``root``'s class."""
+    return models.find_streamed_model(root)
 
 
 class SlideDPEngine:

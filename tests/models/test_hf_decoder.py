@@ -1,4 +1,5 @@
-"""models.hf_decoder / models.adapter: which models SlideDP streams, and that each supported family trains exactly."""
+"""models.hf_decoder / models.adapter: which models SlideDP streams, and that the Qwen/Llama/Mistral families train
+exactly (every other family: tests/models/test_adapters.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 import transformers
 from torch import nn
 
-from slidedp_lightning.models import HFDecoderAdapter, UnitSpec, UnsupportedModelError, adapter_for, register_adapter
+from slidedp_lightning.models import (
+    HFDecoderAdapter,
+    UnitSpec,
+    UnsupportedModelError,
+    adapter_for,
+    hf_decoder,
+    register_adapter,
+)
 from slidedp_lightning.models import adapter as adapter_module
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import VOCAB, rel_err, tiny_config, token_batches
@@ -20,6 +28,13 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
 }
+
+
+class ToyLMWithoutBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.out = nn.Linear(32, VOCAB)
 
 
 def tiny(family: str, tied: bool, layers: int = 2, seed: int = 0) -> nn.Module:
@@ -44,7 +59,9 @@ def assert_rel_close(actual: dict, expected: dict, what: str) -> None:
         assert err <= 1e-5, f"{what} {k}: relative error {err:.3g}"
 
 
-def train_and_compare(model: nn.Module, loss_fn, inputs: list, steps: int = 2) -> None:
+def train_and_compare(
+    model: nn.Module, loss_fn, inputs: list, steps: int = 2, config: EngineConfig | None = None
+) -> None:
     """Train ``model`` through SlideDPEngine and a deep copy with torch AdamW; losses, weights and moments agree.
 
     After each compared step the reference restarts from the engine's weights and moments: the CPU kernel may
@@ -53,8 +70,9 @@ def train_and_compare(model: nn.Module, loss_fn, inputs: list, steps: int = 2) -
     from one common state; the free-running trajectory of Qwen3 is checked in tests/runtime/test_engine.py.
     """
     ref = copy.deepcopy(model)
-    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    engine = SlideDPEngine(model, EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
+    trained = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # persistent buffers stay as they are
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items() if k in trained}
+    engine = SlideDPEngine(model, config or EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
     try:
         opt = adamw(model)
         engine.attach_optimizer(opt)
@@ -110,50 +128,48 @@ def test_family_trains_like_adamw(family: str, tied: bool) -> None:
     train_and_compare(model, lm_loss, token_batches(2, batch=2, seq=12))
 
 
-def test_supported_families_listed() -> None:
-    for family in FAMILIES:
-        assert family in HFDecoderAdapter.name
-
-
-def _tiny_gpt2() -> nn.Module:
-    cfg = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+def test_no_model_type_list() -> None:
+    """The adapter is found from the model's structure: no list of model types names what it accepts."""
+    assert "SUPPORTED_MODEL_TYPES" not in vars(hf_decoder)
+    assert "structure" in HFDecoderAdapter.name
 
 
 @pytest.mark.parametrize(
-    "make", [lambda: nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8)), _tiny_gpt2], ids=["sequential", "gpt2"]
+    "make", [lambda: nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8)), ToyLMWithoutBlocks], ids=["sequential", "toy"]
 )
-def test_unsupported_model_names_known_architectures(make) -> None:
+def test_unsupported_model_says_how_to_stream_it(make) -> None:
     model = make()
     with pytest.raises(UnsupportedModelError) as info:
         adapter_for(model)
     msg = str(info.value)
-    assert type(model).__name__ in msg
-    assert HFDecoderAdapter.name in msg
-    for family in FAMILIES:
-        assert family in msg
+    assert f"found no block list in {type(model).__name__}" in msg
+    assert "slidedp_lightning.stream_blocks(model, " in msg
     assert "register_adapter" in msg
 
 
-def test_unsupported_model_rejected_by_engine() -> None:
-    with pytest.raises(UnsupportedModelError, match="qwen3"):
-        SlideDPEngine(_tiny_gpt2(), EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
+def test_unsupported_model_rejected_by_engine_naming_the_adapters() -> None:
+    with pytest.raises(UnsupportedModelError, match="no block list in ToyLMWithoutBlocks") as info:
+        SlideDPEngine(ToyLMWithoutBlocks(), EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
+    assert HFDecoderAdapter.name in str(info.value)
 
 
-def test_supported_model_type_with_other_shape_not_matched() -> None:
-    """``model_type`` alone is not enough: the adapter needs the decoder layout."""
+def test_structure_not_class_decides() -> None:
+    """A bare base model (no lm_head) or one whose head is replaced streams just the same: the layers and the
+    modules around them are found from the structure."""
     model = tiny("llama", tied=False)
-    assert not HFDecoderAdapter.matches(model.model)  # the bare LlamaModel has no lm_head
+    base = model.model
+    assert HFDecoderAdapter.matches(base)
+    units = HFDecoderAdapter().units(base)
+    assert [u.name for u in units] == ["embed", "layers.0", "layers.1", "head"]
+    assert units[-1].modules == (base.norm,)
     model.lm_head = nn.Identity()
-    assert not HFDecoderAdapter.matches(model)
+    assert HFDecoderAdapter().units(model)[-1].modules == (base.norm,)
 
 
 def test_model_without_layers_rejected() -> None:
     model = tiny("qwen3", tied=False)
     model.model.layers = nn.ModuleList()
-    with pytest.raises(UnsupportedModelError, match="no decoder layers"):
+    with pytest.raises(UnsupportedModelError, match="no block list in Qwen3ForCausalLM"):
         HFDecoderAdapter().units(model)
 
 
