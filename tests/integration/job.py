@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import slidedp_lightning  # registers the strategy
 from slidedp_lightning import SlideDPStrategy
@@ -54,6 +54,9 @@ class TinyLM(L.LightningModule):
         torch.manual_seed(cfg.init_seed)
         if cfg.pretrained:  # SlideDP: read into the ledger; DDP: transformers' from_pretrained
             self.model = slidedp_lightning.from_pretrained(cfg.pretrained, attn_implementation="eager")
+        elif cfg.model:
+            config = helpers.family_config(cfg.model, cfg.tied, cfg.layers, vocab=VOCAB, max_positions=SEQ)
+            self.model = AutoModelForCausalLM.from_config(config)
         elif cfg.arch == "moe":
             self.model = Qwen3MoeForCausalLM(tiny_moe_config(cfg.layers))
         else:

@@ -52,6 +52,7 @@ class JobConfig:
     tied: bool  # the dense model ties its head to the embedding
     # model
     arch: str = "dense"  # "dense" (tests.helpers.tiny_config) or "moe" (tiny_moe_config)
+    model: str | None = None  # a transformers model_type: tests.helpers.family_config's tiny model (instead of arch)
     layers: int = 2
     init_seed: int = 1234
     init_from: str | None = None  # a LightningModule state dict to start from

@@ -1,0 +1,38 @@
+"""Families beyond Qwen/Llama through Lightning: 2 ranks, FP32 on CPU, SlideDP equals DDP + torch.optim.AdamW
+for 20 steps (per-step losses on every rank and the final weights within 1e-5 relative).
+
+The models are ``tests.helpers.family_config``'s (the job's ``model`` option); bias-free families, since Adam
+turns the one-ulp differences of a key-projection bias (whose gradient is rounding noise) into full-size ones
+over 20 free-running steps (tests/models/test_adapters.py checks every family step by step).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
+
+# model_type: (tied, why it is here)
+FAMILIES = {
+    "gemma3_text": (True, "sliding/full layers, a rotary per layer type, scaled embedding"),
+    "olmoe": (False, "MoE: stacked experts, router loss"),
+}
+SLOW_FAMILIES = {
+    "deepseek_v3": (False, "MLA, a dense and an MoE layer with a shared expert"),
+    "cohere2": (True, "sliding/full layers, logit scale"),
+    "mixtral": (False, "MoE with a sliding window"),
+}
+CASES = [pytest.param(f, *v, id=f) for f, v in FAMILIES.items()] + [
+    pytest.param(f, *v, id=f, marks=pytest.mark.slow) for f, v in SLOW_FAMILIES.items()
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("family", "tied", "why"), CASES)
+def test_family_matches_ddp(job_runner, family: str, tied: bool, why: str) -> None:
+    common = {"devices": 2, "tied": tied, "steps": STEPS, "batch": BATCH, "model": family}
+    ref = job_runner(f"family_ddp_{family}", strategy="ddp", **common)
+    _assert_ok(ref)
+    got = job_runner(f"family_slidedp_{family}", strategy="slidedp", **common)
+    _assert_ok(got)
+    _compare(ref, got, 2)
