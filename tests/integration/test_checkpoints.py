@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slidedp_lightning.checkpoint import META
 from tests.integration.conftest import shm_files
 from tests.integration.test_equivalence import BATCH
 
@@ -28,7 +29,7 @@ def straight(job_runner):
 @pytest.mark.integration
 def test_save_and_resume_equals_training_straight_through_bit_for_bit(job_runner, straight):
     ckpt = straight.out / "ck"
-    assert (ckpt / "meta.pt").is_file()
+    assert (ckpt / META).is_file()
     resumed = _ok(job_runner("ckpt_resumed", devices=2, steps=STEPS, ckpt_path=str(ckpt), **COMMON))
     for rank in range(2):
         assert resumed.losses(rank) == straight.losses(rank)[SAVE_AT:], f"rank {rank}: losses after resume differ"
