@@ -8,6 +8,7 @@ Usage::
                                                         # converted into one new FP32 buffer instead
     python -m bench.pretrained_load load DIR --ranks 2 --mode new|naive|meta
     python -m bench.pretrained_load all DIR --repeat 3  # every case above once per round, medians over the rounds
+    python -m bench.pretrained_load throughput DIR --iterations 7  # ledger fill vs reference read, alternating
 
 ``load`` builds a SlideDP engine (CPU, FP32, full/gpu_reduce) over ``--ranks`` processes on one host: ``new`` loads
 with ``slidedp_lightning.from_pretrained`` (the checkpoint read into the ledger by every rank), ``naive`` with
@@ -89,6 +90,51 @@ def _checkpoint_tensors(directory: Path) -> list[tuple[str, str, int]]:
     return [(t.file, t.key, t.numel * t.itemsize) for t in scan_safetensors(str(directory)).values()]
 
 
+def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
+    """Throughput, side by side: ``--iterations`` times, the ranks load the checkpoint into a new ledger
+    (``open_ledger``: every rank reads its share of the units) and then each reads its half of the tensors with
+    ``safe_open`` + ``float()``; seconds per iteration (the fill of the ledger, and the reference read)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    import slidedp_lightning
+    from slidedp_lightning.models import adapter_for
+    from slidedp_lightning.pretrained import loading_into_ledger
+    from slidedp_lightning.runtime import EngineConfig, Topology
+    from slidedp_lightning.runtime.build import InitialWeights, balanced_shares, ledger_geometry, open_ledger
+    from slidedp_lightning.runtime.layout import build_layout
+
+    with loading_into_ledger():
+        model = slidedp_lightning.from_pretrained(args.dir)
+    topology = Topology.build(global_rank=rank, local_rank=rank, ranks_per_host=ranks)
+    adapter = adapter_for(model)
+    layout = build_layout(model, adapter.units(model), topology.shard_world, topology.owners)
+    geometry = ledger_geometry(layout, EngineConfig(), topology, torch.float32)
+    weights = InitialWeights(model, adapter, layout, topology)
+    tensors = _checkpoint_tensors(args.dir)
+    mine = balanced_shares([n for _, _, n in tensors], ranks)[rank]
+    fills, reads = [], []
+    for _ in range(args.iterations):
+        if ranks > 1:
+            dist.barrier()
+        ledger = open_ledger(geometry, layout.num_params, weights, topology)
+        assert weights.report is not None
+        fills.append(weights.report.seconds)
+        ledger.close()
+        if ranks > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        handles: dict = {}
+        for i in mine:
+            file, key, _ = tensors[i]
+            handle = handles.get(file) or handles.setdefault(file, safe_open(file, "pt"))
+            value = handle.get_tensor(key).float()
+            del value
+        reads.append(time.perf_counter() - t0)
+    return {"fills": fills, "reads": reads}
+
+
 def worker(args: argparse.Namespace) -> None:
     """One rank of a ``read`` or ``load`` run; writes ``rank{r}.json`` into ``args.out``."""
     import torch
@@ -104,7 +150,9 @@ def worker(args: argparse.Namespace) -> None:
     sampler = AnonPeak()
     sampler.start()
     result: dict = {"rank": rank}
-    if args.command == "read":
+    if args.command == "alternate":
+        result.update(alternate(args, rank, ranks))
+    elif args.command == "read":
         from safetensors import safe_open
 
         from slidedp_lightning.runtime.build import balanced_shares
@@ -177,7 +225,7 @@ def worker(args: argparse.Namespace) -> None:
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool = False) -> dict:
+def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool = False, iterations: int = 1) -> dict:
     """One run over ``ranks`` processes; the ranks' results combined."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -185,6 +233,7 @@ def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool =
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(ranks)}
         cmd = [sys.executable, "-m", "bench.pretrained_load", "_worker", str(directory), "--out", out, "--job", command]
+        cmd += ["--iterations", str(iterations)]
         procs = [
             subprocess.Popen(
                 cmd + (["--mode", mode] if mode else []) + (["--fresh"] if fresh else []), env={**env, "RANK": str(r)}
@@ -196,6 +245,10 @@ def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool =
             raise RuntimeError(f"{command} {mode} x{ranks} failed: exit codes {codes}")
         results = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
     disk = sum(n for _, _, n in _checkpoint_tensors(directory))
+    if command == "alternate":  # per iteration, the slowest rank
+        fills = [max(r["fills"][i] for r in results) for i in range(iterations)]
+        reads = [max(r["reads"][i] for r in results) for i in range(iterations)]
+        return {"fill_gbps": [disk / GB / s for s in fills], "read_gbps": [disk / GB / s for s in reads]}
     combined = {
         "anon_peak_sum": sum(r["anon_peak"] for r in results),
         "anon_growth_sum": sum(r["anon_peak"] - r["anon_base"] for r in results),
@@ -213,13 +266,14 @@ def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool =
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("make", "read", "load", "all", "_worker"))
+    p.add_argument("command", choices=("make", "read", "load", "all", "throughput", "_worker"))
     p.add_argument("dir", type=Path)
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--mode", choices=("new", "naive", "meta"), default="new")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", type=Path)
-    p.add_argument("--job", choices=("read", "load"), default="load")
+    p.add_argument("--job", choices=("read", "load", "alternate"), default="load")
+    p.add_argument("--iterations", type=int, default=7, help="throughput: loads (and reference reads) per run")
     p.add_argument("--fresh", action="store_true", help="read: convert into one new FP32 buffer (first-touch pages)")
     args = p.parse_args(argv)
     if args.command == "make":
@@ -228,6 +282,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "_worker":
         args.command = args.job
         worker(args)
+        return 0
+    if args.command == "throughput":
+        disk = sum(n for _, _, n in _checkpoint_tensors(args.dir))
+        print(f"checkpoint {args.dir}: {disk / GB:.3f} GB on disk; medians of {args.iterations} alternating runs")
+        for ranks in (1, 2):
+            got = run("alternate", args.dir, ranks, iterations=args.iterations)
+            fill, read = statistics.median(got["fill_gbps"]), statistics.median(got["read_gbps"])
+            ratios = statistics.median(f / r for f, r in zip(got["fill_gbps"], got["read_gbps"]))
+            print(
+                f"x{ranks}: into the ledger {fill:.3f} GB/s | safe_open + float() {read:.3f} GB/s | "
+                f"ratio per iteration {ratios:.2f}",
+                flush=True,
+            )
+            print("   runs:", json.dumps(got), flush=True)
         return 0
     cases = (
         [("read", 1, "", False), ("read", 2, "", False), ("read", 1, "", True), ("read", 2, "", True)]
