@@ -222,6 +222,7 @@ class SafetensorsWeights:
             return
         handle = self._handle(t)
         try:
+            blocks: Iterable[tuple[int, torch.Tensor]]
             if len(t.shape) == 0:  # a scalar cannot be sliced
                 blocks = [(0, handle.get_tensor(t.key).reshape(-1))]
             else:
