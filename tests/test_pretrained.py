@@ -440,3 +440,47 @@ def test_a_one_device_trainer_starts_from_the_checkpoint(ckpt) -> None:
     for name, value in module.initial.items():
         assert torch.equal(value, expected[name.removeprefix("model.")]), name
     assert not own_ledgers()
+
+
+class StandStill(Pretrained):
+    """Trains at learning rate 0 without weight decay: every update leaves the weights exactly as loaded."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.0, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_two_steps_at_lr_0_export_the_bf16_checkpoint_bit_for_bit(tmp_path, tied) -> None:
+    from slidedp_lightning import SaveHuggingFace
+
+    source = save(tmp_path / "source", tied=tied, dtype=torch.bfloat16)
+    assert len(set(index_of(source)["weight_map"].values())) >= 2  # two safetensors shards at least
+    trainer = L.Trainer(
+        strategy=SlideDPStrategy(),
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[SaveHuggingFace(tmp_path / "export", dtype="bf16")],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(StandStill(source), DataLoader(torch.randint(0, VOCAB, (4, 8)), batch_size=2))
+    assert trainer.global_step == 2
+    stored: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(index_of(source)["weight_map"].values())):
+        with safe_open(str(source / shard), "pt") as f:
+            stored.update({k: f.get_tensor(k) for k in f.keys()})
+    exported: dict[str, torch.Tensor] = {}
+    for path in sorted((tmp_path / "export").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            exported.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(exported) == set(stored)
+    for name, value in stored.items():
+        assert exported[name].dtype == torch.bfloat16, name
+        assert torch.equal(exported[name].view(torch.int16), value.view(torch.int16)), f"{name} changed"
+    assert not own_ledgers()
