@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -34,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 
 import slidedp_lightning  # noqa: F401  (registers strategy="slidedp")
-from slidedp_lightning import LaneTrace, SlideDPStrategy
+from slidedp_lightning import LaneTrace, SaveHuggingFace, SlideDPStrategy
 from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
 
 DEFAULT_CONFIG = "qwen3_tiny.json"
@@ -52,12 +53,14 @@ EVAL_SEED_OFFSET = 1_000_003  # eval examples come from a different random strea
 DEFAULT_MAX_STEPS = 200
 DEFAULT_BATCH_SIZE = 32  # per rank
 DEFAULT_LR = 3e-3
+DEFAULT_DATA_LR = 1e-5  # --data: a pretrained checkpoint
 DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_SEED = 1234
 PRECISIONS = ("bf16-mixed", "32-true")
 STRATEGIES = ("slidedp", "ddp")
 PARAM_ROUTES = ("full", "sharded", "replicated", "auto")
 GRAD_ROUTES = ("gpu_reduce", "host_reduce", "auto")
+EXPORT_DTYPES = ("bfloat16", "float32")
 
 
 def _chunk_bytes(text: str) -> int | str:
@@ -147,11 +150,17 @@ class FinetuneModule(L.LightningModule):
             else:
                 config, attn = load_tiny_config(hp.config_name)
                 model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-        vocab = model.get_input_embeddings().num_embeddings
-        check_vocab(vocab, self.spec, hp.model_dir or hp.config_name)
+        self.check_model(model)
+        model.train()  # from_pretrained returns the model in eval mode
         if getattr(model.config, "use_cache", False):
             model.config.use_cache = False
         self.model = model
+
+    def check_model(self, model: Any) -> None:
+        """Refuse a model whose vocabulary the data cannot use."""
+        vocab = model.get_input_embeddings().num_embeddings
+        hp: Any = self.hparams
+        check_vocab(vocab, self.spec, hp.model_dir or hp.config_name)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
@@ -252,6 +261,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="local Hugging Face checkpoint directory to fine-tune; default: random-init tiny Qwen3 "
         f"from configs/{DEFAULT_CONFIG}",
     )
+    p.add_argument(
+        "--data",
+        metavar="FILE",
+        default=None,
+        help="JSONL training data, one {prompt, completion} or {messages: [{role, content}, ...]} object a line "
+        "(needs --model: its tokenizer and chat template; loss on completion / assistant tokens only); "
+        "default: the synthetic task",
+    )
+    p.add_argument("--val-data", metavar="FILE", default=None, help="JSONL validation data (default: --data)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=256,
+        help="--data only: tokens per row; each example is its own row, right-padded (no packing); "
+        "an example longer than this is refused with its file and line",
+    )
+    p.add_argument(
+        "--export",
+        metavar="OUT",
+        default=None,
+        help="--data only: write the trained model and the tokenizer to OUT (save_pretrained directory)",
+    )
+    p.add_argument(
+        "--export-dtype",
+        default=None,
+        choices=EXPORT_DTYPES,
+        help="dtype of --export (default: float32 with --precision 32-true, else bfloat16)",
+    )
+    p.add_argument("--results", metavar="FILE", default=None, help="write the before/after metrics as JSON here")
     p.add_argument("--devices", type=int, default=2, help="number of processes/devices")
     p.add_argument("--accelerator", default="cpu", help='Lightning accelerator ("cpu", "gpu", ...)')
     p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
@@ -278,7 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="examples per device per step")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak AdamW learning rate")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"peak AdamW learning rate (default: {DEFAULT_LR:g}, {DEFAULT_DATA_LR:g} with --data)",
+    )
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 10%% of --max-steps)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--log-dir", default=os.path.join("runs", "finetune"), help="TensorBoard log directory")
@@ -304,6 +347,10 @@ def _metrics(results: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # own_data builds on FinetuneModule: imported here, not at the top (no import cycle)
+    from slidedp_lightning.recipes.data import DataError
+    from slidedp_lightning.recipes.own_data import DataFinetuneModule, TokenThroughput, export
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_steps < 1:
@@ -315,7 +362,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
         )
-    if args.model is not None:
+    if args.data is None and (args.val_data or args.export or args.export_dtype):
+        parser.error("--val-data, --export and --export-dtype go with --data")
+    if args.data is not None and args.model is None:
+        parser.error("--data needs --model DIR: the tokenizer and chat template come from DIR")
+    if args.seq_len < 2:
+        parser.error("--seq-len must be >= 2")
+    if args.model is not None and args.data is None:
         try:
             check_vocab(checkpoint_vocab_size(args.model), TASK, args.model)
         except (OSError, ValueError) as err:
@@ -328,13 +381,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
     L.seed_everything(args.seed, workers=True, verbose=False)
-    module = FinetuneModule(
-        model_dir=args.model,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-    )
+    module: FinetuneModule
+    if args.data is not None:
+        try:
+            module = DataFinetuneModule(
+                model_dir=args.model,
+                data=args.data,
+                val_data=args.val_data,
+                seq_len=args.seq_len,
+                batch_size=args.batch_size,
+                lr=DEFAULT_DATA_LR if args.lr is None else args.lr,
+                warmup_steps=args.warmup_steps,
+                seed=args.seed,
+            )
+        except (DataError, OSError, ValueError) as err:  # before any process is started
+            print(f"slidedp-finetune: error: {err}", file=sys.stderr, flush=True)
+            return 2
+    else:
+        module = FinetuneModule(
+            model_dir=args.model,
+            batch_size=args.batch_size,
+            lr=DEFAULT_LR if args.lr is None else args.lr,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+        )
+    export_dtype = getattr(torch, args.export_dtype or ("float32" if args.precision == "32-true" else "bfloat16"))
+    export_cb = [SaveHuggingFace(args.export, export_dtype)] if args.export and args.strategy == "slidedp" else []
     logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
     trainer = L.Trainer(
         strategy=strategy_for(args),
@@ -345,8 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger=logger,
         callbacks=[
             LearningRateMonitor(logging_interval="step"),
+            TokenThroughput(),
             *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
+            *export_cb,
         ],
+        use_distributed_sampler=args.data is None,  # --data: the module shards its own data
         enable_checkpointing=False,
         log_every_n_steps=10,
         num_sanity_val_steps=0,
@@ -363,15 +438,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     t2 = time.perf_counter()
     train_loss = trainer.callback_metrics.get("train_loss")  # last step's, synced across ranks
     train_loss = float(train_loss) if train_loss is not None else float("nan")
+    if args.export and isinstance(module, DataFinetuneModule):
+        export(trainer, module, args.export, export_dtype)
     after = _metrics(trainer.validate(module, verbose=False))
     t3 = time.perf_counter()
     finite = module.nonfinite_loss_steps == 0 and math.isfinite(train_loss) and math.isfinite(after["val_loss"])
 
     world = trainer.world_size
+    if args.results and trainer.is_global_zero:
+        with open(args.results, "w") as f:
+            json.dump({"before": before, "after": after, "train_loss": train_loss, "steps": trainer.global_step}, f)
+    task = f"{TASK.task} {TASK.length} symbols of {TASK.num_symbols}" if args.data is None else f"{args.data}"
     _report(
         [
             "",
-            f"task: {TASK.task} {TASK.length} symbols of {TASK.num_symbols} | model: {args.model or DEFAULT_CONFIG} | "
+            f"task: {task} | model: {args.model or DEFAULT_CONFIG} | "
             f"strategy: {args.strategy} x{world} | precision: {args.precision} | steps: {trainer.global_step} | "
             f"global batch: {args.batch_size * world}",
             f"{'':8s}{'loss':>9s}{'acc':>8s}{'exact':>8s}",
@@ -381,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"after: loss {after['val_loss']:.3f} acc {after['val_acc']:.3f} | last train_loss {train_loss:.4f}",
             f"time: eval {t1 - t0:.1f}s, fit {t2 - t1:.1f}s, eval {t3 - t2:.1f}s",
             f"TensorBoard logs: {logger.log_dir}",
+            *([f"exported ({args.export_dtype or export_dtype}): {args.export}"] if args.export else []),
         ]
     )
     # leave no gloo/NCCL threads to static destructors at interpreter exit (they can abort the process)

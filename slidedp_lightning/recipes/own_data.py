@@ -1,0 +1,171 @@
+"""Fine-tuning on the user's own JSONL data (``slidedp-finetune --model DIR --data train.jsonl``).
+
+:class:`DataFinetuneModule` is :class:`~slidedp_lightning.recipes.finetune.FinetuneModule` with its data from
+:mod:`slidedp_lightning.recipes.data` and exact validation metrics (summed over every loss token of the set, across
+ranks, each example counted once).  :class:`TokenThroughput` logs training tokens/s; :func:`export` writes the
+trained model and the tokenizer as a ``save_pretrained`` directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from slidedp_lightning.recipes.data import EvalShard, JsonlDataset
+from slidedp_lightning.recipes.finetune import FinetuneModule
+from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    """The tokenizer (and chat template) saved in ``model_dir``; local files only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def sum_metrics(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[loss_sum, correct, tokens, exact_rows, rows]`` (float64) over the loss tokens of a batch."""
+    target = labels[:, 1:]
+    logits = logits[:, :-1].float()
+    loss_sum = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=IGNORE_INDEX, reduction="sum")
+    mask = target != IGNORE_INDEX
+    hit = (logits.argmax(dim=-1) == target) & mask
+    has = mask.any(dim=1)
+    exact = ((hit | ~mask).all(dim=1) & has).sum()
+    values = [loss_sum.detach(), hit.sum(), mask.sum(), exact, has.sum()]
+    return torch.stack([v.to(torch.float64) for v in values])
+
+
+def metrics_from_sums(sums: torch.Tensor) -> dict[str, float]:
+    """``val_loss`` (mean per loss token), ``val_acc`` (token accuracy), ``val_exact`` (rows all right)."""
+    loss_sum, correct, tokens, exact, rows = (float(v) for v in sums)
+    tokens = max(tokens, 1.0)
+    return {"val_loss": loss_sum / tokens, "val_acc": correct / tokens, "val_exact": exact / max(rows, 1.0)}
+
+
+class DataFinetuneModule(FinetuneModule):
+    """Causal-LM fine-tuning on JSONL files tokenized with the checkpoint's own tokenizer."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        data: str,
+        val_data: str | None = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        eval_batch_size: int = 32,
+        lr: float = 1e-4,
+        weight_decay: float = 0.01,
+        warmup_steps: int | None = None,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__(
+            model_dir=model_dir,
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            seed=seed,
+        )
+        self.save_hyperparameters()
+        self.tokenizer = load_tokenizer(model_dir)
+        # read and checked now, in every process, before any Trainer work: bad data fails fast with file:line
+        self.train_data = JsonlDataset(data, self.tokenizer, seq_len)
+        self.val_data = JsonlDataset(val_data, self.tokenizer, seq_len) if val_data else self.train_data
+        self._sums: torch.Tensor | None = None
+
+    @property
+    def hp(self) -> Any:
+        """The saved hyperparameters (attribute access)."""
+        return self.hparams
+
+    def check_model(self, model: Any) -> None:
+        vocab = model.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > vocab:
+            raise ValueError(
+                f"{self.hp.model_dir}: the tokenizer has {len(self.tokenizer)} tokens but the model's "
+                f"embedding only {vocab}"
+            )
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self._trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        if len(self.train_data) < self.hp.batch_size * world:
+            raise ValueError(
+                f"{self.hp.data}: {len(self.train_data)} examples, fewer than one global batch "
+                f"({self.hp.batch_size} x {world} ranks)"
+            )
+        sampler: DistributedSampler = DistributedSampler(
+            self.train_data, num_replicas=world, rank=rank, shuffle=True, seed=self.hp.seed, drop_last=True
+        )
+        return DataLoader(self.train_data, batch_size=self.hp.batch_size, sampler=sampler, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._rank_world()
+        return DataLoader(EvalShard(self.val_data, rank, world), batch_size=self.hp.eval_batch_size)
+
+    def on_validation_epoch_start(self) -> None:
+        self._sums = None
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        sums = sum_metrics(out.logits, batch["labels"])
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def on_validation_epoch_end(self) -> None:
+        sums = self._sums if self._sums is not None else torch.zeros(5, dtype=torch.float64, device=self.device)
+        sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        for name, value in metrics_from_sums(sums).items():
+            self.log(name, value, prog_bar=name == "val_acc", sync_dist=True)  # equal on all ranks: mean is exact
+
+
+class TokenThroughput(L.Callback):
+    """Log ``train_tokens_per_s``: non-padding tokens of all ranks per second of optimizer step (rank 0's clock)."""
+
+    def __init__(self) -> None:
+        self._t: float | None = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._t is None:
+            self._t = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._t is not None:
+            tokens = float(batch["attention_mask"].sum()) * trainer.world_size
+            pl_module.log("train_tokens_per_s", tokens / max(now - self._t, 1e-9), on_step=True, on_epoch=False)
+        self._t = now
+
+
+def export(trainer: L.Trainer, module: DataFinetuneModule, out: str, dtype: torch.dtype) -> None:
+    """Write the model (non-SlideDP strategies: the module's model; SlideDP exports through its
+    :class:`~slidedp_lightning.SaveHuggingFace` callback) and the tokenizer to ``out`` (rank 0 writes)."""
+    from slidedp_lightning.strategy import SlideDPStrategy
+
+    if trainer.is_global_zero:
+        if not isinstance(trainer.strategy, SlideDPStrategy):
+            assert module.model is not None
+            model: Any = copy.deepcopy(module.model).to(dtype)
+            model.config.use_cache = True
+            model.save_pretrained(out)
+        module.tokenizer.save_pretrained(out)
+        log.info("exported %s model and tokenizer to %s", dtype, os.path.abspath(out))
+    trainer.strategy.barrier("export")

@@ -1,0 +1,190 @@
+"""JSONL data for ``slidedp-finetune --data``: exact label masks for both schemas, errors naming file and line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slidedp_lightning.recipes.data import DataError, JsonlDataset, encode, read_jsonl
+from slidedp_lightning.recipes.finetune import main
+from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    # merges across the prompt/answer boundary ("=4", "ant\n") exist, so a whole-text tokenization would differ
+    tok.train_from_iterator(["what is 2+2=4", "user assistant system\nhello there=4 ant\nant\n"] * 50, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=chat_template
+    )
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+def _write(path, lines: list[str | bytes]) -> str:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+    return str(path)
+
+
+def _labeled_text(tok, ids: list[int], labels: list[int]) -> tuple[str, str]:
+    """(text of the labeled tokens, text of the others), each decoded as one run."""
+    on = [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX]
+    off = [t for t, lab in zip(ids, labels, strict=True) if lab == IGNORE_INDEX]
+    return tok.decode(on), tok.decode(off)
+
+
+def test_prompt_completion_mask_is_exact(tok, tmp_path):
+    path = _write(tmp_path / "d.jsonl", [json.dumps({"prompt": "what is 2+2=", "completion": "4"})])
+    (record,) = read_jsonl(path)
+    ids, labels = encode(tok, record)
+    prompt = tok("what is 2+2=", add_special_tokens=False)["input_ids"]
+    answer = tok("4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ids == prompt + answer
+    assert labels == [IGNORE_INDEX] * len(prompt) + answer
+    assert _labeled_text(tok, ids, labels) == ("4<|endoftext|>", "what is 2+2=")
+
+
+def test_messages_mask_covers_exactly_the_assistant_turns(tok, tmp_path):
+    messages = [
+        {"role": "system", "content": "hello"},
+        {"role": "user", "content": "what is 2+2"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "there"},
+        {"role": "assistant", "content": "ant"},
+    ]
+    path = _write(tmp_path / "d.jsonl", [json.dumps({"messages": messages})])
+    (record,) = read_jsonl(path)
+    ids, labels = encode(tok, record)
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False)
+    # label runs, in order: each assistant content with its end-of-turn text, nothing else
+    runs, cur = [], []
+    for t, lab in zip(ids, labels, strict=True):
+        if lab != IGNORE_INDEX:
+            assert lab == t
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    if cur:
+        runs.append(tok.decode(cur))
+    assert runs == ["4<|im_end|>\n", "ant<|im_end|>\n"]
+    # each assistant span starts where the generation prompt of its prefix ends
+    prefix = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    first = next(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
+    assert tok.decode(ids[:first]) == prefix
+
+
+def test_dataset_rows_are_right_padded(tok, tmp_path):
+    lines = [
+        json.dumps({"prompt": "what is 2+2=", "completion": "4"}),
+        "",  # blank lines are skipped
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4"}]}),
+    ]
+    data = JsonlDataset(_write(tmp_path / "d.jsonl", lines), tok, seq_len=24)
+    assert len(data) == 2
+    for i in range(2):
+        item = data[i]
+        n = int(item["attention_mask"].sum())
+        assert item["attention_mask"][:n].eq(1).all() and item["attention_mask"][n:].eq(0).all()
+        assert item["labels"][n:].eq(IGNORE_INDEX).all()
+        assert item["input_ids"][n:].eq(tok.pad_token_id).all()
+        assert (item["labels"][:n] != IGNORE_INDEX).any()
+    assert data.input_ids.shape == (2, 24) and data.input_ids.dtype == torch.int64
+
+
+def _error(tmp_path, tok, lines, seq_len=64, name="bad.jsonl") -> str:
+    path = _write(tmp_path / name, lines)
+    with pytest.raises(DataError) as err:
+        JsonlDataset(path, tok, seq_len)
+    return str(err.value)
+
+
+GOOD = json.dumps({"prompt": "what is 2+2=", "completion": "4"})
+
+
+def test_missing_file(tok, tmp_path):
+    path = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="no such file") as err:
+        JsonlDataset(path, tok, 64)
+    assert str(err.value).startswith(f"{path}: ")
+
+
+def test_empty_file(tok, tmp_path):
+    msg = _error(tmp_path, tok, ["", "  "])
+    assert msg.startswith(str(tmp_path / "bad.jsonl") + ": ") and "empty file" in msg
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ('{"prompt": "a", ', "invalid JSON"),
+        (json.dumps({"text": "a"}), "neither schema"),
+        (json.dumps([1, 2]), "expected a JSON object"),
+        (json.dumps({"messages": [{"role": "robot", "content": "a"}]}), "unknown role 'robot'"),
+        (json.dumps({"messages": [{"role": "user", "content": "a"}]}), "no assistant message"),
+        (json.dumps({"messages": [{"role": "user"}]}), 'string "role" and "content"'),
+        (json.dumps({"prompt": 1, "completion": "a"}), "must be strings"),
+        (b'{"prompt": "caf\xe9", "completion": "a"}', "not valid UTF-8"),
+    ],
+)
+def test_bad_line_names_file_and_line(tok, tmp_path, line, needle):
+    msg = _error(tmp_path, tok, [GOOD, "", line, GOOD])
+    assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:3: "), msg
+    assert needle in msg
+
+
+def test_too_long_is_refused(tok, tmp_path):
+    long = json.dumps({"prompt": "what is 2+2=" * 10, "completion": "4"})
+    msg = _error(tmp_path, tok, [GOOD, long], seq_len=16)
+    assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:2: ") and "longer than --seq-len 16" in msg
+
+
+def test_messages_need_a_chat_template(tmp_path):
+    tok = _tokenizer(chat_template=None)
+    chat = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    msg = _error(tmp_path, tok, [GOOD, chat])
+    assert msg.startswith(f"{tmp_path / 'bad.jsonl'}:2: ") and "no chat template" in msg
+
+
+def test_cli_reports_bad_data_before_training(tok, tmp_path, capsys):
+    model = tmp_path / "model"
+    tok.save_pretrained(model)
+    bad = _write(tmp_path / "train.jsonl", [GOOD, "{oops"])
+    assert main(["--model", str(model), "--data", bad, "--devices", "1"]) == 2
+    assert f"{bad}:2: invalid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--data", "x.jsonl"],
+        ["--export", "out"],
+        ["--val-data", "v.jsonl"],
+        ["--model", "m", "--data", "x", "--seq-len", "1"],
+    ],
+)
+def test_cli_flag_combinations(argv):
+    with pytest.raises(SystemExit):
+        main(argv)
