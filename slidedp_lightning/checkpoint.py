@@ -18,7 +18,12 @@ with ``torch.load(weights_only=True)``, and DCP's own pickled ``.metadata`` is c
 records before DCP unpickles it (:class:`~slidedp_lightning.runtime.compat.CheckedFileSystemReader`). What of
 Lightning's checkpoint has no such form (an arbitrary object in a callback's state or the hyper-parameters)
 is refused at save. Everything is written into a hidden sibling directory first; rank 0 swaps it into place
-only after every rank finished, so an interrupted save leaves the previous checkpoint whole.
+only after every rank finished, so an interrupted save leaves the previous checkpoint whole. The hidden directories
+are named after global rank 0's process (``.<name>.tmp-<host>-<pid>-<start time>-<random>``): one that a killed
+save left behind is removed by the next save to the same path once that process is gone (never one of a live
+process, nor one written from another host, whose processes this one cannot see). A path that is a symbolic link
+is written at the link's target, as a file written through a link would be: the link stays and names the new
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,6 +48,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from slidedp_lightning.runtime.compat import CheckedFileSystemReader
+from slidedp_lightning.runtime.host_state import format_bytes, process_start_time
 
 log = logging.getLogger(__name__)
 
@@ -353,9 +360,12 @@ def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[bytes, bytes]:
 
 
 def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write ``checkpoint`` (Lightning's dict, without the tensors the ledger holds) and the ledger to ``path``."""
-    path = Path(_agree(engine, str(path)))
-    tmp = path.with_name(f".{path.name}.tmp-{_agree(engine, uuid.uuid4().hex[:8])}")
+    """Write ``checkpoint`` (Lightning's dict, without the tensors the ledger holds) and the ledger to ``path``
+    (a symbolic link's target)."""
+    path = Path(_agree(engine, str(write_target(Path(path)))))
+    tmp = Path(_agree(engine, str(_hidden(path, "tmp"))))
+    if engine.topology.global_rank == 0:
+        remove_stale_saves(path)
     engine.synchronize()
     files, failed = None, None
     if engine.topology.global_rank == 0:  # before any rank writes: what cannot be stored stops every rank
@@ -390,15 +400,81 @@ def _hf_configs(model) -> dict[str, dict]:
     return out
 
 
+def write_target(path: Path) -> Path:
+    """Where a save to ``path`` goes: ``path``, or the final target of the symbolic link it is."""
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path))
+    log.info("SlideDP checkpoint path %s is a symbolic link: writing the checkpoint at its target %s", path, target)
+    return target
+
+
+def _hidden(path: Path, kind: str) -> Path:
+    """A hidden sibling of ``path`` (``kind``: "tmp" for a save being written, "old" for the checkpoint it
+    replaces), named after this process so that :func:`remove_stale_saves` can tell whether its writer lives."""
+    pid = os.getpid()
+    return path.with_name(f".{path.name}.{kind}-{_host()}-{pid}-{process_start_time(pid)}-{uuid.uuid4().hex[:8]}")
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname()) or "host"
+
+
+def remove_stale_saves(path: Path) -> list[Path]:
+    """Remove the hidden directories that saves to ``path`` killed midway left behind: those whose writing process
+    (on this host) is gone. A live process's, another host's and an unnamed one are kept; so is a replaced checkpoint
+    (``.old-``) while ``path`` itself is missing (a save killed between its two renames: the only whole copy)."""
+    removed: list[Path] = []
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    host = _host()
+    for entry in entries:
+        kind = next((k for k in ("tmp", "old") if entry.name.startswith(f".{path.name}.{k}-")), None)
+        if kind is None:
+            continue
+        parts = entry.name[len(f".{path.name}.{kind}-") :].rsplit("-", 3)
+        if len(parts) != 4 or parts[0] != host or not parts[1].isdigit() or parts[2] == "None":
+            log.debug("SlideDP: keeping %s (its writer cannot be checked from this process)", entry)
+            continue
+        if process_start_time(int(parts[1])) == parts[2]:
+            continue  # a save that is still running
+        if kind == "old" and not path.exists():
+            log.warning("SlideDP: %s is the previous checkpoint of %s, which is missing: keeping it", entry, path)
+            continue
+        size = _tree_bytes(entry)
+        try:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        except OSError as err:
+            log.warning("SlideDP: could not remove %s, left by an interrupted save: %s", entry, err)
+            continue
+        removed.append(entry)
+        log.warning(
+            "SlideDP removed %s (%s), left by a save to %s whose process (pid %s) is gone",
+            entry.name,
+            format_bytes(size),
+            path,
+            parts[1],
+        )
+    return removed
+
+
+def _tree_bytes(path: Path) -> int:
+    if not path.is_dir() or path.is_symlink():
+        return path.lstat().st_size
+    return sum(f.lstat().st_size for f in path.rglob("*") if not f.is_dir())
+
+
 def _swap_in(tmp: Path, path: Path) -> None:
     """Put the finished ``tmp`` at ``path``; the previous checkpoint there goes only once it is replaced."""
     old = None
     if path.exists() or path.is_symlink():
-        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        old = _hidden(path, "old")
         os.replace(path, old)
     os.replace(tmp, path)
     if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
 def load(engine, path: str | os.PathLike) -> dict[str, Any]:

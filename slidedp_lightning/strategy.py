@@ -26,12 +26,13 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning import export
+from slidedp_lightning import export, process_groups, signals
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.callbacks import LaneTrace
 from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, ParamRoute, UpdateMode
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _LOADED = "_slidedp_loaded_into_ledger"
+# hooks that run after backward, where SlideDP's parameters hold no gradient (it went to host memory)
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
 
 def process_group_backend_for(device: torch.device, requested: str | None = None) -> str:
@@ -119,7 +122,10 @@ class SlideDPStrategy(ParallelStrategy):
         timeout: process-group timeout; also bounds every wait on another rank.
 
     After fit/validate the LightningModule gets ordinary FP32 CPU parameters again when the copies fit in half of
-    the free host memory (else they stay on the meta device, with a warning). Lane tracing: the
+    the free host memory (else they stay on the meta device, with a warning). Parameters never hold gradients
+    after backward: with deferred updates, ``last_grad_norm`` is the global gradient norm of the last optimizer
+    step (read it in ``on_train_batch_end``); manual optimization and hooks that would read ``.grad``
+    (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) are refused at setup. Lane tracing: the
     :class:`~slidedp_lightning.LaneTrace` callback; the loss in chunks: :func:`~slidedp_lightning.use_chunked_loss`.
     """
 
@@ -167,6 +173,10 @@ class SlideDPStrategy(ParallelStrategy):
         self.topology: Topology | None = None
         self.engine: SlideDPEngine | None = None
         self._released_steps = 0  # optimizer steps of the last engine, whose state went with its ledger
+        self._failed = False  # on_exception was called in this run: teardown waits on no other rank
+        self._signals = signals.SignalGuard(lambda: f"rank {self.global_rank} (pid {os.getpid()})", self._launched)
+        # deferred updates: the global gradient norm of the last optimizer step (None under immediate updates)
+        self.last_grad_norm: float | None = None
 
     @classmethod
     @override
@@ -251,9 +261,13 @@ class SlideDPStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
+        self._failed = False
+        if dist.is_initialized():
+            return  # the user's group (or, after a failed run, SlideDP's own: destroyed at the next good teardown)
         _init_dist_connection(
             self.cluster_environment, process_group_backend_for(self.root_device), timeout=self._timeout
         )
+        process_groups.claim_default_group(self.cluster_environment.main_address, self.cluster_environment.main_port)
 
     def _topology(self) -> Topology:
         """Every process group the runtime uses, created once per process (collectively, on every rank)."""
@@ -275,6 +289,8 @@ class SlideDPStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            refuse_what_cannot_see_gradients(trainer)
         config = self.options.engine_config(
             clipping=fitting and bool(trainer.gradient_clip_val),
             scales_loss=self.precision_plugin.scales_loss,
@@ -346,6 +362,7 @@ class SlideDPStrategy(ParallelStrategy):
         clip_norm = float(clip_val) if clip_val and algorithm != "value" else None
         clip_value = float(clip_val) if clip_val and algorithm == "value" else None
         stepped = self.engine.end_step(clip_norm, clip_value, self.precision_plugin.unscale_factor())
+        self.last_grad_norm = self.engine.last_grad_norm
         self.precision_plugin.update_scale(found_inf=self.engine.skipped)
         if stepped:
             # the step ran on the CPU update lane, not in optimizer.step(); tell torch's LR schedulers it happened
@@ -465,22 +482,93 @@ class SlideDPStrategy(ParallelStrategy):
             return
         self.engine.load_optimizer_state_dict(self.optimizers[0], states[0])
 
-    # -- teardown ------------------------------------------------------------------------------------
+    # -- signals, failures, teardown -----------------------------------------------------------------
+    @override
+    def on_train_start(self) -> None:
+        self._signals.install()  # after Lightning registered its own handlers (see slidedp_lightning.signals)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._signals.install()
+
+    @override
+    def on_test_start(self) -> None:
+        self._signals.install()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._signals.install()
+
+    def _launched(self) -> list[Any]:
+        """The rank processes this one started (the script launcher's local rank 0), still running or not."""
+        launcher = self.launcher
+        return list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
+
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
         if self.engine is not None:
+            stuck = self.engine.peer_states()
+            if stuck:
+                log.error("SlideDP rank %d failed (%s); %s.", self.global_rank, type(exception).__name__, stuck)
             self.engine.abort()
 
     @override
     def teardown(self) -> None:
+        """Close the engine, then destroy the process groups of the run: the runtime's own groups, and the default
+        group when this strategy created it (at the very end), so that no collective backend's thread is left to
+        interpreter shutdown. After a failure the groups are left to the process's exit (see
+        :func:`~slidedp_lightning.process_groups.destroy_default_group`), and the rank processes this one launched
+        that are stopped are killed when it exits (they could never notice the failure)."""
+        self._signals.hold()
         if self.engine is not None:
             self._released_steps = self.engine.step
             self.engine.close()
             self.engine = None
-        self.topology = None  # no reference to the runtime's process groups outlives the run
+        topology, self.topology = self.topology, None  # no reference to the runtime's groups outlives the run
+        if topology is not None and not self._failed:
+            topology.destroy_groups()
+        del topology
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        process_groups.destroy_default_group(self._timeout.total_seconds(), peers_alive=not self._failed)
+        if self._failed:
+            signals.kill_stopped_at_exit([p for p in self._launched() if p.poll() is None])
+        self._signals.release()
+
+
+def refuse_what_cannot_see_gradients(trainer: pl.Trainer) -> None:
+    """Before any ledger exists: refuse what would silently do nothing because SlideDP moves every gradient to host
+    memory as it is produced (parameters never hold a ``.grad`` after backward) and runs the optimizer step itself:
+    manual optimization, and hooks that run after backward (gradient-norm logging, checks, custom clipping)."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"{type(module).__name__} sets automatic_optimization = False. SlideDP runs the optimizer step itself: "
+            "each gradient leaves the device for host memory as it is produced and the CPU updates each unit as soon "
+            "as its gradient is reduced, so under manual optimization it could not follow manual_backward, "
+            "optimizer.step(), zero_grad(), self.clip_gradients() or skipped steps as you call them. Use automatic "
+            "optimization (return the loss from training_step) with Trainer(accumulate_grad_batches=N) for "
+            "accumulation and Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value') for "
+            "clipping; with deferred updates (update='deferred', or clipping) a step with a non-finite gradient is "
+            "skipped on every rank and trainer.strategy.last_grad_norm holds each step's global gradient norm."
+        )
+    hooks = (*_GRADIENT_HOOKS, "configure_gradient_clipping")
+    found = [f"{type(module).__name__}.{h}" for h in hooks if is_overridden(h, module)]
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    found += [f"{type(cb).__name__}.{h}" for cb in callbacks for h in _GRADIENT_HOOKS if is_overridden(h, cb)]
+    if found:
+        raise ValueError(
+            f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} overridden, but under SlideDP every "
+            "parameter's .grad is None in on_after_backward and on_before_optimizer_step (each gradient goes to host "
+            "memory as soon as it is produced, and the engine clips and applies it), so gradient-norm logging "
+            "(lightning.pytorch.utilities.grad_norm), gradient checks or custom clipping there would silently do "
+            "nothing. Clip with Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value'); read the "
+            "global gradient norm of the last step from trainer.strategy.last_grad_norm (deferred updates: "
+            "update='deferred', or clipping), e.g. in on_train_batch_end; move work that needs no gradient to "
+            "another hook (on_train_batch_start, on_train_batch_end)."
+        )

@@ -29,13 +29,13 @@ from slidedp_lightning.runtime.activations import ActivationManager
 from slidedp_lightning.runtime.build import InitialWeights, ledger_geometry, open_ledger, resolve_auto_routes
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.grads import GradRoute
-from slidedp_lightning.runtime.host_state import LedgerStats, available_host_bytes, trim_host_heap
+from slidedp_lightning.runtime.host_state import LedgerStats, available_host_bytes, format_bytes, trim_host_heap
 from slidedp_lightning.runtime.lanes import make_lanes
 from slidedp_lightning.runtime.layout import build_layout
 from slidedp_lightning.runtime.params import UnitResidency
 from slidedp_lightning.runtime.state import LedgerState, UnsupportedLayoutError
 from slidedp_lightning.runtime.step import StepDriver
-from slidedp_lightning.runtime.sync import Liveness, set_lane_delay, wait_until
+from slidedp_lightning.runtime.sync import Liveness, peer_states, set_lane_delay, wait_until
 from slidedp_lightning.runtime.topology import Topology
 from slidedp_lightning.runtime.trace import Tracer
 from slidedp_lightning.runtime.update import UpdateLane, validate_optimizer
@@ -87,8 +87,8 @@ class SlideDPEngine:
             stack.callback(ledger.close)
             if device.type == "cuda":
                 ledger.pin()
-            self.liveness = Liveness(
-                pids=lambda: [int(p) for p in ledger.pids if p != os.getpid()],
+            self.liveness = Liveness(  # the pids of the ranks that map this ledger, by rank, 0 for this one
+                pids=lambda: [0 if p == os.getpid() else int(p) for p in ledger.pids],
                 timeout_s=config.timeout_s,
                 own_error=self._lane_error,
             )
@@ -169,15 +169,14 @@ class SlideDPEngine:
                     f"{torch.get_num_threads()}); a CPU kernel ran on the training thread"
                 )
             self._teardown = stack.pop_all()
-        gib = 1 << 30
         log.log(
             logging.INFO if topology.global_rank == 0 else logging.DEBUG,
-            "SlideDP %s: %d units, %s params, ledger %.3f GiB in shared memory (%.2f B/param), route %s/%s, "
+            "SlideDP %s: %d units, %s params, ledger %s in shared memory (%.2f B/param), route %s/%s, "
             "window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
             topology.describe(),
             len(layout.units),
             f"{layout.num_params:,}",
-            geometry.nbytes / gib,
+            format_bytes(geometry.nbytes),
             geometry.nbytes / layout.num_params,
             config.param_route,
             config.grad_route,
@@ -318,6 +317,10 @@ class SlideDPEngine:
         self.step = step
 
     # -- teardown -------------------------------------------------------------------------------------
+    def peer_states(self) -> str:
+        """The ranks of this host that cannot be making progress (dead, stopped), as a sentence; empty if none."""
+        return peer_states(self.liveness.pids()) if self.liveness is not None else ""
+
     def abort(self) -> None:
         """After an error: stop waiting on other ranks; teardown will not synchronize."""
         self._aborted = True
@@ -332,12 +335,12 @@ class SlideDPEngine:
         if need < available // 2:
             return True
         log.warning(
-            "SlideDP: not restoring the module's parameters after training (%d ranks x %.1f GiB of FP32 copies "
-            "would exceed half of the %.1f GiB available); they are left on the meta device. Save a checkpoint "
+            "SlideDP: not restoring the module's parameters after training (%d ranks x %s of FP32 copies "
+            "would exceed half of the %s available); they are left on the meta device. Save a checkpoint "
             "(ModelCheckpoint) or export with SaveHuggingFace to keep the weights.",
             self.topology.ranks_per_host,
-            self.layout.num_params * 4 / (1 << 30),
-            available / (1 << 30),
+            format_bytes(self.layout.num_params * 4),
+            format_bytes(available),
         )
         return False
 

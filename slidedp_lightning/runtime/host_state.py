@@ -24,7 +24,35 @@ SHM_ENV = "SLIDEDP_SHM_DIR"  # where ledgers are created (default /dev/shm); any
 
 
 def shm_dir() -> str:
-    return os.environ.get(SHM_ENV, "/dev/shm")
+    """The directory ledgers are created in: ``$SLIDEDP_SHM_DIR``, checked to be a writable directory, or
+    /dev/shm. A bad value raises an error that names the variable."""
+    value = os.environ.get(SHM_ENV)
+    if value is None:
+        return "/dev/shm"
+    if not value.strip():
+        raise ValueError(f"{SHM_ENV} is set but empty; unset it (ledgers go to /dev/shm) or name a local directory.")
+    if not os.path.isdir(value):
+        what = "does not exist" if not os.path.exists(value) else "is not a directory"
+        raise FileNotFoundError(
+            f"{SHM_ENV}={value!r} {what}: SlideDP creates its host ledgers there. Point {SHM_ENV} at an existing local "
+            "directory that every rank of the host can reach (a tmpfs such as /dev/shm is fastest), or unset it."
+        )
+    if not os.access(value, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"{SHM_ENV}={value!r} is not writable by this process (uid {os.getuid()}): SlideDP creates its host "
+            f"ledgers there. Pick a directory it may create files in, or unset {SHM_ENV}."
+        )
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit up to GiB that keeps the number at least 1: "512 B", "1.50 KiB",
+    "3.00 MiB", "1490.12 GiB"."""
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"
 
 
 def trim_host_heap() -> bool:
@@ -43,7 +71,7 @@ def trim_host_heap() -> bool:
         return False
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """A process's start time in clock ticks since boot (with the pid, an identity that survives pid reuse)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -58,7 +86,7 @@ def ledger_path(job: str) -> str:
 
     pid = os.getpid()
     safe = "".join(c if c.isalnum() else "_" for c in job)[:40] or "job"
-    return os.path.join(shm_dir(), f"slidedp-{safe}-{pid}-{_start_time(pid)}-{uuid.uuid4().hex[:8]}-ledger")
+    return os.path.join(shm_dir(), f"slidedp-{safe}-{pid}-{process_start_time(pid)}-{uuid.uuid4().hex[:8]}-ledger")
 
 
 def remove_stale_ledgers(directory: str | None = None) -> list[str]:
@@ -78,7 +106,7 @@ def remove_stale_ledgers(directory: str | None = None) -> list[str]:
             pid, started = int(parts[-4]), parts[-3]
         except ValueError:
             continue
-        if _start_time(pid) == started:
+        if process_start_time(pid) == started:
             continue  # its creator is alive: a running job's ledger
         path = os.path.join(directory, name)
         try:
@@ -88,12 +116,20 @@ def remove_stale_ledgers(directory: str | None = None) -> list[str]:
             continue
         removed.append(path)
         log.warning(
-            "SlideDP removed a stale ledger of a dead job (creator pid %d is gone): %s, %.2f GiB",
+            "SlideDP removed a stale ledger of a dead job (creator pid %d is gone): %s, %s",
             pid,
             path,
-            size / (1 << 30),
+            format_bytes(size),
         )
     return removed
+
+
+def _where_ledgers_go(err: OSError, path: str) -> OSError:
+    """``err`` (creating the ledger file ``path``) again, saying where the directory came from."""
+    source = (
+        f"{SHM_ENV}={os.environ[SHM_ENV]!r}" if SHM_ENV in os.environ else f"the default /dev/shm ({SHM_ENV} unset)"
+    )
+    return type(err)(err.errno, f"SlideDP cannot create its host ledger {path} in {source}: {err.strerror}")
 
 
 class HostMemoryError(MemoryError):
@@ -178,9 +214,8 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float =
     mem, shm = available_host_bytes()
     have = min(mem, shm)
     if need > have:
-        gib = 1 << 30
         raise HostMemoryError(
-            f"SlideDP needs {need / gib:.2f} GiB of host shared memory for "
+            f"SlideDP needs {format_bytes(need)} of host shared memory for "
             + (
                 f"{copies} ledgers (param_route='replicated': one per rank) "
                 if copies > 1
@@ -189,9 +224,9 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float =
                 else f"this host's {copies:.3g} of the ledger "
             )
             + f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
-            + (f" + {geometry.staging_bytes / gib:.2f} GiB host_reduce staging" if geometry.staging_bytes else "")
-            + f"), but only {have / gib:.2f} GiB is available (MemAvailable {mem / gib:.2f} GiB, "
-            f"{shm_dir()} free {shm / gib:.2f} GiB). Free host memory, enlarge {shm_dir()} (mount -o remount,size=...) "
+            + (f" + {format_bytes(geometry.staging_bytes)} host_reduce staging" if geometry.staging_bytes else "")
+            + f"), but only {format_bytes(have)} is available (MemAvailable {format_bytes(mem)}, "
+            f"{shm_dir()} free {format_bytes(shm)}). Free host memory, enlarge {shm_dir()} (mount -o remount,size=...) "
             f"or point {SHM_ENV} at a local directory with room"
             + ("; param_route='full' or 'sharded' keeps one ledger per host" if copies > 1 else "")
             + ("; grad_route='gpu_reduce' needs no staging slots" if geometry.staging_bytes else "")
@@ -215,7 +250,10 @@ class HostLedger:
         self.geometry = geometry
         self.owner = create
         if create:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except OSError as err:
+                raise _where_ledgers_go(err, path) from err
             try:
                 os.ftruncate(fd, geometry.nbytes)
             finally:
@@ -273,8 +311,8 @@ class HostLedger:
         self._pinned = code == 0
         if not self._pinned:
             log.warning(
-                "cudaHostRegister of the %.2f GiB ledger failed (cudaError %s); copies will be synchronous",
-                self.geometry.nbytes / (1 << 30),
+                "cudaHostRegister of the %s ledger failed (cudaError %s); copies will be synchronous",
+                format_bytes(self.geometry.nbytes),
                 code,
             )
         return self._pinned

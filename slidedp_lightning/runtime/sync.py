@@ -35,7 +35,31 @@ class Liveness:
                         f"rank {rank} (pid {pid}) of this host died while this rank waited for {what}; stopping."
                     )
         if now - started > self.timeout_s:
-            raise PeerFailure(f"timed out after {self.timeout_s:.0f} s waiting for {what}; a peer rank is stuck.")
+            stuck = peer_states(self.pids()) or "a peer rank is stuck"
+            raise PeerFailure(f"timed out after {self.timeout_s:.0f} s waiting for {what}; {stuck}.")
+
+
+_STATES = {"T": "stopped (SIGSTOP or a job-control stop)", "t": "stopped by a debugger", "D": "in uninterruptible I/O"}
+
+
+def peer_states(pids: list[int]) -> str:
+    """The ranks of ``pids`` (indexed by rank, 0 = not watched) that cannot be making progress, e.g. "rank 1 (pid
+    4242) is stopped (SIGSTOP or a job-control stop)"; empty when every one runs or sleeps normally."""
+    out = []
+    for rank, pid in enumerate(pids):
+        if pid <= 0:
+            continue
+        if not _pid_alive(pid):
+            out.append(f"rank {rank} (pid {pid}) of this host is dead")
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in _STATES:
+            out.append(f"rank {rank} (pid {pid}) of this host is {_STATES[state]}")
+    return "; ".join(out)
 
 
 def _pid_alive(pid: int) -> bool:

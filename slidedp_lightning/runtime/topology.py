@@ -13,7 +13,8 @@ of its own and owns every unit whole.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -39,6 +40,9 @@ class Topology:
     cross: ProcessGroup | None = None  # several hosts, full ledgers: this local rank's peers on the other hosts
     leaders: ProcessGroup | None = None  # local rank 0 of every host (on those ranks only)
     param_group: ProcessGroup | None = None  # the shard ranks again, for the H2D lane's all-gathers
+    # every group :meth:`build` created that this rank is a member of (other hosts' groups included): what
+    # :meth:`destroy_groups` destroys
+    created: tuple[ProcessGroup, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.local_rank < self.ranks_per_host:
@@ -75,12 +79,20 @@ class Topology:
             return cls(global_rank, local_rank, ranks_per_host, hosts, host, host_layout, ledger_per_rank)
         if not dist.is_initialized():
             raise RuntimeError(f"a SlideDP job of {world_size} ranks needs an initialized torch.distributed group.")
+        created: list[ProcessGroup] = []
+
+        def new_group(ranks: list[int]) -> ProcessGroup | None:
+            group = dist.new_group(ranks)
+            if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+                created.append(group)  # a rank outside ``ranks`` gets a placeholder that holds nothing
+            return group
+
         world = dist.group.WORLD
         host_group, cross, leaders = world, None, None
         if hosts > 1:
-            per_host = [dist.new_group(list(range(h * ranks_per_host, (h + 1) * ranks_per_host))) for h in range(hosts)]
-            crosses = [dist.new_group([h * ranks_per_host + r for h in range(hosts)]) for r in range(ranks_per_host)]
-            leaders_group = dist.new_group([h * ranks_per_host for h in range(hosts)])
+            per_host = [new_group(list(range(h * ranks_per_host, (h + 1) * ranks_per_host))) for h in range(hosts)]
+            crosses = [new_group([h * ranks_per_host + r for h in range(hosts)]) for r in range(ranks_per_host)]
+            leaders_group = new_group([h * ranks_per_host for h in range(hosts)])
             host_group = per_host[host]
             cross = crosses[local_rank] if host_layout == "replicated" else None
             leaders = leaders_group if local_rank == 0 else None
@@ -98,20 +110,32 @@ class Topology:
             leaders,
         )
         if param_group and out.shard_world > 1:
-            out = replace(out, param_group=out._new_shard_group())
-        return out
+            out = replace(out, param_group=out._new_shard_group(new_group))
+        return replace(out, created=tuple(created))
 
-    def _new_shard_group(self) -> ProcessGroup | None:
+    def _new_shard_group(self, new_group: Callable[[list[int]], ProcessGroup | None]) -> ProcessGroup | None:
         """A second group of the shard ranks (every rank creates every host's group, in host order)."""
         if self.host_layout == "sharded" or self.hosts == 1:
-            return dist.new_group(list(range(self.world_size)))
+            return new_group(list(range(self.world_size)))
         size = self.ranks_per_host
-        groups = [dist.new_group(list(range(h * size, (h + 1) * size))) for h in range(self.hosts)]
+        groups = [new_group(list(range(h * size, (h + 1) * size))) for h in range(self.hosts)]
         return groups[self.host]
 
     def released(self) -> Topology:
         """The same arithmetic without references to process groups (kept by closed engines)."""
-        return replace(self, world=None, host_group=None, cross=None, leaders=None, param_group=None)
+        return replace(self, world=None, host_group=None, cross=None, leaders=None, param_group=None, created=())
+
+    def destroy_groups(self) -> Topology:
+        """Destroy every group :meth:`build` created (never the default group, which is not the runtime's); returns
+        :meth:`released`. Local, no collective: call it once no rank issues collectives on these groups any more.
+        A group's threads end when its last reference goes, so the caller drops its own references too."""
+        if dist.is_initialized():  # else the default group's destruction took every group with it
+            for group in self.created:
+                try:
+                    dist.destroy_process_group(group)
+                except ValueError:  # destroyed already (by whoever destroyed it first)
+                    log.debug("SlideDP: process group %r was destroyed already", group)
+        return self.released()
 
     # -- the whole job --------------------------------------------------------------------------------
     @property

@@ -1,0 +1,119 @@
+"""Ending a SlideDP job promptly: SIGTERM and SIGINT during a run, and the ranks a failed launching rank leaves
+behind.
+
+Lightning's SIGTERM handler broadcasts over the default process group inside the signal handler, in the middle of
+whatever collective the rank was running; with the other ranks in a different collective (or one rank signalled
+alone) both can wait for the whole process-group timeout. A SIGINT becomes Lightning's silent KeyboardInterrupt
+shutdown on a rank other than 0. During a SlideDP run :class:`SignalGuard` takes both signals: the signalled rank
+says so, forwards the signal to the ranks it launched (as Lightning's handler does) and stops at once with
+:class:`SignalExit`, without a collective; the other ranks see it gone (dead pid, closed connections) and stop too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GUARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+class SignalExit(SystemExit):
+    """This rank received a termination signal during a SlideDP run; exit status 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class SignalGuard:
+    """SIGTERM handling for the length of one run (``install`` at the start of a stage, ``release`` at the end of
+    teardown). ``describe()`` names this rank in the message; ``children()`` are the rank processes this one
+    launched. While holding (teardown), a signal is only recorded, and raised once teardown is done."""
+
+    def __init__(self, describe: Callable[[], str], children: Callable[[], list[subprocess.Popen]]) -> None:
+        self._describe, self._children = describe, children
+        self._previous: dict[int, Any] = {}
+        self._state = "off"  # off | armed | holding (teardown, nothing raised yet) | stopping (raised)
+        self._pending: int | None = None
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> None:
+        """Take over the guarded signals (main thread only: elsewhere Python cannot set handlers)."""
+        if self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        self._state, self._pending = "armed", None
+        for signum in GUARDED:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def hold(self) -> None:
+        """From now on (teardown) a signal is recorded, not raised: the run is ending anyway."""
+        if self._state == "armed":
+            self._state = "holding"
+
+    def release(self) -> None:
+        """Give the signals back to the handlers they had before :meth:`install`; raise :class:`SignalExit` if one
+        arrived while holding."""
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        state, pending, self._state, self._pending = self._state, self._pending, "off", None
+        if state == "holding" and pending is not None:
+            raise SignalExit(pending)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._state in ("stopping", "off") or self._pending is not None:
+            return  # stopping already: a second signal must not interrupt the teardown the first one started
+        for proc in self._children():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        if self._state == "holding":
+            self._pending = signum
+            return
+        self._state = "stopping"
+        log.error(
+            "SlideDP: %s received %s: stopping this rank now, without a collective (the other ranks stop when they "
+            "see it gone).",
+            self._describe(),
+            signal.Signals(signum).name,
+        )
+        raise SignalExit(signum)
+
+
+def kill_stopped_at_exit(procs: list[subprocess.Popen]) -> None:
+    """At this process's exit, SIGKILL (and reap) the processes of ``procs`` that are stopped (SIGSTOP or a
+    job-control stop): they cannot notice that the job ended, and would be left behind forever. Running ones notice
+    this process's exit themselves (and print why)."""
+    if procs:
+        atexit.register(_kill_stopped, list(procs))
+
+
+def _kill_stopped(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is not None or process_state(proc.pid) not in ("T", "t"):
+            continue
+        log.error("SlideDP: the rank process %d is stopped; killing it, since the job has failed.", proc.pid)
+        proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, D, T, t, Z, ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
