@@ -51,6 +51,13 @@ def find_streamed_model(root: nn.Module) -> nn.Module:
     return models.find_streamed_model(root)
 
 
+def _trainable_note(trainable: int, frozen: int) -> str:
+    """The log line's parameter split; frozen parameters still have (unused) moments in the ledger."""
+    if not frozen:
+        return f"{trainable:,} trainable, 0 frozen"
+    return f"{trainable:,} trainable, {frozen:,} frozen: their FP32 master and moments stay allocated, unused"
+
+
 class SlideDPEngine:
     """Owns the ledger, the device buffers, the hooks and the lanes of one rank.
 
@@ -171,11 +178,12 @@ class SlideDPEngine:
             self._teardown = stack.pop_all()
         log.log(
             logging.INFO if topology.global_rank == 0 else logging.DEBUG,
-            "SlideDP %s: %d units, %s params, ledger %s in shared memory (%.2f B/param), route %s/%s, "
+            "SlideDP %s: %d units, %s params (%s), ledger %s in shared memory (%.2f B/param), route %s/%s, "
             "window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
             topology.describe(),
             len(layout.units),
             f"{layout.num_params:,}",
+            _trainable_note(layout.num_trainable, layout.num_params - layout.num_trainable),
             format_bytes(geometry.nbytes),
             geometry.nbytes / layout.num_params,
             config.param_route,
@@ -221,7 +229,8 @@ class SlideDPEngine:
         return self.steps.last_grad_norm
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Validate the user's optimizer and map every parameter to its param group."""
+        """Validate the user's optimizer and map every trainable parameter to its param group (frozen ones, which
+        the optimizer may leave out, get group -1: never updated)."""
         validate_optimizer(optimizer)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         table, missing = [], []
@@ -230,14 +239,17 @@ class SlideDPEngine:
             for slot in unit.slots:
                 module, attr = slot.locations[0]
                 gi = group_of.get(id(getattr(module, attr)))
-                if gi is None:
+                if not slot.trainable:
+                    gi = -1
+                elif gi is None:
                     missing.append(slot.name)
                 row.append(gi if gi is not None else 0)
             table.append(row)
         if missing:
             raise ValueError(
                 f"{len(missing)} trainable parameters are not in the optimizer (e.g. {missing[:3]}). SlideDP "
-                "updates every parameter it streams: pass all of self.parameters() to the optimizer, "
+                "updates every trainable parameter it streams: pass all of them to the optimizer (e.g. "
+                "[p for p in self.parameters() if p.requires_grad]), "
                 "created in configure_optimizers (after the model is built)."
             )
         self.lane.set_groups(table)

@@ -7,6 +7,7 @@ alignment gaps and the padding; the gradient routes (``runtime/grads.py``) reduc
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -14,10 +15,16 @@ from slidedp_lightning.runtime.layout import Unit
 
 
 def _fill_flat(
-    flat: torch.Tensor, unit: Unit, grads: list[torch.Tensor], lo: int = 0, hi: int | None = None, at: int | None = None
+    flat: torch.Tensor,
+    unit: Unit,
+    grads: Sequence[torch.Tensor | None],
+    lo: int = 0,
+    hi: int | None = None,
+    at: int | None = None,
 ) -> None:
     """Write elements [lo, hi) of a unit's flat gradient layout into ``flat`` (zeros in alignment gaps and
-    padding), element ``lo`` at index ``at`` of ``flat`` (default: at ``lo``)."""
+    padding, and in the slots of frozen parameters, whose gradient is None), element ``lo`` at index ``at`` of
+    ``flat`` (default: at ``lo``)."""
     hi = unit.padded if hi is None else hi
     shift = 0 if at is None else lo - at
     for a, b in unit.gaps():
@@ -25,7 +32,11 @@ def _fill_flat(
             flat[max(a, lo) - shift : min(b, hi) - shift].zero_()
     for slot, g in zip(unit.slots, grads):
         a, b = max(slot.offset, lo), min(slot.end, hi)
-        if a < b:
+        if a >= b:
+            continue
+        if g is None:  # a frozen parameter: no gradient
+            flat[a - shift : b - shift].zero_()
+        else:
             src = g.reshape(-1)[a - slot.offset : b - slot.offset]
             flat[a - shift : b - shift].copy_(src, non_blocking=True)
 

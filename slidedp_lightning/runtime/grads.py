@@ -404,7 +404,8 @@ class GradRoute:
                 while landed and lanes.done(landed[0][1]):  # publish what has landed while issuing the rest
                     mark[0] = gen * WATERMARK + landed.pop(0)[0]
         for g in grads:
-            lanes.hand_over(g, "d2h")
+            if g is not None:  # None: a frozen parameter
+                lanes.hand_over(g, "d2h")
         for end, marker in landed:
             lanes.host_wait(marker)
             lane_delay()

@@ -25,6 +25,7 @@ class ParamSlot:
     offset: int  # elements from the unit start
     numel: int
     locations: tuple[tuple[nn.Module, str], ...]  # every (module, attribute) holding it; >1 when tied
+    trainable: bool = True  # False: frozen (requires_grad=False): no gradient, no update, weights untouched
 
     @property
     def end(self) -> int:
@@ -41,6 +42,21 @@ class Unit:
     padded: int  # flat length, a multiple of world_size * SHARD_ALIGN
     offset: int  # element offset of this unit in the ledger arrays
     world_size: int  # owners: ranks that split the unit into shards
+
+    @property
+    def trainable_slots(self) -> int:
+        """Parameters of the unit that receive a gradient in each backward pass."""
+        return sum(s.trainable for s in self.slots)
+
+    @property
+    def has_frozen(self) -> bool:
+        """Some parameter of the unit is frozen."""
+        return self.trainable_slots < len(self.slots)
+
+    @property
+    def frozen(self) -> bool:
+        """Every parameter of the unit is frozen: it is never reduced nor updated."""
+        return not self.trainable_slots
 
     @property
     def shard_numel(self) -> int:
@@ -77,6 +93,10 @@ class Layout:
         return sum(s.numel for u in self.units for s in u.slots)
 
     @property
+    def num_trainable(self) -> int:
+        return sum(s.numel for u in self.units for s in u.slots if s.trainable)
+
+    @property
     def max_unit(self) -> int:
         return max(u.padded for u in self.units)
 
@@ -103,16 +123,11 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
     replicated baseline has a single owner but keeps the same layout, so every mode computes on the same
     memory geometry).
 
-    Raises :class:`UnsupportedModelError` for parameters outside every unit and for frozen parameters.
+    Frozen parameters (``requires_grad=False``) keep their slot (the master holds their weights) with
+    ``trainable=False``. Raises :class:`UnsupportedModelError` for parameters outside every unit.
     """
     names = {id(p): n for n, p in root.named_parameters()}
     locations = _param_locations(root)
-    frozen = [n for n, p in root.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise UnsupportedModelError(
-            f"SlideDP trains every parameter, but {len(frozen)} are frozen (requires_grad=False), e.g. "
-            f"{frozen[:3]}. Unfreeze them, or fine-tune with another strategy until frozen parameters are supported."
-        )
     owner: dict[int, int] = {}
     units: list[Unit] = []
     offset = 0
@@ -125,7 +140,9 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
                     continue
                 owner[id(p)] = len(units)
                 pos = _round_up(pos, PARAM_ALIGN)
-                slots.append(ParamSlot(names[id(p)], tuple(p.shape), pos, p.numel(), tuple(locations[id(p)])))
+                slots.append(
+                    ParamSlot(names[id(p)], tuple(p.shape), pos, p.numel(), tuple(locations[id(p)]), p.requires_grad)
+                )
                 pos += p.numel()
         if not slots:
             continue

@@ -77,7 +77,7 @@ class UnitResidency:
         for unit, buf in zip(self.layout.units, self.buffers):
             for slot in unit.slots:
                 view = buf[slot.offset : slot.end].view(slot.shape)
-                param = nn.Parameter(view, requires_grad=True)
+                param = nn.Parameter(view, requires_grad=slot.trainable)
                 for module, attr in slot.locations:
                     setattr(module, attr, param)
             buf.untyped_storage().resize_(0)  # views keep their geometry; the memory goes until acquire
@@ -92,7 +92,7 @@ class UnitResidency:
                     data = master[start : start + slot.numel].clone().view(slot.shape)
                 else:
                     data = torch.empty(slot.shape, device="meta")
-                param = nn.Parameter(data, requires_grad=True)
+                param = nn.Parameter(data, requires_grad=slot.trainable)
                 for module, attr in slot.locations:
                     setattr(module, attr, param)
 

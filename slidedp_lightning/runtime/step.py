@@ -70,9 +70,11 @@ class StepDriver:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(units)))
         for ui, unit in enumerate(layout.units):
-            for si in range(len(unit.slots)):
+            for si, slot in enumerate(unit.slots):
                 p = residency.param(ui, si)
                 self.slot_of[id(p)] = (ui, si)
+                if not slot.trainable:  # frozen: backward never waits for its gradient
+                    continue
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._reset_step()
 
@@ -84,8 +86,12 @@ class StepDriver:
     # -- per backward pass and per step -------------------------------------------------------------------
     def _reset_backward(self) -> None:
         self._grads: list[list[torch.Tensor | None]] = [[None] * len(u.slots) for u in self.layout.units]
-        self._pending = [len(u.slots) for u in self.layout.units]
+        self._pending = [u.trainable_slots for u in self.layout.units]
         self._callback_queued = False
+        # units with frozen parameters held for backward: their last gradient does not mean their modules'
+        # backward is done (a frozen norm still computes its input gradient from its weight), so each is
+        # released when backward reaches an earlier unit (its input gradient is done) or when the pass ends
+        self._frozen_held: list[int] = []
 
     def _reset_step(self) -> None:
         self._reset_backward()
@@ -135,7 +141,12 @@ class StepDriver:
                 f"accumulate={self.config.accumulate}. Close each step (optimizer_step / end_step) after "
                 f"{self.config.accumulate} backward pass(es), or raise accumulate_grad_batches."
             )
-        done = [self.layout.units[u].name for u in units if self._pending[u] == 0]
+        unit_of = self.layout.units
+        done = [
+            unit_of[u].name
+            for u in units
+            if self._pending[u] == 0 and not unit_of[u].frozen and u not in self._frozen_held
+        ]
         if done:
             # the unit's gradient already went to the update lane and its device buffer is gone: stop before
             # autograd reads it
@@ -145,10 +156,18 @@ class StepDriver:
                 "backward passes); each unit takes part in a forward pass once."
             )
         self._compute_until_now(units[-1])
+        self._release_frozen(keep=units)
         self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
+        self._frozen_held += [u for u in units if unit_of[u].has_frozen and u not in self._frozen_held]
         for u in units:
             self.activations.prefetch(u)
         self._mark = self._stamp()
+
+    def _release_frozen(self, keep: tuple[int, ...] = ()) -> None:
+        """Release the units with frozen parameters held for backward, except ``keep``."""
+        for u in [u for u in self._frozen_held if u not in keep]:
+            self._frozen_held.remove(u)
+            self.residency.release_backward(u)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         ui, si = self.slot_of[id(param)]
@@ -169,7 +188,8 @@ class StepDriver:
 
     def _unit_ready(self, u: int) -> None:
         self._compute_until_now(u)
-        self.residency.release_backward(u)
+        if u not in self._frozen_held:  # otherwise released by _release_frozen
+            self.residency.release_backward(u)
         # complete: _pending[u] reached 0, so every slot holds the gradient its post-accumulate hook collected;
         # the list itself goes to dispatch(), which empties it to free the gradients early
         grads = cast(list[torch.Tensor], self._grads[u])
@@ -212,12 +232,13 @@ class StepDriver:
         self._compute_until_now(0)
         self._mark = None
         self._callback_queued = False
+        self._release_frozen()
         missing = [
             s.name
             for ui, u in enumerate(self.layout.units)
             if self._pending[ui]
             for s, g in zip(u.slots, self._grads[ui])
-            if g is None
+            if g is None and s.trainable
         ]
         if missing:
             raise RuntimeError(
@@ -254,11 +275,24 @@ class StepDriver:
                 "clipping and gradient scaling need update='deferred' (the engine was built with update='immediate')"
             )
         if applied:
+            self._stamp_frozen()
             self.step += 1
             if self.step == 1:  # the first step's one-off allocations (JIT, warm-up) are done
                 trim_host_heap()
         self._reset_step()
         return applied
+
+    def _stamp_frozen(self) -> None:
+        """Wholly frozen units get no update: stamp this rank's shard of each as current for the next step, after
+        the updates queued before (readers of the stamps wait for every unit)."""
+        frozen = [u for u, unit in enumerate(self.layout.units) if unit.frozen]
+        if frozen:
+            version, rank, step = self.lane.ledger.version, self.lane.rank, self.step + 1
+
+            def stamp() -> None:
+                version[frozen, rank] = step
+
+            self.lane.call(stamp)
 
     def _global_norm(self, grad_scale: float) -> float:
         """The exact global norm of the accumulated gradient (float64 sum of squares of every rank's shards)."""
@@ -293,6 +327,8 @@ class StepDriver:
         clamp = clip_value / abs(grad_scale) if clip_value else None  # in the accumulator's (scaled) units
         owner = self.topology.owner_rank
         for u, unit in enumerate(self.layout.units):
+            if unit.frozen:  # no gradient, no update (stamped by end_step)
+                continue
             s0, s1 = unit.shard(owner)
             chunks = self.routes.chunks(s1 - s0)
             for k, (lo, hi) in enumerate(chunks):

@@ -163,7 +163,8 @@ class UpdateLane:
         self._thread.start()
 
     def set_groups(self, group_of_slot: list[list[int]]) -> None:
-        """Precompute, per unit, this rank's shard split into ranges of one param group each."""
+        """Precompute, per unit, this rank's shard split into ranges of one param group each (group -1: frozen
+        parameters, never updated)."""
         self.segments = []
         for unit, groups in zip(self.layout.units, group_of_slot):
             s0, s1 = unit.shard(self.rank)
@@ -307,7 +308,7 @@ class UpdateLane:
         master, exp_avg, exp_avg_sq, bf16 = self._arrays
         for sa, sb, g in self.segments[task.unit]:
             a, b = max(sa, c0), min(sb, c1)
-            if a >= b:
+            if a >= b or g < 0:  # g < 0: frozen parameters keep their weights and moments bit-identical
                 continue
             h = task.hyper[g]
             lo, hi = unit.offset + a, unit.offset + b

@@ -67,6 +67,9 @@ class TinyLM(L.LightningModule):
             use_chunked_loss(self.model, cfg.loss_chunk)
         if cfg.init_from:
             self.load_state_dict(torch.load(cfg.init_from))
+        for name, p in self.model.named_parameters():
+            if any(name.startswith(prefix) for prefix in cfg.freeze or ()):
+                p.requires_grad_(False)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         cfg = self.cfg
@@ -93,8 +96,9 @@ class TinyLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        trainable = [p for p in self.parameters() if p.requires_grad]  # frozen ones (cfg.freeze) left out
+        decay = [p for p in trainable if p.ndim >= 2]
+        no_decay = [p for p in trainable if p.ndim < 2]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.cfg.lr,

@@ -58,6 +58,7 @@ class JobConfig:
     init_from: str | None = None  # a LightningModule state dict to start from
     pretrained: str | None = None  # a save_pretrained directory, loaded with slidedp_lightning.from_pretrained
     loss_chunk: int | None = None  # use_chunked_loss with this chunk
+    freeze: list[str] | None = None  # parameter-name prefixes (of the transformers model) set requires_grad=False
     # data
     num_nodes: int = 1
     data_batches: int | None = None  # batches of data per rank (default: steps)

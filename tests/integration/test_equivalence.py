@@ -6,6 +6,7 @@ Losses per step and rank, and the final weights, within 1e-5 relative (max |a-b|
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -35,12 +36,14 @@ def _compare(ref, got, ranks: int) -> None:
         assert rel <= RTOL, f"{k}: final weights differ by {rel:.2e} relative"
 
 
-def reference(job_runner, tied: bool, devices: int = 2):
+def reference(job_runner, tied: bool, devices: int = 2, **model_knobs):
     strategy = "ddp" if devices > 1 else "single"
     # one process: no DistributedSampler on either side, so both see the loader's own order
     extra = {} if devices > 1 else {"distributed_sampler": False}
+    extra.update(model_knobs)
+    suffix = re.sub(r"[^\w.-]", "", "".join(f"_{k}{v}" for k, v in sorted(model_knobs.items())))
     ref = job_runner(
-        f"ref_{strategy}_tied{int(tied)}",
+        f"ref_{strategy}_tied{int(tied)}{suffix}",
         strategy=strategy,
         devices=devices,
         tied=tied,
@@ -86,7 +89,19 @@ CASES = {
         False,
         {"loss_chunk": 5, "activation_policy": "full@1", "param_route": "sharded"},
     ),
+    # frozen parameters: the reference DDP job freezes the same ones (MODEL_KNOBS)
+    "tied-freeze-embeddings-host_reduce": (True, {"freeze": ["model.embed_tokens."], "grad_route": "host_reduce"}),
+    "untied-freeze-embeddings-sharded": (False, {"freeze": ["model.embed_tokens."], "param_route": "sharded"}),
+    "untied-freeze-middle-block": (False, {"freeze": ["model.layers.1."], "layers": 3}),
+    "untied-freeze-middle-block-sharded-host_reduce": (
+        False,
+        {"freeze": ["model.layers.1."], "layers": 3, "param_route": "sharded", "grad_route": "host_reduce"},
+    ),
 }
+
+# knobs of the model itself, not of the strategy: the reference job takes them too
+MODEL_KNOBS = ("freeze", "layers")
+FROZEN = tuple(c for c in CASES if "freeze" in CASES[c][1])
 
 
 # the one case of the fast tier (pytest -m "not slow"): sharded parameters, host reduction, window 3, tied weights
@@ -102,7 +117,7 @@ def test_two_ranks_equal_ddp_adamw(job_runner, case, tmp_path):
     knobs = dict(knobs)
     if knobs.pop("trace", False):  # tracing on must not change a single number
         knobs["trace_dir"] = str(tmp_path / "trace")
-    ref = reference(job_runner, tied)
+    ref = reference(job_runner, tied, **{k: knobs[k] for k in MODEL_KNOBS if k in knobs})
     got = job_runner(f"slidedp_{case}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
     _assert_ok(got)
     _compare(ref, got, ranks=2)
@@ -172,7 +187,7 @@ ARITHMETIC = ("tied-chunked-loss", "untied-chunked-loss-full-offload")
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "case", sorted(c for c in CASES if c not in ("tied-gpu_reduce", "untied-gpu_reduce") + ARITHMETIC)
+    "case", sorted(c for c in CASES if c not in ("tied-gpu_reduce", "untied-gpu_reduce") + ARITHMETIC + FROZEN)
 )
 def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner, case, tmp_path):
     """Routes, chunking, windows and tracing change where and when the arithmetic runs, never its result."""

@@ -604,15 +604,6 @@ def test_forward_before_end_step_does_not_leave_stale_weights(engines, tied: boo
 # -- setup errors -------------------------------------------------------------------------------------------
 
 
-def test_frozen_parameter_rejected_before_any_ledger() -> None:
-    shm_before = _slidedp_shm()
-    model = tiny_model()
-    model.model.norm.weight.requires_grad_(False)
-    with pytest.raises(UnsupportedModelError, match="requires_grad"):
-        make_engine(model)
-    assert _slidedp_shm() <= shm_before
-
-
 def test_extra_parameter_next_to_the_model_rejected() -> None:
     class LM(nn.Module):
         def __init__(self) -> None:

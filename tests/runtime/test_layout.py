@@ -101,12 +101,15 @@ def test_offsets_padding_shards_and_gaps(tied: bool, world_size: int) -> None:
     assert layout.max_unit == max(u.padded for u in layout.units)
 
 
-def test_frozen_parameter_raises() -> None:
+def test_frozen_parameter_keeps_its_slot_untrainable() -> None:
     model = tiny_model(tied=False)
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
-    with pytest.raises(UnsupportedModelError, match="requires_grad") as info:
-        layout_of(model)
-    assert "model.layers.1.mlp.up_proj.weight" in str(info.value)
+    layout = layout_of(model)
+    frozen = [s.name for _, s in layout.slots() if not s.trainable]
+    assert frozen == ["model.layers.1.mlp.up_proj.weight"]
+    unit = next(u for u in layout.units if u.name == "layers.1")
+    assert unit.has_frozen and not unit.frozen and unit.trainable_slots == len(unit.slots) - 1
+    assert layout.num_trainable == layout.num_params - model.model.layers[1].mlp.up_proj.weight.numel()
 
 
 class Wrapper(nn.Module):
