@@ -152,3 +152,71 @@ def test_frozen_unit_reached_twice_per_step_and_accumulation() -> None:
             assert rel_err(got[name], want[name]) <= 1e-5, name
     finally:
         engine.close()
+
+
+def test_optimizer_state_of_trainable_parameters_round_trips() -> None:
+    """The optimizer state dict holds the trainable parameters only, as torch's AdamW (same frozen set) has it, and
+    loads back; the frozen weights are in the model state dict."""
+    model = tiny_model(False, layers=3)
+    freeze_mix(model)
+    ref = copy.deepcopy(model)
+    engine = SlideDPEngine(model, EngineConfig(), device=CPU, compute_dtype=torch.float32)
+    try:
+        opt = trainable_groups(model)
+        engine.attach_optimizer(opt)
+        ref_opt = trainable_groups(ref)
+        for x in token_batches(3, 2, 16):
+            loss_of(model, x).backward()
+            assert engine.end_step()
+            ref_opt.zero_grad()
+            loss_of(ref, x).backward()
+            ref_opt.step()
+        got, want = engine.optimizer_state_dict(opt), ref_opt.state_dict()
+        assert got["state"].keys() == want["state"].keys()
+        for i, s in want["state"].items():
+            assert int(got["state"][i]["step"]) == int(s["step"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert rel_err(got["state"][i][k], s[k]) <= 1e-5, (i, k)
+        weights = engine.state_dict()
+        assert model.model.norm.weight.requires_grad is False and "model.norm.weight" in weights
+        engine.load_state_dict(weights)
+        engine.load_optimizer_state_dict(opt, got)
+        assert engine.step == 3
+        x = token_batches(1, 2, 16, seed=5)[0]
+        loss_of(model, x).backward()
+        assert engine.end_step()
+        ref_opt.zero_grad()
+        loss_of(ref, x).backward()
+        ref_opt.step()
+        after, ref_after = engine.state_dict(), ref.state_dict()
+        for name in ref_after:
+            assert rel_err(after[name], ref_after[name]) <= 1e-5, name
+        assert torch.equal(after["model.norm.weight"], weights["model.norm.weight"])
+    finally:
+        engine.close()
+
+
+def test_bf16_copy_of_frozen_weights_untouched() -> None:
+    model = tiny_model(False, layers=3)
+    freeze_middle_block(model)
+    initial = {n: t.clone() for n, t in model.state_dict().items()}
+    engine = SlideDPEngine(model, EngineConfig(), device=CPU, compute_dtype=torch.bfloat16)
+    try:
+        engine.attach_optimizer(trainable_groups(model))
+        for x in token_batches(3, 2, 16):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_of(model, x)
+            loss.backward()
+            assert engine.end_step()
+        unit = next(u for u in engine.layout.units if u.frozen)
+        lo, hi = unit.offset, unit.offset + unit.padded
+        master, bf16 = engine.ledger.master[lo:hi], engine.ledger.bf16[lo:hi]
+        assert torch.equal(bf16, master.to(torch.bfloat16))
+        weights = engine.state_dict()
+        for name in initial:
+            if name.startswith("model.layers.1."):
+                assert torch.equal(weights[name], initial[name]), name
+            elif name.endswith("weight") and "norm" not in name:
+                assert not torch.equal(weights[name], initial[name]), f"{name} did not train"
+    finally:
+        engine.close()
