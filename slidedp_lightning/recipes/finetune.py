@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -135,18 +135,23 @@ class FinetuneModule(L.LightningModule):
         self._train_set: SyntheticTaskDataset | None = None
         self._eval_set: SyntheticTaskDataset | None = None
 
+    @property
+    def hp(self) -> Any:
+        """The saved hyperparameters (attribute access)."""
+        return self.hparams
+
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
         if self.model is not None:
             return
         from transformers import AutoModelForCausalLM
 
-        hp = self.hparams
+        hp = self.hp
         # Same weights on every rank, whatever RNG state the caller left.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(hp.seed)
             if hp.model_dir is not None:  # under SlideDP: a meta skeleton, the checkpoint read into the ledger
-                model = slidedp_lightning.from_pretrained(hp.model_dir, attn_implementation="sdpa")
+                model: Any = slidedp_lightning.from_pretrained(hp.model_dir, attn_implementation="sdpa")
             else:
                 config, attn = load_tiny_config(hp.config_name)
                 model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
@@ -159,8 +164,7 @@ class FinetuneModule(L.LightningModule):
     def check_model(self, model: Any) -> None:
         """Refuse a model whose vocabulary the data cannot use."""
         vocab = model.get_input_embeddings().num_embeddings
-        hp: Any = self.hparams
-        check_vocab(vocab, self.spec, hp.model_dir or hp.config_name)
+        check_vocab(vocab, self.spec, self.hp.model_dir or self.hp.config_name)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
@@ -171,23 +175,21 @@ class FinetuneModule(L.LightningModule):
     # ------------------------------------------------------------------ data
     def train_set(self) -> SyntheticTaskDataset:
         if self._train_set is None:
-            self._train_set = SyntheticTaskDataset(self.spec, self.hparams.train_size, seed=self.hparams.seed)
+            self._train_set = SyntheticTaskDataset(self.spec, self.hp.train_size, seed=self.hp.seed)
         return self._train_set
 
     def eval_set(self) -> SyntheticTaskDataset:
         if self._eval_set is None:
-            seed = self.hparams.seed + EVAL_SEED_OFFSET
-            self._eval_set = SyntheticTaskDataset(self.spec, self.hparams.eval_size, seed=seed)
+            seed = self.hp.seed + EVAL_SEED_OFFSET
+            self._eval_set = SyntheticTaskDataset(self.spec, self.hp.eval_size, seed=seed)
         return self._eval_set
 
     def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.hparams.seed)
-        return DataLoader(
-            self.train_set(), batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, generator=gen
-        )
+        gen = torch.Generator().manual_seed(self.hp.seed)
+        return DataLoader(self.train_set(), batch_size=self.hp.batch_size, shuffle=True, drop_last=True, generator=gen)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.eval_set(), batch_size=self.hparams.eval_batch_size, shuffle=False)
+        return DataLoader(self.eval_set(), batch_size=self.hp.eval_batch_size, shuffle=False)
 
     @property
     def nonfinite_loss_steps(self) -> int:
@@ -213,23 +215,24 @@ class FinetuneModule(L.LightningModule):
         self.log("val_exact", exact.float() / n, sync_dist=True, batch_size=n)
 
     def configure_optimizers(self):
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
             is_norm_or_bias = p.ndim < 2 or "norm" in name.lower() or name.endswith(".bias")
             (no_decay if is_norm_or_bias else decay).append(p)
         groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": decay, "weight_decay": self.hp.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(groups, lr=self.hp.lr, betas=(0.9, 0.95))
 
         total = self.trainer.max_steps
         if total is None or total < 0:
             total = int(self.trainer.estimated_stepping_batches)
         total = max(1, int(total))
-        warmup = self.hparams.warmup_steps
+        warmup = self.hp.warmup_steps
         if warmup is None:
             warmup = max(1, total // 10)
         warmup = max(0, min(int(warmup), total))
@@ -341,7 +344,7 @@ def _report(lines: Sequence[str]) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _metrics(results: list[dict[str, float]]) -> dict[str, float]:
+def _metrics(results: Sequence[Mapping[str, float]]) -> dict[str, float]:
     m = results[0] if results else {}
     return {k: float(m.get(k, float("nan"))) for k in ("val_loss", "val_acc", "val_exact")}
 
@@ -436,8 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t1 = time.perf_counter()
     trainer.fit(module)
     t2 = time.perf_counter()
-    train_loss = trainer.callback_metrics.get("train_loss")  # last step's, synced across ranks
-    train_loss = float(train_loss) if train_loss is not None else float("nan")
+    last = trainer.callback_metrics.get("train_loss")  # last step's, synced across ranks
+    train_loss = float(last) if last is not None else float("nan")
     if args.export and isinstance(module, DataFinetuneModule):
         export(trainer, module, args.export, export_dtype)
     after = _metrics(trainer.validate(module, verbose=False))

@@ -85,11 +85,6 @@ class DataFinetuneModule(FinetuneModule):
         self.val_data = JsonlDataset(val_data, self.tokenizer, seq_len) if val_data else self.train_data
         self._sums: torch.Tensor | None = None
 
-    @property
-    def hp(self) -> Any:
-        """The saved hyperparameters (attribute access)."""
-        return self.hparams
-
     def check_model(self, model: Any) -> None:
         vocab = model.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > vocab:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -188,3 +189,24 @@ def test_cli_reports_bad_data_before_training(tok, tmp_path, capsys):
 def test_cli_flag_combinations(argv):
     with pytest.raises(SystemExit):
         main(argv)
+
+
+@pytest.mark.parametrize("n, world", [(5, 2), (4, 2), (1, 3)])
+def test_eval_shards_score_each_example_once(tok, tmp_path, n, world):
+    from slidedp_lightning.recipes.data import EvalShard
+    from slidedp_lightning.recipes.own_data import sum_metrics
+
+    data = JsonlDataset(_write(tmp_path / "v.jsonl", [GOOD] * n), tok, seq_len=16)
+    shards = [EvalShard(data, r, world) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1  # same number of batches on every rank
+    real = sorted(i for s in shards for i in s.indices if i >= 0)
+    assert real == list(range(n))
+    # blank rows add nothing to the sums; real rows add their loss tokens
+    vocab = len(tok)
+    total = torch.zeros(5, dtype=torch.float64)
+    for s in shards:
+        labels = torch.stack([s[i]["labels"] for i in range(len(s))])
+        total += sum_metrics(torch.zeros(labels.shape[0], 16, vocab), labels)
+    tokens = int((data.labels[:, 1:] != IGNORE_INDEX).sum())
+    assert total[2] == tokens and total[4] == n
+    assert total[0].item() == pytest.approx(tokens * math.log(vocab))
