@@ -166,6 +166,7 @@ def main() -> int:
 
     before_acc, before_answers = generate_accuracy(model_dir, val, args.generate)
     results = os.path.join(work, "results.json")
+    # the formatter is told to skip this list: each flag and its value stay a pair, as typed on a command line
     cmd = [
         sys.executable, FINETUNE, "--model", model_dir, "--data", train, "--val-data", val,
         "--seq-len", str(args.seq_len), "--export", export_dir, "--precision", "32-true",
