@@ -26,23 +26,14 @@ from slidedp_lightning.runtime import EngineConfig, SlideDPEngine, Topology
 from slidedp_lightning.runtime.build import InitialWeights
 from slidedp_lightning.runtime.layout import build_layout
 from slidedp_lightning.runtime.weights import WEIGHT_SOURCE_ATTR
+from tests.helpers import tiny_config
 
 VOCAB = 64
 CPU = torch.device("cpu")
 
 
 def config(tied: bool, layers: int = 2) -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32,
-        tie_word_embeddings=tied,
-    )
+    return tiny_config(tied, layers, vocab=VOCAB, max_positions=32)  # type: ignore[return-value]
 
 
 def save(directory: Path, tied: bool, dtype: torch.dtype, seed: int = 0, shard: str = "60KB") -> Path:
