@@ -4,7 +4,9 @@ CONFIG.json (every key optional): ``out`` (folder for the per-rank records), ``d
 ``strategy`` (SlideDPStrategy keyword arguments), ``refit`` (after fit, ``"validate"`` or ``"fit"`` again in the same
 processes), ``last_collective`` (an all-reduce and a barrier in ``on_train_end``, right before teardown),
 ``stop_rank``/``stop_at_step`` (that rank SIGSTOPs itself in that training step), ``signal_rank``/
-``signal_at_step``/``signal`` (that rank sends itself the signal, e.g. ``"SIGTERM"``), ``pg_timeout`` (s).
+``signal_at_step``/``signal`` (that rank sends itself the signal, e.g. ``"SIGTERM"``), ``pg_timeout`` (s),
+``keep_groups`` (leave the process groups alive at teardown, as before the strategy destroyed them: the exit soak's
+comparison, experiments/soak_exit.py).
 
 Per rank it writes ``threads_rank{r}.json`` (the native thread names before the first Trainer and after each
 Trainer call), ``pid_rank{r}`` at the start of training and ``done_rank{r}`` as its very last statement.
@@ -101,6 +103,12 @@ def make_trainer(cfg: dict) -> L.Trainer:
 def main(path: str) -> None:
     cfg = json.loads(Path(path).read_text())
     torch.set_num_threads(1)
+    if cfg.get("keep_groups"):
+        from slidedp_lightning import process_groups
+        from slidedp_lightning.runtime.topology import Topology
+
+        process_groups.destroy_default_group = lambda *args, **kwargs: False  # type: ignore[assignment]
+        Topology.destroy_groups = Topology.released  # type: ignore[method-assign]
     threads = {"before": thread_names()}
     module = LM(cfg)
     trainer = make_trainer(cfg)
