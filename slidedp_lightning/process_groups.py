@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +121,20 @@ def _wait_closed(sock: socket.socket, wait_s: float, owned: _Owned) -> None:
         pass
     finally:
         sock.close()
+
+
+def backend_for(device: torch.device, requested: str | None = None) -> str:
+    """The process group backend: on CUDA, NCCL for device tensors and gloo for the host tensors that the runtime
+    also reduces (replicated route, deferred-update norms and flags, route and AutoPolicy probes, multi-host);
+    on CPU, gloo. A requested backend without a CPU mapping gets gloo added for host tensors."""
+    backend = requested or _get_default_process_group_backend_for_device(device)
+    if device.type != "cuda" or "cpu:" in backend or backend == "gloo":
+        return backend
+    combined = f"cpu:gloo,cuda:{backend.split(':')[-1]}"
+    if requested:
+        log.info(
+            "SlideDP: process group backend %r has no CPU mapping; using %r (the runtime also reduces host tensors)",
+            requested,
+            combined,
+        )
+    return combined

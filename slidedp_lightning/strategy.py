@@ -15,7 +15,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
@@ -26,7 +25,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
@@ -35,6 +33,7 @@ from slidedp_lightning import checkpoint as sharded
 from slidedp_lightning import export, process_groups, signals
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.callbacks import LaneTrace
+from slidedp_lightning.checks import refuse_what_cannot_see_gradients
 from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, ParamRoute, UpdateMode
 from slidedp_lightning.options import ActivationOption, SlideDPOptions
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
@@ -50,25 +49,6 @@ log = logging.getLogger(__name__)
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _LOADED = "_slidedp_loaded_into_ledger"
-# hooks that run after backward, where SlideDP's parameters hold no gradient (it went to host memory)
-_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-
-
-def process_group_backend_for(device: torch.device, requested: str | None = None) -> str:
-    """The process group backend: on CUDA, NCCL for device tensors and gloo for the host tensors that the runtime
-    also reduces (replicated route, deferred-update norms and flags, route and AutoPolicy probes, multi-host);
-    on CPU, gloo. A requested backend without a CPU mapping gets gloo added for host tensors."""
-    backend = requested or _get_default_process_group_backend_for_device(device)
-    if device.type != "cuda" or "cpu:" in backend or backend == "gloo":
-        return backend
-    combined = f"cpu:gloo,cuda:{backend.split(':')[-1]}"
-    if requested:
-        log.info(
-            "SlideDP: process group backend %r has no CPU mapping; using %r (the runtime also reduces host tensors)",
-            requested,
-            combined,
-        )
-    return combined
 
 
 class SlideDPStrategy(ParallelStrategy):
@@ -121,12 +101,11 @@ class SlideDPStrategy(ParallelStrategy):
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
         timeout: process-group timeout; also bounds every wait on another rank.
 
-    After fit/validate the LightningModule gets ordinary FP32 CPU parameters again when the copies fit in half of
-    the free host memory (else they stay on the meta device, with a warning). Parameters never hold gradients
-    after backward: with deferred updates, ``last_grad_norm`` is the global gradient norm of the last optimizer
-    step (read it in ``on_train_batch_end``); manual optimization and hooks that would read ``.grad``
-    (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``) are refused at setup. Lane tracing: the
-    :class:`~slidedp_lightning.LaneTrace` callback; the loss in chunks: :func:`~slidedp_lightning.use_chunked_loss`.
+    After fit/validate the LightningModule gets FP32 CPU parameters again when the copies fit in half of the free
+    host memory (else meta, with a warning). Parameters hold no gradient after backward: ``last_grad_norm`` is the
+    last deferred step's global norm; manual optimization and hooks that would read ``.grad`` are refused at setup
+    (:mod:`slidedp_lightning.checks`). Lane tracing: :class:`~slidedp_lightning.LaneTrace`; the loss in chunks:
+    :func:`~slidedp_lightning.use_chunked_loss`.
     """
 
     strategy_name = "slidedp"
@@ -265,23 +244,14 @@ class SlideDPStrategy(ParallelStrategy):
         if dist.is_initialized():
             return  # the user's group (or, after a failed run, SlideDP's own: destroyed at the next good teardown)
         _init_dist_connection(
-            self.cluster_environment, process_group_backend_for(self.root_device), timeout=self._timeout
+            self.cluster_environment, process_groups.backend_for(self.root_device), timeout=self._timeout
         )
         process_groups.claim_default_group(self.cluster_environment.main_address, self.cluster_environment.main_port)
 
     def _topology(self) -> Topology:
         """Every process group the runtime uses, created once per process (collectively, on every rank)."""
         if self.topology is None:
-            routes = self.options.base_engine_config()
-            self.topology = Topology.build(
-                global_rank=self.global_rank,
-                local_rank=self.local_rank,
-                ranks_per_host=self.num_processes,
-                hosts=self.num_nodes,
-                host_layout=self.options.host_layout,
-                ledger_per_rank=routes.param_route == "replicated" and self.world_size > 1,
-                param_group=routes.param_route in ("sharded", "auto"),
-            )
+            self.topology = self.options.topology(self.global_rank, self.local_rank, self.num_processes, self.num_nodes)
         return self.topology
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -487,22 +457,10 @@ class SlideDPStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         self._signals.install()  # after Lightning registered its own handlers (see slidedp_lightning.signals)
 
-    @override
-    def on_validation_start(self) -> None:
-        self._signals.install()
+    on_validation_start = on_test_start = on_predict_start = on_train_start
 
-    @override
-    def on_test_start(self) -> None:
-        self._signals.install()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._signals.install()
-
-    def _launched(self) -> list[Any]:
-        """The rank processes this one started (the script launcher's local rank 0), still running or not."""
-        launcher = self.launcher
-        return list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
+    def _launched(self) -> list[Any]:  # the ranks this process started (the script launcher's local rank 0)
+        return list(self.launcher.procs) if isinstance(self.launcher, _SubprocessScriptLauncher) else []
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -539,36 +497,3 @@ class SlideDPStrategy(ParallelStrategy):
         if self._failed:
             signals.kill_stopped_at_exit([p for p in self._launched() if p.poll() is None])
         self._signals.release()
-
-
-def refuse_what_cannot_see_gradients(trainer: pl.Trainer) -> None:
-    """Before any ledger exists: refuse what would silently do nothing because SlideDP moves every gradient to host
-    memory as it is produced (parameters never hold a ``.grad`` after backward) and runs the optimizer step itself:
-    manual optimization, and hooks that run after backward (gradient-norm logging, checks, custom clipping)."""
-    module = trainer.lightning_module
-    if not module.automatic_optimization:
-        raise ValueError(
-            f"{type(module).__name__} sets automatic_optimization = False. SlideDP runs the optimizer step itself: "
-            "each gradient leaves the device for host memory as it is produced and the CPU updates each unit as soon "
-            "as its gradient is reduced, so under manual optimization it could not follow manual_backward, "
-            "optimizer.step(), zero_grad(), self.clip_gradients() or skipped steps as you call them. Use automatic "
-            "optimization (return the loss from training_step) with Trainer(accumulate_grad_batches=N) for "
-            "accumulation and Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value') for "
-            "clipping; with deferred updates (update='deferred', or clipping) a step with a non-finite gradient is "
-            "skipped on every rank and trainer.strategy.last_grad_norm holds each step's global gradient norm."
-        )
-    hooks = (*_GRADIENT_HOOKS, "configure_gradient_clipping")
-    found = [f"{type(module).__name__}.{h}" for h in hooks if is_overridden(h, module)]
-    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
-    found += [f"{type(cb).__name__}.{h}" for cb in callbacks for h in _GRADIENT_HOOKS if is_overridden(h, cb)]
-    if found:
-        raise ValueError(
-            f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} overridden, but under SlideDP every "
-            "parameter's .grad is None in on_after_backward and on_before_optimizer_step (each gradient goes to host "
-            "memory as soon as it is produced, and the engine clips and applies it), so gradient-norm logging "
-            "(lightning.pytorch.utilities.grad_norm), gradient checks or custom clipping there would silently do "
-            "nothing. Clip with Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm' or 'value'); read the "
-            "global gradient norm of the last step from trainer.strategy.last_grad_norm (deferred updates: "
-            "update='deferred', or clipping), e.g. in on_train_batch_end; move work that needs no gradient to "
-            "another hook (on_train_batch_start, on_train_batch_end)."
-        )

@@ -117,7 +117,7 @@ def test_trainer_builds_with_registered_names() -> None:
 )
 def test_process_group_backend_reduces_host_tensors_on_cuda(device: str, requested, expected: str) -> None:
     """The runtime reduces host tensors as well as device tensors: on CUDA the group needs gloo beside NCCL."""
-    from slidedp_lightning.strategy import process_group_backend_for
+    from slidedp_lightning.process_groups import backend_for as process_group_backend_for
 
     assert process_group_backend_for(torch.device(device), requested) == expected
 
