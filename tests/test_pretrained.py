@@ -138,6 +138,7 @@ def test_the_skeleton_is_configured_as_from_pretrained_configures_it(ckpt) -> No
     assert getattr(model, WEIGHT_SOURCE_ATTR).names() == {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
+@pytest.mark.slow  # about 20 s: transformers' own from_pretrained path
 def test_outside_slidedp_it_is_transformers_from_pretrained(ckpt) -> None:
     model = slidedp_lightning.from_pretrained(ckpt, attn_implementation="eager")
     expected = AutoModelForCausalLM.from_pretrained(

@@ -12,6 +12,8 @@ import pytest
 
 from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 # model_type: (tied, why it is here)
 FAMILIES = {
     "gemma3_text": (True, "sliding/full layers, a rotary per layer type, scaled embedding"),

@@ -17,7 +17,7 @@ STEPS = 20
 BATCH = 4
 RTOL = 1e-5
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # multi-process jobs
 
 
 @pytest.fixture(scope="module")

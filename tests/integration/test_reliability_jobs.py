@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-process jobs
+
 JOB = Path(__file__).with_name("reliability_job.py")
 COLLECTIVE_THREADS = ("gloo", "tcpstore", "nccl")
 EXIT_ABORT = "terminate called"
