@@ -23,6 +23,10 @@ SLOW_FAMILIES = {
     "deepseek_v3": (False, "MLA, a dense and an MoE layer with a shared expert"),
     "cohere2": (True, "sliding/full layers, logit scale"),
     "mixtral": (False, "MoE with a sliding window"),
+    "gemma2": (True, "attention and final-logit soft-capping, sliding/full layers"),
+    "phi3": (False, "fused qkv_proj and gate_up_proj"),
+    "olmo2": (False, "norms after attention and MLP, q/k norms"),
+    "granite": (True, "embedding, residual and attention multipliers"),
 }
 CASES = [pytest.param(f, *v, id=f) for f, v in FAMILIES.items()] + [
     pytest.param(f, *v, id=f, marks=pytest.mark.slow) for f, v in SLOW_FAMILIES.items()
