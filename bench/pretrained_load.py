@@ -90,13 +90,34 @@ def _checkpoint_tensors(directory: Path) -> list[tuple[str, str, int]]:
     return [(t.file, t.key, t.numel * t.itemsize) for t in scan_safetensors(str(directory)).values()]
 
 
+def _reference_read(tensors: list[tuple[str, str, int]], mine: list[int], keep: bool) -> float:
+    """Seconds to read tensors ``mine`` with ``safe_open`` + ``float()``, as transformers loads them: each into a new
+    FP32 tensor, kept until the end (``keep``) or dropped at once (its heap blocks reused by the next one)."""
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    handles: dict = {}
+    kept: list = []
+    for i in mine:
+        file, key, _ = tensors[i]
+        handle = handles.get(file) or handles.setdefault(file, safe_open(file, "pt"))
+        value = handle.get_tensor(key).float()
+        if keep:
+            kept.append(value)
+        del value
+    seconds = time.perf_counter() - t0
+    del kept
+    return seconds
+
+
 def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     """Throughput, side by side: ``--iterations`` times, the ranks load the checkpoint into a new ledger
-    (``open_ledger``: every rank reads its share of the units) and then each reads its half of the tensors with
-    ``safe_open`` + ``float()``; seconds per iteration (the fill of the ledger, and the reference read)."""
+    (``open_ledger``: every rank reads its share of the units) with the mapped-file fused conversion (``fill``) and
+    with the earlier path (``fill_sliced``: safe_open slices converted by torch), and then each reads its half of
+    the tensors with ``safe_open`` + ``float()``, the FP32 tensors kept (``read_kept``) and dropped one by one
+    (``read_dropped``); seconds per iteration of each."""
     import torch
     import torch.distributed as dist
-    from safetensors import safe_open
 
     import slidedp_lightning
     from slidedp_lightning.models import adapter_for
@@ -104,6 +125,7 @@ def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     from slidedp_lightning.runtime import EngineConfig, Topology
     from slidedp_lightning.runtime.build import InitialWeights, balanced_shares, ledger_geometry, open_ledger
     from slidedp_lightning.runtime.layout import build_layout
+    from slidedp_lightning.runtime.weights import SafetensorsWeights
 
     with loading_into_ledger():
         model = slidedp_lightning.from_pretrained(args.dir)
@@ -114,25 +136,33 @@ def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     weights = InitialWeights(model, adapter, layout, topology)
     tensors = _checkpoint_tensors(args.dir)
     mine = balanced_shares([n for _, _, n in tensors], ranks)[rank]
-    fills, reads = [], []
-    for _ in range(args.iterations):
-        if ranks > 1:
-            dist.barrier()
-        ledger = open_ledger(geometry, layout.num_params, weights, topology)
-        assert weights.report is not None
-        fills.append(weights.report.seconds)
-        ledger.close()
-        if ranks > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        handles: dict = {}
-        for i in mine:
-            file, key, _ = tensors[i]
-            handle = handles.get(file) or handles.setdefault(file, safe_open(file, "pt"))
-            value = handle.get_tensor(key).float()
-            del value
-        reads.append(time.perf_counter() - t0)
-    return {"fills": fills, "reads": reads}
+    mapped = SafetensorsWeights._mapped
+    cases = ("fill", "fill_sliced", "read_kept", "read_dropped")
+    times: dict[str, list[float]] = {name: [] for c in cases for name in (c, f"{c}_cpu")}
+    for i in range(args.iterations):
+        for case in cases if i % 2 == 0 else reversed(cases):  # none always first
+            if ranks > 1:
+                dist.barrier()
+            cpu = _cpu_seconds()
+            if case.startswith("fill"):
+                SafetensorsWeights._mapped = mapped if case == "fill" else lambda self, t: None  # type: ignore
+                ledger = open_ledger(geometry, layout.num_params, weights, topology)
+                SafetensorsWeights._mapped = mapped  # type: ignore[method-assign]
+                assert weights.report is not None
+                times[case].append(weights.report.seconds)
+                ledger.close()
+            else:
+                times[case].append(_reference_read(tensors, mine, keep=case == "read_kept"))
+            times[f"{case}_cpu"].append(_cpu_seconds() - cpu)
+    return times
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process so far, every thread (user + system: the page faults are system time)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -245,10 +275,11 @@ def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool =
             raise RuntimeError(f"{command} {mode} x{ranks} failed: exit codes {codes}")
         results = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
     disk = sum(n for _, _, n in _checkpoint_tensors(directory))
-    if command == "alternate":  # per iteration, the slowest rank
-        fills = [max(r["fills"][i] for r in results) for i in range(iterations)]
-        reads = [max(r["reads"][i] for r in results) for i in range(iterations)]
-        return {"fill_gbps": [disk / GB / s for s in fills], "read_gbps": [disk / GB / s for s in reads]}
+    if command == "alternate":  # per iteration: GB/s of the slowest rank; CPU seconds summed over the ranks
+        names = ("fill", "fill_sliced", "read_kept", "read_dropped")
+        speeds = {case: [disk / GB / max(r[case][i] for r in results) for i in range(iterations)] for case in names}
+        speeds |= {f"{c}_cpu": [sum(r[f"{c}_cpu"][i] for r in results) for i in range(iterations)] for c in names}
+        return speeds
     combined = {
         "anon_peak_sum": sum(r["anon_peak"] for r in results),
         "anon_growth_sum": sum(r["anon_peak"] - r["anon_base"] for r in results),
@@ -274,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--job", choices=("read", "load", "alternate"), default="load")
     p.add_argument("--iterations", type=int, default=7, help="throughput: loads (and reference reads) per run")
+    p.add_argument("--rank-counts", type=int, nargs="+", default=[1, 2], help="throughput: local ranks per run")
     p.add_argument("--fresh", action="store_true", help="read: convert into one new FP32 buffer (first-touch pages)")
     args = p.parse_args(argv)
     if args.command == "make":
@@ -286,13 +318,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "throughput":
         disk = sum(n for _, _, n in _checkpoint_tensors(args.dir))
         print(f"checkpoint {args.dir}: {disk / GB:.3f} GB on disk; medians of {args.iterations} alternating runs")
-        for ranks in (1, 2):
+        for ranks in args.rank_counts:
             got = run("alternate", args.dir, ranks, iterations=args.iterations)
-            fill, read = statistics.median(got["fill_gbps"]), statistics.median(got["read_gbps"])
-            ratios = statistics.median(f / r for f, r in zip(got["fill_gbps"], got["read_gbps"]))
+            med = {case: statistics.median(v) for case, v in got.items()}  # GB/s, or CPU seconds (_cpu)
+
+            def ratio(a: str, b: str, got: dict = got) -> float:
+                return statistics.median(x / y for x, y in zip(got[a], got[b]))
+
             print(
-                f"x{ranks}: into the ledger {fill:.3f} GB/s | safe_open + float() {read:.3f} GB/s | "
-                f"ratio per iteration {ratios:.2f}",
+                f"x{ranks}: into the ledger {med['fill']:.3f} GB/s (before: {med['fill_sliced']:.3f}) | "
+                f"safe_open + float() kept {med['read_kept']:.3f} GB/s, dropped {med['read_dropped']:.3f} | "
+                f"ratio per iteration vs kept {ratio('fill', 'read_kept'):.2f} (before "
+                f"{ratio('fill_sliced', 'read_kept'):.2f}), vs dropped {ratio('fill', 'read_dropped'):.2f} "
+                f"(before {ratio('fill_sliced', 'read_dropped'):.2f})",
+                flush=True,
+            )
+            print(
+                "   CPU seconds (all ranks): "
+                + ", ".join(f"{c} {statistics.median(got[c + '_cpu']):.2f}" for c in ("fill", "fill_sliced"))
+                + ", "
+                + ", ".join(f"{c} {statistics.median(got[c + '_cpu']):.2f}" for c in ("read_kept", "read_dropped"))
+                + f"; CPU ratio vs kept {ratio('read_kept_cpu', 'fill_cpu'):.2f} "
+                f"(before {ratio('read_kept_cpu', 'fill_sliced_cpu'):.2f})",
                 flush=True,
             )
             print("   runs:", json.dumps(got), flush=True)
