@@ -2,11 +2,12 @@
 
 A new ledger file holds no memory: every 4 KiB page is allocated, zeroed and mapped at its first write, one page
 fault each, and the fill of a checkpoint (FP32 master + BF16 copy, 6 bytes per parameter) is bound by those
-faults. Asking the kernel for the pages in bulk first is cheaper (measured in docs/PERFORMANCE.md, "Loading a
-pretrained checkpoint"): ``fallocate`` allocates the file's pages, ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14)
-maps them writable into this process, both a 64 MiB chunk at a time on several threads. Either step is skipped
-where the file system or the kernel does not offer it (the writes then fault the pages in as before); contents are
-never changed, so ranks may prepare neighbouring ranges at the same time.
+faults. Asking the kernel for the pages in bulk first costs less per page than faulting them in from user space
+(measured in docs/PERFORMANCE.md, "Loading a pretrained checkpoint"): ``fallocate`` allocates the file's pages,
+``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14) maps them writable into this process, both a 64 MiB chunk at a
+time on several threads. Either step is skipped where the file system or the kernel does not offer it (the writes
+then fault the pages in as before); contents are never changed, so ranks may prepare neighbouring ranges at the
+same time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14)
 CHUNK = 64 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.EPERM)
+# not offered here, or interrupted: the writes fault in whatever is left
+_UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.EPERM, errno.EINTR, errno.EAGAIN)
 
 
 def _libc() -> ctypes.CDLL | None:
