@@ -37,24 +37,28 @@ from pathlib import Path
 GB = 1e9
 
 
-def make(directory: Path) -> None:
+def make(directory: Path, hidden: int = 1024, layers: int = 16, shard: str = "200MB") -> int:
+    """A random BF16 Qwen3 (``hidden`` wide, intermediate 3x, heads of 64, vocab 32000, untied) saved in safetensors
+    shards of at most ``shard``; returns its parameter count (268 M at the defaults)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
         vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=8,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
         head_dim=64,
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(directory, max_shard_size="200MB")
-    print(f"{sum(p.numel() for p in model.parameters()):,} parameters written to {directory}")
+    model.save_pretrained(directory, max_shard_size=shard)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"{count:,} parameters written to {directory}")
+    return count
 
 
 def _status() -> dict[str, int]:
@@ -83,6 +87,34 @@ class AnonPeak(threading.Thread):
         return self.peak
 
 
+def _meminfo() -> dict[str, int]:
+    with open("/proc/meminfo") as f:
+        fields = {k: int(v.split()[0]) * 1024 for k, _, v in (line.partition(":") for line in f)}
+    return {"used": fields["MemTotal"] - fields["MemAvailable"], "shmem": fields["Shmem"]}
+
+
+class HostPeak(threading.Thread):
+    """Peaks of the host's used memory (MemTotal - MemAvailable) and of its shared memory (Shmem) above their values
+    at the start, sampled every 10 ms until stopped (the whole host: other jobs on it count too)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.base = _meminfo()
+        self.peak = dict.fromkeys(self.base, 0)
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            now = _meminfo()
+            self.peak = {k: max(self.peak[k], now[k] - self.base[k]) for k in now}
+            time.sleep(0.01)
+
+    def stop(self) -> dict[str, int]:
+        self._done.set()
+        self.join()
+        return self.peak
+
+
 def _checkpoint_tensors(directory: Path) -> list[tuple[str, str, int]]:
     """(file, key, bytes) of every tensor of the checkpoint."""
     from slidedp_lightning.runtime.weights import scan_safetensors
@@ -90,20 +122,49 @@ def _checkpoint_tensors(directory: Path) -> list[tuple[str, str, int]]:
     return [(t.file, t.key, t.numel * t.itemsize) for t in scan_safetensors(str(directory)).values()]
 
 
+def _reference_read(tensors: list[tuple[str, str, int]], mine: list[int], keep: bool, trim: bool = False) -> float:
+    """Seconds to read tensors ``mine`` with ``safe_open`` + ``float()``, as transformers loads them: each into a new
+    FP32 tensor, kept until the end (``keep``) or dropped at once (its heap blocks reused by the next one); ``trim``:
+    the heap's free memory given back to the OS first, so that the new tensors get new pages as in a fresh process
+    (else they reuse the pages the previous iteration's tensors left in the heap)."""
+    from safetensors import safe_open
+
+    from slidedp_lightning.runtime.host_state import trim_host_heap
+
+    if trim:
+        trim_host_heap()
+    t0 = time.perf_counter()
+    handles: dict = {}
+    kept: list = []
+    for i in mine:
+        file, key, _ = tensors[i]
+        handle = handles.get(file) or handles.setdefault(file, safe_open(file, "pt"))
+        value = handle.get_tensor(key).float()
+        if keep:
+            kept.append(value)
+        del value
+    seconds = time.perf_counter() - t0
+    del kept
+    return seconds
+
+
 def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     """Throughput, side by side: ``--iterations`` times, the ranks load the checkpoint into a new ledger
-    (``open_ledger``: every rank reads its share of the units) and then each reads its half of the tensors with
-    ``safe_open`` + ``float()``; seconds per iteration (the fill of the ledger, and the reference read)."""
+    (``open_ledger``: every rank reads its share of the units) with the mapped-file fused conversion (``fill``) and
+    with the earlier path (``fill_sliced``: safe_open slices converted by torch), and then each reads its half of
+    the tensors with ``safe_open`` + ``float()``, the FP32 tensors kept into new pages (``read_new``), kept in the
+    heap the previous iteration left (``read_kept``) and dropped one by one (``read_dropped``); seconds per
+    iteration of each (and CPU seconds, ``<case>_cpu``)."""
     import torch
     import torch.distributed as dist
-    from safetensors import safe_open
 
     import slidedp_lightning
     from slidedp_lightning.models import adapter_for
     from slidedp_lightning.pretrained import loading_into_ledger
-    from slidedp_lightning.runtime import EngineConfig, Topology
+    from slidedp_lightning.runtime import EngineConfig, Topology, build
     from slidedp_lightning.runtime.build import InitialWeights, balanced_shares, ledger_geometry, open_ledger
     from slidedp_lightning.runtime.layout import build_layout
+    from slidedp_lightning.runtime.weights import SafetensorsWeights
 
     with loading_into_ledger():
         model = slidedp_lightning.from_pretrained(args.dir)
@@ -114,25 +175,36 @@ def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     weights = InitialWeights(model, adapter, layout, topology)
     tensors = _checkpoint_tensors(args.dir)
     mine = balanced_shares([n for _, _, n in tensors], ranks)[rank]
-    fills, reads = [], []
-    for _ in range(args.iterations):
-        if ranks > 1:
-            dist.barrier()
-        ledger = open_ledger(geometry, layout.num_params, weights, topology)
-        assert weights.report is not None
-        fills.append(weights.report.seconds)
-        ledger.close()
-        if ranks > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        handles: dict = {}
-        for i in mine:
-            file, key, _ = tensors[i]
-            handle = handles.get(file) or handles.setdefault(file, safe_open(file, "pt"))
-            value = handle.get_tensor(key).float()
-            del value
-        reads.append(time.perf_counter() - t0)
-    return {"fills": fills, "reads": reads}
+    mapped, prepare = SafetensorsWeights._mapped, build.prepare_pages
+    cases = ("fill", "fill_unprepared", "fill_sliced", "read_new", "read_kept", "read_dropped")
+    times: dict[str, list[float]] = {name: [] for c in cases for name in (c, f"{c}_cpu")}
+    for i in range(args.iterations):
+        for case in cases if i % 2 == 0 else reversed(cases):  # none always first
+            if ranks > 1:
+                dist.barrier()
+            cpu = _cpu_seconds()
+            if case.startswith("fill"):
+                if case == "fill_sliced":  # the earlier path: safe_open slices, torch's conversions
+                    SafetensorsWeights._mapped = lambda self, t: None  # type: ignore[method-assign]
+                if case != "fill":  # the pages left to the writes
+                    build.prepare_pages = lambda *a: False
+                ledger = open_ledger(geometry, layout.num_params, weights, topology)
+                SafetensorsWeights._mapped, build.prepare_pages = mapped, prepare  # type: ignore[method-assign]
+                assert weights.report is not None
+                times[case].append(weights.report.seconds)
+                ledger.close()
+            else:
+                times[case].append(_reference_read(tensors, mine, keep=case != "read_dropped", trim=case == "read_new"))
+            times[f"{case}_cpu"].append(_cpu_seconds() - cpu)
+    return times
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process so far, every thread (user + system: the page faults are system time)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -165,7 +237,8 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
         fresh = torch.empty(sum(numel[i] for i in mine)) if args.fresh else None  # untouched pages
         t0 = time.perf_counter()
-        nbytes, handles, pos = 0, {}, 0
+        nbytes, pos = 0, 0
+        handles: dict = {}
         for i in mine:
             file, key, n = tensors[i]
             handle = handles.get(file) or handles.setdefault(file, safe_open(file, "pt"))
@@ -225,7 +298,15 @@ def worker(args: argparse.Namespace) -> None:
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool = False, iterations: int = 1) -> dict:
+def run(
+    command: str,
+    directory: Path,
+    ranks: int,
+    mode: str = "",
+    fresh: bool = False,
+    iterations: int = 1,
+    timeout: float = 1800,
+) -> dict:
     """One run over ``ranks`` processes; the ranks' results combined."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,21 +321,33 @@ def run(command: str, directory: Path, ranks: int, mode: str = "", fresh: bool =
             )
             for r in range(ranks)
         ]
-        codes = [p.wait() for p in procs]
+        host = HostPeak()
+        host.start()
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"{command} {mode} x{ranks} did not finish within {timeout} s") from None
+        finally:
+            host_peak = host.stop()
         if any(codes):
             raise RuntimeError(f"{command} {mode} x{ranks} failed: exit codes {codes}")
         results = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(ranks)]
     disk = sum(n for _, _, n in _checkpoint_tensors(directory))
-    if command == "alternate":  # per iteration, the slowest rank
-        fills = [max(r["fills"][i] for r in results) for i in range(iterations)]
-        reads = [max(r["reads"][i] for r in results) for i in range(iterations)]
-        return {"fill_gbps": [disk / GB / s for s in fills], "read_gbps": [disk / GB / s for s in reads]}
+    if command == "alternate":  # per iteration: GB/s of the slowest rank; CPU seconds summed over the ranks
+        names = ("fill", "fill_unprepared", "fill_sliced", "read_new", "read_kept", "read_dropped")
+        speeds = {case: [disk / GB / max(r[case][i] for r in results) for i in range(iterations)] for case in names}
+        speeds |= {f"{c}_cpu": [sum(r[f"{c}_cpu"][i] for r in results) for i in range(iterations)] for c in names}
+        return speeds
     combined = {
         "anon_peak_sum": sum(r["anon_peak"] for r in results),
         "anon_growth_sum": sum(r["anon_peak"] - r["anon_base"] for r in results),
         "hwm_private_sum": sum(r["hwm_private"] for r in results),
         "setup_s": max(r.get("setup_s", 0.0) for r in results),
         "anon_peak_per_rank": [r["anon_peak"] for r in results],
+        "host_used_peak": host_peak["used"],
+        "host_shmem_peak": host_peak["shmem"],
     }
     if command == "read" or mode == "new":
         seconds = max(r["seconds"] for r in results)
@@ -274,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--job", choices=("read", "load", "alternate"), default="load")
     p.add_argument("--iterations", type=int, default=7, help="throughput: loads (and reference reads) per run")
+    p.add_argument("--rank-counts", type=int, nargs="+", default=[1, 2], help="throughput: local ranks per run")
     p.add_argument("--fresh", action="store_true", help="read: convert into one new FP32 buffer (first-touch pages)")
     args = p.parse_args(argv)
     if args.command == "make":
@@ -286,13 +380,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "throughput":
         disk = sum(n for _, _, n in _checkpoint_tensors(args.dir))
         print(f"checkpoint {args.dir}: {disk / GB:.3f} GB on disk; medians of {args.iterations} alternating runs")
-        for ranks in (1, 2):
+        for ranks in args.rank_counts:
             got = run("alternate", args.dir, ranks, iterations=args.iterations)
-            fill, read = statistics.median(got["fill_gbps"]), statistics.median(got["read_gbps"])
-            ratios = statistics.median(f / r for f, r in zip(got["fill_gbps"], got["read_gbps"]))
+            med = {case: statistics.median(v) for case, v in got.items()}  # GB/s, or CPU seconds (_cpu)
+
+            def ratio(a: str, b: str, got: dict = got) -> float:
+                return statistics.median(x / y for x, y in zip(got[a], got[b]))
+
             print(
-                f"x{ranks}: into the ledger {fill:.3f} GB/s | safe_open + float() {read:.3f} GB/s | "
-                f"ratio per iteration {ratios:.2f}",
+                f"x{ranks}: into the ledger {med['fill']:.3f} GB/s (pages left to the writes: "
+                f"{med['fill_unprepared']:.3f}; before, safe_open slices: {med['fill_sliced']:.3f}) | safe_open + "
+                f"float() into new pages {med['read_new']:.3f} GB/s, kept {med['read_kept']:.3f}, dropped "
+                f"{med['read_dropped']:.3f} | ratio per iteration vs new pages {ratio('fill', 'read_new'):.2f} (before "
+                f"{ratio('fill_sliced', 'read_new'):.2f}), vs kept {ratio('fill', 'read_kept'):.2f} (before "
+                f"{ratio('fill_sliced', 'read_kept'):.2f}), vs "
+                f"dropped {ratio('fill', 'read_dropped'):.2f} (before {ratio('fill_sliced', 'read_dropped'):.2f})",
+                flush=True,
+            )
+            names = ("fill", "fill_unprepared", "fill_sliced", "read_new", "read_kept", "read_dropped")
+            print(
+                "   CPU seconds (all ranks): "
+                + ", ".join(f"{c} {statistics.median(got[c + '_cpu']):.2f}" for c in names)
+                + f"; CPU ratio vs new pages {ratio('read_new_cpu', 'fill_cpu'):.2f} "
+                f"(before {ratio('read_new_cpu', 'fill_sliced_cpu'):.2f})",
                 flush=True,
             )
             print("   runs:", json.dumps(got), flush=True)
@@ -324,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
             line += f" {median['gbps']:6.3f} GB/s ({median['seconds']:.2f} s)"
         line += (
             f" | private peak sum {median['anon_peak_sum'] / GB:.2f} GB (growth {median['anon_growth_sum'] / GB:.2f}"
-            f" GB; VmHWM-file-shmem {median['hwm_private_sum'] / GB:.2f} GB) | setup {median['setup_s']:.1f} s"
+            f" GB; VmHWM-file-shmem {median['hwm_private_sum'] / GB:.2f} GB) | host peak: used +"
+            f"{median['host_used_peak'] / GB:.2f} GB, shared +{median['host_shmem_peak'] / GB:.2f} GB"
+            f" | setup {median['setup_s']:.1f} s"
         )
         print(line, flush=True)
         print("   runs:", json.dumps(runs), flush=True)

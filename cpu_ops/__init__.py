@@ -3,7 +3,7 @@
 from cpu_ops.accumulate import accumulate, sum_squares
 from cpu_ops.adamw import adamw_update, adamw_update_sum
 from cpu_ops.bandwidth import adam_shaped_copy
-from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
+from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16, widen_bf16
 from cpu_ops.threads import logical_cpus, physical_cores, set_kernel_threads, thread_budget
 from cpu_ops.warmup import is_vectorized, warmup
 
@@ -21,4 +21,5 @@ __all__ = [
     "sum_squares",
     "thread_budget",
     "warmup",
+    "widen_bf16",
 ]

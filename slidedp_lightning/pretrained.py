@@ -30,6 +30,7 @@ from torch import nn
 
 from slidedp_lightning.models.adapter import UnsupportedModelError
 from slidedp_lightning.runtime.engine import find_streamed_model
+from slidedp_lightning.runtime.host_state import format_bytes
 from slidedp_lightning.runtime.topology import Topology
 from slidedp_lightning.runtime.weights import (
     WEIGHT_SOURCE_ATTR,
@@ -117,7 +118,7 @@ def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
     dtypes = sorted({t.dtype for t in tensors.values()})
     size = sum(t.numel * t.itemsize for t in {id(t): t for t in tensors.values()}.values())
     source = SafetensorsWeights(
-        tensors, f"checkpoint {directory} ({len(files)} file(s), {size / 1e9:.2f} GB {'/'.join(dtypes)})"
+        tensors, f"checkpoint {directory} ({len(files)} file(s), {format_bytes(size)} {'/'.join(dtypes)})"
     )
     _load_buffers(model, buffers)
     setattr(model, WEIGHT_SOURCE_ATTR, source)
@@ -294,14 +295,13 @@ def warn_if_materialized(root: nn.Module, topology: Topology) -> None:
         return  # meta_init, or slidedp_lightning.from_pretrained
     nbytes = sum(p.numel() for p in params) * 4
     ranks = topology.ranks_per_host
-    gib = 1 << 30
     log.warning(
-        "SlideDP: the model arrived with its weights materialized on every rank: %d ranks x %.2f GiB of FP32 = "
-        "%.2f GiB of host memory per host on top of the ledger, before local rank 0's copy goes in (the ranks "
+        "SlideDP: the model arrived with its weights materialized on every rank: %d ranks x %s of FP32 = "
+        "%s of host memory per host on top of the ledger, before local rank 0's copy goes in (the ranks "
         "that do not write the ledger free theirs first). Load a checkpoint with "
         "`slidedp_lightning.from_pretrained(path)` in configure_model instead (read straight into the ledger), or "
         "build random weights with SlideDPStrategy(meta_init=True).",
         ranks,
-        nbytes / gib,
-        ranks * nbytes / gib,
+        format_bytes(nbytes),
+        format_bytes(ranks * nbytes),
     )

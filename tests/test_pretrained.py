@@ -7,6 +7,7 @@ import glob
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from slidedp_lightning.models import adapter_for
 from slidedp_lightning.pretrained import CheckpointError, loading_into_ledger, warn_if_materialized
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine, Topology
 from slidedp_lightning.runtime.build import InitialWeights
+from slidedp_lightning.runtime.host_state import format_bytes
 from slidedp_lightning.runtime.layout import build_layout
 from slidedp_lightning.runtime.weights import WEIGHT_SOURCE_ATTR
 from tests.helpers import tiny_config
@@ -345,7 +347,8 @@ def test_the_naive_path_is_warned_about_once_naming_the_memory_and_the_fix(ckpt,
     assert len(warned) == 1, caplog.text
     text = warned[0].getMessage()
     assert "slidedp_lightning.from_pretrained" in text
-    assert f"2 ranks x {fp32 / 2**30:.2f} GiB" in text and f"{2 * fp32 / 2**30:.2f} GiB of host memory" in text
+    assert f"2 ranks x {format_bytes(fp32)} of FP32" in text and f"= {format_bytes(2 * fp32)} of host memory" in text
+    assert "0.00 GiB" not in text and re.search(r"2 ranks x \d+\.\d\d (KiB|MiB) of FP32", text)  # a tiny model
 
 
 def test_a_rank_that_does_not_write_the_ledger_frees_its_copy_first(ckpt) -> None:
@@ -372,8 +375,14 @@ def test_loading_and_meta_init_log_their_time_and_rate(ckpt, caplog) -> None:
             meta = Qwen3ForCausalLM(config(False))
         engine_for(meta).close(restore=False)
     messages = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("SlideDP read checkpoint") and "GB/s" in m for m in messages), messages
-    assert any(m.startswith("SlideDP initialized") and "GB/s" in m for m in messages), messages
+    sized = r"\d+(\.\d\d)? (B|KiB|MiB|GiB)"  # format_bytes: the unit that keeps the number at least 1
+    rate = re.compile(rf"{sized} in \d+\.\d\d s \({sized}/s\)")
+    read = [m for m in messages if m.startswith("SlideDP read checkpoint")]
+    init = [m for m in messages if m.startswith("SlideDP initialized")]
+    assert read and init, messages
+    for m in read + init:
+        assert rate.search(m) and " 0.00 " not in m, m
+    assert re.search(rf"\(\d+ file\(s\), {sized} BF16\)", read[0]), read[0]
 
 
 def test_the_recipe_builds_its_model_through_from_pretrained(ckpt) -> None:

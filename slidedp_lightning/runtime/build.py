@@ -13,10 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import numba
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import cpu_ops
 from slidedp_lightning.models.adapter import ArchitectureAdapter
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.host_state import (
@@ -28,6 +30,7 @@ from slidedp_lightning.runtime.host_state import (
     trim_host_heap,
 )
 from slidedp_lightning.runtime.layout import Layout, Unit
+from slidedp_lightning.runtime.ledger_pages import ledger_spans, prepare_pages
 from slidedp_lightning.runtime.probe import RouteProbe, probe_routes
 from slidedp_lightning.runtime.progress import ByteProgress, rate
 from slidedp_lightning.runtime.topology import Topology
@@ -320,7 +323,11 @@ class InitialWeights:
         error: Exception | None = None
         what = f"SlideDP reading the checkpoint ({'1/' + str(count) + ' per rank' if count > 1 else 'all'})"
         bar = ByteProgress(what, total, show=topo.local_rank == 0)
-        try:
+        threads = numba.get_num_threads()
+        try:  # the conversion kernels run on this rank's share of the cores, as the update kernels do
+            budget = cpu_ops.thread_budget(count)
+            cpu_ops.set_kernel_threads(budget)
+            prepare_pages(ledger, ledger_spans(ledger, [(lo, n) for _, p in work for _, _, lo, n in p]), budget)
             for _, pieces in work:
                 for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
                     self.source.read_into(name, ledger.master[lo : lo + n], start, ledger.bf16[lo : lo + n])
@@ -330,6 +337,7 @@ class InitialWeights:
         finally:
             seconds = bar.close()
             self.source.close()
+            numba.set_num_threads(threads)
         mine_result = (None if error is None else f"{type(error).__name__}: {error}", total, seconds)
         results = [mine_result]
         if topo.job_group is not None:

@@ -9,6 +9,8 @@ from types import TracebackType
 
 from tqdm.auto import tqdm
 
+from slidedp_lightning.runtime.host_state import format_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -57,5 +59,5 @@ class ByteProgress:
 
 
 def rate(nbytes: int, seconds: float) -> str:
-    """``"1.23 GB in 0.45 s (2.73 GB/s)"``."""
-    return f"{nbytes / 1e9:.2f} GB in {seconds:.2f} s ({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s)"
+    """``"1.15 GiB in 0.45 s (2.54 GiB/s)"``, ``"24.00 KiB in 0.01 s (2.34 MiB/s)"``: sizes in the unit that fits."""
+    return f"{format_bytes(nbytes)} in {seconds:.2f} s ({format_bytes(nbytes / max(seconds, 1e-9))}/s)"

@@ -5,6 +5,8 @@ its flattened elements, straight into a flat FP32 view of the ledger. :class:`Sa
 Hugging Face checkpoints: single-file or sharded safetensors, read tensor by tensor (a bounded block of rows at a
 time) through memory-mapped ``safe_open`` handles, never a whole file into memory. Opening one reads the file
 headers only and checks that every file is complete; the tensor data are touched first by the ledger fill.
+BF16 tensors (the common case) are read straight from the mapped file by one kernel that writes the FP32 master
+and the BF16 copy in the same pass (no intermediate tensor); other formats go through torch's conversions.
 
 A source travels with the model as the attribute :data:`WEIGHT_SOURCE_ATTR` (set by
 ``slidedp_lightning.from_pretrained``); the engine finds it there.
@@ -15,10 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -34,6 +39,7 @@ FLOAT_DTYPES: dict[str, tuple[int, torch.dtype]] = {
     "F32": (4, torch.float32),
     "F64": (8, torch.float64),
 }
+_NUMPY = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64}
 
 
 class CheckpointError(ValueError):
@@ -111,6 +117,22 @@ def _safe_open(path: str) -> Any:
         ) from err
 
 
+def data_offsets(path: str) -> dict[str, int]:
+    """Byte offset in ``path`` of every tensor's data whose extent in the header matches its shape and dtype (the
+    safetensors layout: an 8-byte little-endian header length, the JSON header, then the data)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    start, out = 8 + size, {}
+    for key, entry in header.items():
+        if key == "__metadata__" or not isinstance(entry, dict) or entry.get("dtype") not in FLOAT_DTYPES:
+            continue
+        begin, end = entry["data_offsets"]
+        if end - begin == math.prod(entry["shape"]) * FLOAT_DTYPES[entry["dtype"]][0]:
+            out[key] = start + begin
+    return out
+
+
 def checkpoint_files(directory: str) -> list[str]:
     """The safetensors files of a ``save_pretrained`` directory (the index's shards, or the single file)."""
     index = os.path.join(directory, INDEX_FILE)
@@ -180,9 +202,10 @@ class SafetensorsWeights:
         self._tensors = dict(tensors)
         self._description = description
         self._handles: dict[str, Any] = {}
+        self._maps: dict[str, tuple[np.ndarray, dict[str, int]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # a copied model carries the source, not its open files
-        return {**self.__dict__, "_handles": {}}
+        return {**self.__dict__, "_handles": {}, "_maps": {}}
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -211,6 +234,21 @@ class SafetensorsWeights:
             handle = self._handles[t.file] = _safe_open(t.file)
         return handle
 
+    def _mapped(self, t: StoredTensor) -> np.ndarray | None:
+        """The data of ``t`` as a read-only array over the mapped file (its stored dtype, BF16 as uint16 bits), or
+        None where it cannot be read that way (then :meth:`read_into` goes through safe_open)."""
+        if sys.byteorder != "little" or t.dtype not in _NUMPY:
+            return None
+        self._handle(t)  # checks the file again (complete, readable) before it is mapped
+        mapped = self._maps.get(t.file)
+        if mapped is None:
+            mapped = self._maps[t.file] = (np.memmap(t.file, dtype=np.uint8, mode="r"), data_offsets(t.file))
+        data, offsets = mapped
+        offset, nbytes = offsets.get(t.key), t.numel * t.itemsize
+        if offset is None or offset % t.itemsize or offset + nbytes > data.shape[0]:
+            return None
+        return data[offset : offset + nbytes].view(_NUMPY[t.dtype])
+
     def read_into(self, name: str, out: torch.Tensor, start: int = 0, bf16: torch.Tensor | None = None) -> None:
         t = self._tensors[name]
         count = out.numel()
@@ -220,30 +258,41 @@ class SafetensorsWeights:
             raise ValueError(f"the BF16 view holds {bf16.numel()} elements, the FP32 one {count}")
         if count == 0:
             return
-        handle = self._handle(t)
         try:
-            blocks: Iterable[tuple[int, torch.Tensor]]
-            if len(t.shape) == 0:  # a scalar cannot be sliced
-                blocks = [(0, handle.get_tensor(t.key).reshape(-1))]
+            flat = _flat_cpu(out, torch.float32) and (bf16 is None or _flat_cpu(bf16, torch.bfloat16))
+            data = self._mapped(t) if flat else None
+            if data is not None:
+                _convert(data[start : start + count], t.dtype, out, bf16)
             else:
-                # rows holding the range, a bounded block at a time (the handle maps the file: no whole-file read)
-                piece = handle.get_slice(t.key)
-                row = math.prod(t.shape[1:])
-                first, last = start // row, -(-(start + count) // row)
-                step = max(1, BLOCK_ELEMS // max(row, 1))
-                blocks = ((r * row, piece[r : min(r + step, last)].reshape(-1)) for r in range(first, last, step))
-            pos = 0
-            for offset, block in blocks:
-                lo, hi = max(start - offset, 0), min(start + count - offset, block.numel())
-                dest = out[pos : pos + hi - lo]
-                dest.copy_(block[lo:hi])
-                if bf16 is not None:  # from the FP32 values just written
-                    bf16[pos : pos + hi - lo].copy_(dest)
-                pos += hi - lo
+                self._read_sliced(t, out, start, bf16)
         except CheckpointError:
             raise
         except Exception as err:
             raise CheckpointError(f"cannot read tensor {t.key!r} from {t.file}: {err}") from err
+
+    def _read_sliced(self, t: StoredTensor, out: torch.Tensor, start: int, bf16: torch.Tensor | None) -> None:
+        """:meth:`read_into` through safe_open: rows holding the range, a bounded block at a time, each copied and
+        converted by torch."""
+        count = out.numel()
+        handle = self._handle(t)
+        blocks: Iterable[tuple[int, torch.Tensor]]
+        if len(t.shape) == 0:  # a scalar cannot be sliced
+            blocks = [(0, handle.get_tensor(t.key).reshape(-1))]
+        else:
+            # rows holding the range, a bounded block at a time (the handle maps the file: no whole-file read)
+            piece = handle.get_slice(t.key)
+            row = math.prod(t.shape[1:])
+            first, last = start // row, -(-(start + count) // row)
+            step = max(1, BLOCK_ELEMS // max(row, 1))
+            blocks = ((r * row, piece[r : min(r + step, last)].reshape(-1)) for r in range(first, last, step))
+        pos = 0
+        for offset, block in blocks:
+            lo, hi = max(start - offset, 0), min(start + count - offset, block.numel())
+            dest = out[pos : pos + hi - lo]
+            dest.copy_(block[lo:hi])
+            if bf16 is not None:  # from the FP32 values just written
+                bf16[pos : pos + hi - lo].copy_(dest)
+            pos += hi - lo
 
     def equal(self, a: str, b: str) -> bool:
         """Whether two stored tensors hold the same values once converted to FP32 (read block by block)."""
@@ -262,3 +311,32 @@ class SafetensorsWeights:
 
     def close(self) -> None:
         self._handles.clear()
+        self._maps.clear()
+
+
+def _flat_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and not t.requires_grad
+
+
+def _convert(data: np.ndarray, dtype: str, out: torch.Tensor, bf16: torch.Tensor | None) -> None:
+    """``data`` (stored values, BF16 as uint16 bits) into the FP32 ``out`` and, with ``bf16``, its BF16 copy: BF16
+    by one fused pass (:func:`cpu_ops.widen_bf16`), other formats by torch a cache-sized block at a time."""
+    from cpu_ops import bf16_to_fp32, widen_bf16
+
+    if dtype == "BF16":
+        master = out.numpy()
+        for a in range(0, data.shape[0], BLOCK_ELEMS):
+            b = min(a + BLOCK_ELEMS, data.shape[0])
+            if bf16 is None:
+                bf16_to_fp32(data[a:b], master[a:b])
+            elif widen_bf16(data[a:b], master[a:b], bf16[a:b].view(torch.int16).numpy().view(np.uint16)):
+                bf16[a:b].copy_(out[a:b])  # NaNs among them: torch's bits for those
+        return
+    with warnings.catch_warnings():  # the mapping is read-only, and only read
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.from_numpy(data)
+    block = 1 << 18  # the BF16 copy reads the FP32 values back while they are in cache
+    for a in range(0, values.numel(), block):
+        out[a : a + block].copy_(values[a : a + block])
+        if bf16 is not None:
+            bf16[a : a + block].copy_(out[a : a + block])

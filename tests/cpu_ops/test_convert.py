@@ -107,3 +107,36 @@ def test_conversions_vectorized(kernel: str) -> None:
 def test_bad_input(func, src, dst, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         func(src, dst)
+
+
+def test_widen_bf16_writes_torchs_fp32_values_and_bf16_bits_counting_nans() -> None:
+    from cpu_ops import widen_bf16
+
+    rng = np.random.default_rng(3)
+    specials = [0x0000, 0x8000, 0x3F80, 0x7F7F, 0xFF7F, 0x7F80, 0xFF80, 0x0001, 0x807F, 0x0080]
+    nans = [0x7FC0, 0xFFC0, 0x7F81, 0xFFFF]
+    src = np.concatenate([np.array(specials + nans, np.uint16), rng.integers(0, 1 << 16, 10_000).astype(np.uint16)])
+    src_t = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16)
+    master, bf16 = np.full(src.shape, 7, np.float32), np.full(src.shape, 7, np.uint16)
+    count = widen_bf16(src, master, bf16)
+    expected = src_t.float()
+    assert np.array_equal(master.view(np.uint32), expected.numpy().view(np.uint32))  # bits, NaN payloads too
+    is_nan = np.isnan(master)
+    assert count == int(is_nan.sum()) >= len(nans)
+    torch_bits = torch_bf16_bits(expected.numpy())
+    assert np.array_equal(bf16[~is_nan], torch_bits[~is_nan])  # what bf16.copy_(master) writes
+    assert np.array_equal(bf16, src)
+
+
+def test_widen_bf16_refuses_mismatched_or_read_only_arrays() -> None:
+    from cpu_ops import widen_bf16
+
+    src = np.zeros(8, np.uint16)
+    with pytest.raises(ValueError, match="length"):
+        widen_bf16(src, np.zeros(7, np.float32), np.zeros(8, np.uint16))
+    with pytest.raises(TypeError, match="dtype"):
+        widen_bf16(src, np.zeros(8, np.float64), np.zeros(8, np.uint16))
+    read_only = np.zeros(8, np.uint16)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        widen_bf16(src, np.zeros(8, np.float32), read_only)

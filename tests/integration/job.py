@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -124,6 +126,10 @@ class TinyLM(L.LightningModule):
         return DataLoader(data, batch_size=cfg.batch, shuffle=False)
 
     def on_train_start(self) -> None:
+        sampler = getattr(self, "anon_sampler", None)
+        if sampler is not None:  # the engine is built and the checkpoint (if any) restored: the setup's peak
+            with open(os.path.join(self.cfg.out, f"memory_rank{self.global_rank}.json"), "w") as f:
+                json.dump({"anon_peak": sampler.stop(), "anon_base": sampler.base}, f)
         engine = getattr(self.trainer.strategy, "engine", None)
         if engine is None:
             return
@@ -174,6 +180,31 @@ class SaveAt(L.Callback):
         trainer.save_checkpoint(self.path)
 
 
+class AnonPeak(threading.Thread):
+    """The peak of this process's RssAnon (private memory: the ledger is shared, mapped files are page cache),
+    sampled every 2 ms until stopped."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.base = self.peak = _rss_anon()
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, _rss_anon())
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return max(self.peak, _rss_anon())
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
 def fit(cfg: JobConfig) -> int:
     """Train one configuration; returns the global rank."""
     timeout = timedelta(seconds=cfg.pg_timeout)
@@ -189,6 +220,9 @@ def fit(cfg: JobConfig) -> int:
 
         strategy = DDPStrategy(timeout=timeout) if cfg.devices > 1 else "auto"
     module = TinyLM(cfg)
+    if cfg.record_memory:
+        module.anon_sampler = AnonPeak()
+        module.anon_sampler.start()
     plugins, precision = [], cfg.precision
     if precision == "16-mixed":  # Lightning maps 16-mixed to bf16-mixed on the CPU: ask for fp16 explicitly
         if cfg.strategy == "slidedp":

@@ -92,6 +92,7 @@ class JobConfig:
     # outputs
     trace_dir: str | None = None  # a LaneTrace callback writes here (slidedp only)
     dump_initial: bool = False  # rank 0 saves the engine's initial state as initial_state.pt
+    record_memory: bool = False  # each rank writes its peak RssAnon from fit's start to on_train_start (memory_rank*)
     save_at: int | None = None  # save a checkpoint after this optimizer step
     save_path: str | None = None  # where (default: out/ck)
     # fault injection

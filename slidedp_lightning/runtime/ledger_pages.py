@@ -1,0 +1,111 @@
+"""The pages of a new ledger, allocated and mapped before its weights are written.
+
+A new ledger file holds no memory: every 4 KiB page is allocated, zeroed and mapped at its first write, one page
+fault each, and the fill of a checkpoint (FP32 master + BF16 copy, 6 bytes per parameter) is bound by those
+faults. Asking the kernel for the pages in bulk first costs less per page than faulting them in from user space
+(measured in docs/PERFORMANCE.md, "Loading a pretrained checkpoint"): ``fallocate`` allocates the file's pages,
+``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14) maps them writable into this process, both a 64 MiB chunk at a
+time on several threads. Either step is skipped where the file system or the kernel does not offer it (the writes
+then fault the pages in as before); contents are never changed, so ranks may prepare neighbouring ranges at the
+same time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+from slidedp_lightning.runtime.host_state import HostLedger, HostMemoryError, format_bytes, shm_dir
+
+__all__ = ["ledger_spans", "prepare_pages"]
+
+log = logging.getLogger(__name__)
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h (Linux 5.14)
+CHUNK = 64 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# not offered here, or interrupted: the writes fault in whatever is left
+_UNSUPPORTED = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS, errno.EPERM, errno.EINTR, errno.EAGAIN)
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _inward(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte spans ``[a, b)`` merged where they touch and shrunk to whole pages inside them (a page only partly
+    inside is left to its writes: it may belong to ranges this process does not write)."""
+    merged: list[list[int]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if merged and a - merged[-1][1] < PAGE:  # a gap inside one page: no page lies wholly in it
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out: list[tuple[int, int]] = []
+    for a, b in merged:
+        a, b = -(-a // PAGE) * PAGE, b // PAGE * PAGE
+        out.extend((s, min(s + CHUNK, b)) for s in range(a, b, CHUNK))
+    return out
+
+
+def ledger_spans(ledger: HostLedger, pieces: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """File byte spans of the FP32 master and BF16 copy of the ledger elements ``[lo, lo + n)`` of each piece."""
+    off = ledger.geometry.offsets
+    return [
+        (off[name] + size * lo, off[name] + size * (lo + n))
+        for lo, n in pieces
+        for name, size in (("master", 4), ("bf16", 2))
+    ]
+
+
+def prepare_pages(ledger: HostLedger, spans: list[tuple[int, int]], threads: int) -> bool:
+    """Allocate and map the pages of the ledger's file byte ``spans`` (see the module's docstring) on ``threads``
+    threads; False where the kernel cannot map them in bulk (the writes then fault them in). Raises
+    :class:`HostMemoryError` when there is no room for them."""
+    libc = _libc()
+    chunks = _inward(spans)
+    if libc is None or not chunks:
+        return False
+    base = ledger.master.data_ptr() - ledger.geometry.offsets["master"]  # the mapping's first byte
+    try:
+        fd: int | None = os.open(ledger.path, os.O_RDWR)
+    except OSError:  # already unlinked (a private ledger): the populate alone allocates them
+        fd = None
+
+    def allocate(chunk: tuple[int, int]) -> int:
+        a, b = chunk
+        return 0 if fd is None or libc.fallocate(fd, 0, a, b - a) == 0 else ctypes.get_errno()
+
+    def populate(chunk: tuple[int, int]) -> int:
+        a, b = chunk
+        return 0 if libc.madvise(base + a, b - a, MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
+
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="slidedp-pages") as pool:
+            for step in (allocate, populate):
+                codes = set(pool.map(step, chunks)) - {0}
+                if codes - set(_UNSUPPORTED):
+                    need = sum(b - a for a, b in chunks)
+                    raise HostMemoryError(
+                        f"SlideDP could not allocate {format_bytes(need)} of ledger pages in {shm_dir()} "
+                        f"({', '.join(errno.errorcode.get(c, str(c)) for c in sorted(codes))}): the host is out of "
+                        "shared memory. Free host memory or enlarge the shared-memory file system, then start again."
+                    )
+                if codes:
+                    log.debug("SlideDP: %s of the ledger pages not offered here (%s)", step.__name__, sorted(codes))
+                    if step is populate:
+                        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return True

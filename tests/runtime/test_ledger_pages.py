@@ -1,0 +1,84 @@
+"""ledger_pages: a new ledger's pages allocated and mapped in bulk, exactly the spans asked for, contents kept."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from slidedp_lightning.runtime import ledger_pages
+from slidedp_lightning.runtime.host_state import HostLedger, HostMemoryError, LedgerGeometry
+from slidedp_lightning.runtime.ledger_pages import PAGE, ledger_spans, prepare_pages
+
+N = 1 << 20  # elements: 4 MiB of FP32 master
+
+
+def _ledger(tmp_path) -> HostLedger:
+    geometry = LedgerGeometry(total=N, num_units=2, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
+    return HostLedger(str(tmp_path / "ledger"), geometry, create=True)
+
+
+def _resident(ledger: HostLedger, name: str, lo: int, hi: int, size: int) -> list[bool]:
+    """Per page of ``name``'s elements [lo, hi): whether the file holds it (SEEK_DATA/SEEK_HOLE)."""
+    fd = os.open(ledger.path, os.O_RDONLY)
+    try:
+        start = ledger.geometry.offsets[name]
+        out = []
+        for page in range(start + lo * size, start + hi * size, PAGE):
+            try:
+                out.append(os.lseek(fd, page, os.SEEK_DATA) == page)
+            except OSError:  # no data after it
+                out.append(False)
+        return out
+    finally:
+        os.close(fd)
+
+
+def test_the_pieces_pages_are_allocated_whole_pages_only_and_their_contents_kept(tmp_path) -> None:
+    ledger = _ledger(tmp_path)
+    try:
+        assert ledger.allocated_bytes() < PAGE * 4  # a new file holds (almost) nothing
+        ledger.master[10] = 3.5  # written before: kept
+        lo, n = 10, 300_000  # starts and ends inside a page
+        assert prepare_pages(ledger, ledger_spans(ledger, [(lo, n)]), threads=2)
+        master = _resident(ledger, "master", 0, N, 4)
+        per_page = PAGE // 4
+        first, last = -(-lo // per_page), (lo + n) // per_page  # the pages wholly inside
+        assert all(master[first:last]) and not any(master[last + 1 :])
+        bf16 = _resident(ledger, "bf16", 0, N, 2)
+        assert all(bf16[-(-lo * 2 // PAGE) : (lo + n) * 2 // PAGE]) and not any(bf16[(lo + n) * 2 // PAGE + 1 :])
+        assert not any(_resident(ledger, "exp_avg", 0, N, 4))  # the moments are left to their writes
+        assert ledger.master[10].item() == 3.5 and not ledger.master[11:].any() and not ledger.bf16.any()
+    finally:
+        ledger.close()
+
+
+def test_an_unlinked_ledger_is_mapped_without_fallocate_and_a_full_one_says_so(tmp_path, monkeypatch) -> None:
+    ledger = _ledger(tmp_path)
+    try:
+        ledger.unlink()
+        before = ledger.allocated_bytes()
+        assert prepare_pages(ledger, ledger_spans(ledger, [(0, N)]), threads=1)
+        assert ledger.allocated_bytes() - before >= 6 * N - 2 * PAGE  # MADV_POPULATE_WRITE allocated them
+        assert torch.count_nonzero(ledger.master) == 0
+    finally:
+        ledger.close()
+    ledger = _ledger(tmp_path)
+    try:
+
+        class Full:
+            def fallocate(self, *args: object) -> int:
+                return -1
+
+            def madvise(self, *args: object) -> int:
+                return 0
+
+        monkeypatch.setattr(ledger_pages, "_libc", lambda: Full())
+        monkeypatch.setattr(ledger_pages.ctypes, "get_errno", lambda: 28)  # ENOSPC
+        with pytest.raises(HostMemoryError, match=r"could not allocate 6\.00 MiB of ledger pages .*ENOSPC"):
+            prepare_pages(ledger, ledger_spans(ledger, [(0, N)]), threads=1)
+        monkeypatch.setattr(ledger_pages.ctypes, "get_errno", lambda: 95)  # EOPNOTSUPP: populate alone
+        assert prepare_pages(ledger, ledger_spans(ledger, [(0, N)]), threads=1)
+    finally:
+        ledger.close()
