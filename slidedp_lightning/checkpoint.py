@@ -2,7 +2,8 @@
 
 A checkpoint (format 2) is a directory:
 
-- DCP files holding every parameter's FP32 master and both Adam moments as plain 1-D tensors, each a piece of
+- DCP files holding every parameter's FP32 master and both Adam moments (a wholly frozen unit has no moments,
+  and without a master its weights come from its BF16 copy) as plain 1-D tensors, each a piece of
   the flattened tensor under ``<kind>/<name>@<start>-<stop>`` (its elements ``[start, stop)``). The ledger is
   shared by the ranks of a host, so each rank writes (and reads) a balanced share of the parameters (with
   several hosts, each host's ranks split them again: every host's ledger is complete and the checkpoint keeps
@@ -137,13 +138,14 @@ def _mine(engine) -> list[str]:
     return share(sizes, count)[index]
 
 
-def _held(engine) -> list[tuple[str, int, int, torch.Tensor]]:
+def _held(engine, writing: bool = False) -> list[tuple[str, int, int, torch.Tensor]]:
     """``(key, start, stop, view)``: what this rank writes and reads, its share's parameters and moments, each
     the elements ``[start, stop)`` its host holds (all of them unless host-sharded) as a 1-D view of the
-    ledger."""
+    ledger (wholly frozen units: no moments; their weights from the BF16 copy when they keep no master, written
+    back by ``engine.restored`` when ``writing``)."""
     slots = engine.state.named_slots()
     out = []
-    for key, view in engine.state.ledger_tensors(_mine(engine)).items():
+    for key, view in engine.state.ledger_tensors(_mine(engine), writing).items():
         parts = engine.state.host_parts(slots[key.split("/", 1)[1]])
         lo, hi = parts[engine.topology.host] if engine.topology.host_sharded else parts[0]
         if hi > lo:
@@ -419,7 +421,7 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
         )
     engine.synchronize()
     engine.drop_resident()
-    read_ranges(path, _held(engine), process_group=_job_group(engine))
+    read_ranges(path, _held(engine, writing=True), process_group=_job_group(engine))
     engine.restored(info["step"], info["buffers"])
     log.info(
         "SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM
+from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM  # noqa: F401  (the default layout, re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +140,90 @@ def _page(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
+# The per-element regions of the ledger, in file order, and their dtypes.
+REGIONS: dict[str, torch.dtype] = {
+    "master": torch.float32,
+    "exp_avg": torch.float32,
+    "exp_avg_sq": torch.float32,
+    "bf16": torch.bfloat16,
+}
+ALL_REGIONS: tuple[str, ...] = tuple(REGIONS)
+MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+
+def region_itemsize(name: str) -> int:
+    return torch.empty(0, dtype=REGIONS[name]).element_size()
+
+
+def unit_regions(trainable: bool, compute_dtype: torch.dtype) -> tuple[str, ...]:
+    """The regions a unit keeps: all of them unless every parameter of it is frozen. A wholly frozen unit has no
+    moments and keeps one copy of its weights, the one the device reads: the BF16 copy under bf16 compute, else
+    the FP32 master."""
+    if trainable:
+        return ALL_REGIONS
+    return ("bf16",) if compute_dtype == torch.bfloat16 else ("master",)
+
+
 @dataclass(frozen=True)
 class LedgerGeometry:
-    """Sizes and byte offsets of everything in one ledger file."""
+    """Sizes and byte offsets of everything in one ledger file.
 
-    total: int  # elements per array (padded parameter count)
+    Each region (``master``, ``exp_avg``, ``exp_avg_sq``, ``bf16``) holds the units that have it back to back, in
+    unit order; a unit has an element offset in each region it has (:meth:`unit_offsets`). Without
+    ``unit_sizes`` the units are not described and every region holds ``total`` elements."""
+
+    total: int  # padded parameter count over all units (elements of a region every unit has)
     num_units: int
     world_size: int
     staging_slots: int  # host_reduce gradient slots per rank (0 when the route is gpu_reduce)
     staging_elems: int  # elements per staging slot
     staging_itemsize: int  # 4 for FP32 gradients, 2 for BF16
+    unit_sizes: tuple[int, ...] = ()  # padded elements of each unit
+    regions_of_unit: tuple[tuple[str, ...], ...] = ()  # the regions each unit has (empty: all of them)
+
+    def __post_init__(self) -> None:
+        if self.unit_sizes and (len(self.unit_sizes) != self.num_units or sum(self.unit_sizes) != self.total):
+            raise ValueError(
+                f"unit_sizes {self.unit_sizes[:4]}... do not add up to {self.num_units} units, {self.total}"
+            )
+        if self.regions_of_unit and len(self.regions_of_unit) != len(self.unit_sizes):
+            raise ValueError("regions_of_unit needs one entry per unit of unit_sizes")
+
+    def has(self, name: str, unit: int) -> bool:
+        """Whether ``unit`` has a range in region ``name``."""
+        return not self.regions_of_unit or name in self.regions_of_unit[unit]
+
+    def unit_offsets(self, name: str) -> tuple[int | None, ...]:
+        """Element offset of every unit inside region ``name`` (None: the unit is not in it)."""
+        if not self.unit_sizes:
+            raise ValueError("this ledger geometry does not describe its units (no unit_sizes)")
+        out: list[int | None] = []
+        pos = 0
+        for u, size in enumerate(self.unit_sizes):
+            if self.has(name, u):
+                out.append(pos)
+                pos += size
+            else:
+                out.append(None)
+        return tuple(out)
+
+    def layout_offsets(self) -> tuple[int, ...]:
+        """Element offset of every unit in the layout (``Unit.offset``: as if every unit had every region)."""
+        out, pos = [], 0
+        for size in self.unit_sizes:
+            out.append(pos)
+            pos += size
+        return tuple(out)
+
+    def region_elems(self, name: str) -> int:
+        """Elements of region ``name``."""
+        if not self.regions_of_unit:
+            return self.total
+        return sum(size for u, size in enumerate(self.unit_sizes) if self.has(name, u))
+
+    def unit_bytes(self, unit: int) -> int:
+        """Bytes of every region range of ``unit`` (padding included, guards not)."""
+        return sum(self.unit_sizes[unit] * region_itemsize(r) for r in ALL_REGIONS if self.has(r, unit))
 
     def _stamp_elems(self) -> int:
         r, u, k = self.world_size, self.num_units, self.staging_slots
@@ -158,14 +232,10 @@ class LedgerGeometry:
     @property
     def offsets(self) -> dict[str, int]:
         off, pos = {}, 0
-        for name, nbytes in (
-            ("stamps", self._stamp_elems() * 8),
-            ("master", self.total * 4),
-            ("exp_avg", self.total * 4),
-            ("exp_avg_sq", self.total * 4),
-            ("bf16", self.total * 2),
-            ("staging", self.world_size * self.staging_slots * self.staging_elems * self.staging_itemsize),
-        ):
+        sizes = [("stamps", self._stamp_elems() * 8)]
+        sizes += [(name, self.region_elems(name) * region_itemsize(name)) for name in ALL_REGIONS]
+        sizes += [("staging", self.staging_bytes)]
+        for name, nbytes in sizes:
             off[name] = pos
             pos = _page(pos + nbytes) + (GUARD if nbytes else 0)
         off["end"] = pos
@@ -182,17 +252,33 @@ class LedgerGeometry:
 
 @dataclass(frozen=True)
 class LedgerStats:
-    """What one host's ledger holds, for reports and benchmarks (the public read interface of its size)."""
+    """What one host's ledger holds, for reports and benchmarks (the public read interface of its size).
+
+    ``trainable_*`` counts the units with at least one trainable parameter (a partially frozen unit's frozen
+    parameters keep their moments, so they count here), ``frozen_*`` the wholly frozen units; their bytes are the
+    region ranges of those units, padding included (stamps, guards and staging are in ``nbytes`` only)."""
 
     nbytes: int  # the file's size: every region, padding and guards included
     num_params: int  # model parameters it holds (each tied parameter once)
     padded_params: int  # elements per array, alignment and shard padding included
     allocated_bytes: int  # memory the file holds now (a page is allocated when first written)
     copies: float  # ledgers of this size per host: 1; R for the replicated route; 1/N when host-sharded
+    trainable_params: int = 0
+    trainable_bytes: int = 0
+    frozen_params: int = 0
+    frozen_bytes: int = 0
 
     @property
     def bytes_per_param(self) -> float:
         return self.nbytes / self.num_params if self.num_params else 0.0
+
+    @property
+    def trainable_bytes_per_param(self) -> float:
+        return self.trainable_bytes / self.trainable_params if self.trainable_params else 0.0
+
+    @property
+    def frozen_bytes_per_param(self) -> float:
+        return self.frozen_bytes / self.frozen_params if self.frozen_params else 0.0
 
 
 def available_host_bytes() -> tuple[int, int]:
@@ -223,7 +309,7 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float =
                 if copies == 1
                 else f"this host's {copies:.3g} of the ledger "
             )
-            + f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
+            + f"({geometry.nbytes / max(num_params, 1):.1f} B/param x {num_params:,} params, padding included"
             + (f" + {format_bytes(geometry.staging_bytes)} host_reduce staging" if geometry.staging_bytes else "")
             + f"), but only {format_bytes(have)} is available (MemAvailable {format_bytes(mem)}, "
             f"{shm_dir()} free {format_bytes(shm)}). Free host memory, enlarge {shm_dir()} (mount -o remount,size=...) "
@@ -238,7 +324,8 @@ class HostLedger:
     """Shared-memory arrays of one host.
 
     Tensors (torch views of the shared mapping): ``master``, ``exp_avg``, ``exp_avg_sq`` (FP32),
-    ``bf16`` (BF16 transfer copy) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
+    ``bf16`` (BF16 transfer copy), each a whole region (the units that have it, back to back; :meth:`region` is
+    one unit's range; empty when no unit has it) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
     Stamps (int64 numpy views, written by one process, read by all): ``version[unit, owner]`` = updates
     applied; ``pids[rank]``; ``grad_gen[rank, slot]`` = watermark of a staging slot (generation * 2**32 + elements
     written so far, see grads.WATERMARK);
@@ -264,16 +351,16 @@ class HostLedger:
         self._linked = create
         off = geometry.offsets
         g = geometry
-        n = g.total
 
         def view(name: str, count: int, dtype: torch.dtype) -> torch.Tensor:
             itemsize = torch.empty(0, dtype=dtype).element_size()
             return self._raw[off[name] : off[name] + count * itemsize].view(dtype)
 
-        self.master = view("master", n, torch.float32)
-        self.exp_avg = view("exp_avg", n, torch.float32)
-        self.exp_avg_sq = view("exp_avg_sq", n, torch.float32)
-        self.bf16 = view("bf16", n, torch.bfloat16)
+        # each region whole: the units that have it, back to back (empty where no unit has it)
+        self.master, self.exp_avg, self.exp_avg_sq, self.bf16 = (
+            view(name, g.region_elems(name), REGIONS[name]) for name in ALL_REGIONS
+        )
+        self._unit_offsets = {name: g.unit_offsets(name) for name in ALL_REGIONS} if g.unit_sizes else None
         stamps = view("stamps", g._stamp_elems(), torch.int64).numpy()
         r, u, k = g.world_size, g.num_units, g.staging_slots
         pos = 0
@@ -294,14 +381,42 @@ class HostLedger:
             sdtype = torch.float32 if g.staging_itemsize == 4 else torch.bfloat16
             self.staging = view("staging", r * k * g.staging_elems, sdtype).view(r, k, g.staging_elems)
 
-    # numpy views for the kernels (BF16 as raw uint16 bits)
+    def region(self, name: str, unit: int) -> torch.Tensor | None:
+        """The padded range of ``unit`` (its index) in region ``name`` (``master``, ``exp_avg``, ``exp_avg_sq``,
+        ``bf16``), a view of the shared mapping; None when the unit has no range there (a wholly frozen unit keeps
+        neither moments nor, under bf16 compute, an FP32 master)."""
+        if self._unit_offsets is None:
+            raise ValueError(f"the geometry of {self.path} does not describe its units: region() needs unit_sizes")
+        start = self._unit_offsets[name][unit]
+        if start is None:
+            return None
+        whole = getattr(self, name)
+        return whole[start : start + self.geometry.unit_sizes[unit]]
+
     def np_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The four whole regions as numpy views (BF16 as raw uint16 bits); every unit must have every region."""
         return (
             self.master.numpy(),
             self.exp_avg.numpy(),
             self.exp_avg_sq.numpy(),
             self.bf16.view(torch.int16).numpy().view(np.uint16),
         )
+
+    def region_np(self, name: str, unit: int) -> np.ndarray | None:
+        """:meth:`region` as a numpy view for the kernels (BF16 as raw uint16 bits)."""
+        t = self.region(name, unit)
+        if t is None:
+            return None
+        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+    def weights(self, unit: int) -> torch.Tensor:
+        """The unit's weights in FP32: its master, or (no master) a copy converted from its BF16 copy."""
+        master = self.region("master", unit)
+        if master is not None:
+            return master
+        bf16 = self.region("bf16", unit)
+        assert bf16 is not None, "every unit keeps its master or its BF16 copy"
+        return bf16.float()
 
     def pin(self) -> bool:
         """Page-lock this process's mapping (``cudaHostRegister``) so H2D/D2H copies to and from it are async
@@ -325,12 +440,23 @@ class HostLedger:
     def refresh_bf16(self, ranges: list[tuple[int, int]] | None = None) -> None:
         """Rewrite the BF16 transfer copy from the master (torch's conversion: round-to-nearest-even, the same
         bits as the update kernel's; runs on the calling thread with torch's threads, no Numba), everywhere or
-        in ``ranges`` only (a host-sharded ledger never touches the pages it does not own)."""
-        if ranges is None:
+        in ``ranges`` only: one ``[a, b)`` per unit in layout elements (``Unit.offset`` based; a host-sharded
+        ledger never touches the pages it does not own). Units without a master or a BF16 copy are skipped."""
+        g = self.geometry
+        whole = not g.regions_of_unit or all(g.has("master", u) and g.has("bf16", u) for u in range(g.num_units))
+        if ranges is None and whole:
             self.bf16.copy_(self.master)
             return
-        for a, b in ranges:
-            self.bf16[a:b].copy_(self.master[a:b])
+        if not g.unit_sizes:  # units not described: every region is laid out as the layout
+            for a, b in ranges or [(0, g.total)]:
+                self.bf16[a:b].copy_(self.master[a:b])
+            return
+        if ranges is None:
+            ranges = [(a, a + n) for a, n in zip(g.layout_offsets(), g.unit_sizes)]
+        for u, ((a, b), start) in enumerate(zip(ranges, g.layout_offsets())):
+            master, bf16 = self.region("master", u), self.region("bf16", u)
+            if master is not None and bf16 is not None:
+                bf16[a - start : b - start].copy_(master[a - start : b - start])
 
     def allocated_bytes(self) -> int:
         """Bytes of memory the ledger file holds now (a page is allocated when first written)."""

@@ -60,9 +60,13 @@ class UnitResidency:
         self.pending: dict[int, Future] = {}
         self.resident = [False] * len(layout.units)
         self.filled_step = [-1] * len(layout.units)  # the step whose weights a resident buffer holds
-        self._source = ledger.bf16 if dtype == torch.bfloat16 else ledger.master
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"unsupported compute dtype {dtype}")
+        region = "bf16" if dtype == torch.bfloat16 else "master"
+        sources = [ledger.region(region, u.index) for u in layout.units]  # what each fill copies
+        self._sources = [src for src in sources if src is not None]
+        if len(self._sources) != len(sources):
+            raise ValueError(f"the ledger has no {region} range for some unit: it was laid out for another dtype")
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
         self._forward_mark = -1  # highest unit acquired by the current forward pass
@@ -83,13 +87,13 @@ class UnitResidency:
             buf.untyped_storage().resize_(0)  # views keep their geometry; the memory goes until acquire
 
     def unbind(self, restore: bool) -> None:
-        """Give the model ordinary parameters again: FP32 copies of the master, or meta tensors."""
-        master = self.ledger.master
+        """Give the model ordinary parameters again: FP32 copies of the master (of the BF16 copy for a unit
+        without one), or meta tensors."""
         for unit in self.layout.units:
+            weights = self.ledger.weights(unit.index) if restore else None
             for slot in unit.slots:
-                if restore:
-                    start = unit.offset + slot.offset
-                    data = master[start : start + slot.numel].clone().view(slot.shape)
+                if weights is not None:
+                    data = weights[slot.offset : slot.end].clone().view(slot.shape)
                 else:
                     data = torch.empty(slot.shape, device="meta")
                 param = nn.Parameter(data, requires_grad=slot.trainable)
@@ -120,7 +124,7 @@ class UnitResidency:
         lane_delay()
         self.fills[u] += 1
         lanes = self.lanes
-        src = self._source[unit.offset : unit.offset + unit.padded]
+        src = self._sources[u]
         with lanes.on("h2d"):
             # memory allocated here belongs to the H2D lane: a block the compute lane freed is handed out only
             # once the compute work recorded on it is done, so no wait on the compute lane is needed

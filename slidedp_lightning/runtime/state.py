@@ -37,6 +37,7 @@ class LedgerState:
         self.root, self.layout, self.ledger, self.topology = root, layout, ledger, topology
         self._slot_of = slot_of  # id(parameter) -> its slot
         self._host_ranges = host_ranges
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (FP32 scratch, BF16 view) to write back
 
     def require_whole_parameters(self, what: str) -> None:
         if self.topology.host_sharded:
@@ -51,18 +52,30 @@ class LedgerState:
         """The ledger slot of a parameter of the streamed model (None for buffers and other tensors)."""
         return self._slot_of.get(id(tensor))
 
-    def _view(self, where: Slot, region: str) -> torch.Tensor:
-        unit = self.layout.units[where[0]]
-        slot = unit.slots[where[1]]
-        start = unit.offset + slot.offset
-        return getattr(self.ledger, region)[start : start + slot.numel].view(slot.shape)
+    def _view(self, where: Slot, region: str) -> torch.Tensor | None:
+        """The parameter's elements in ``region`` (None when its unit has no range there)."""
+        slot = self.layout.units[where[0]].slots[where[1]]
+        flat = self.ledger.region(region, where[0])
+        return None if flat is None else flat[slot.offset : slot.end].view(slot.shape)
+
+    def has_master(self, unit_index: int) -> bool:
+        return self.ledger.geometry.has("master", unit_index)
 
     def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
-        return self._view((unit_index, slot_index), "master")
+        """The parameter's FP32 weights: a view of the master, or (a wholly frozen unit under bf16 compute, which
+        keeps only its BF16 copy) an FP32 copy of its BF16 copy."""
+        view = self._view((unit_index, slot_index), "master")
+        if view is None:
+            bf16 = self._view((unit_index, slot_index), "bf16")
+            assert bf16 is not None, "every unit keeps its master or its BF16 copy"
+            return bf16.float()
+        return view
 
-    def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views of the parameter's Adam moments; None for a wholly frozen unit (it keeps none)."""
         where = (unit_index, slot_index)
-        return self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
+        m, v = self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
+        return None if m is None or v is None else (m, v)
 
     def named_slots(self) -> dict[str, Slot]:
         """Each ledger parameter once (a tied one under its first name), keyed as ``root.state_dict()``."""
@@ -75,16 +88,22 @@ class LedgerState:
                 out[name] = where
         return out
 
-    def ledger_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def ledger_tensors(self, names: list[str], writing: bool = False) -> dict[str, torch.Tensor]:
         """Views for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>``
-        (writing into them writes the ledger). With host-sharded ledgers only this host's elements of each view
+        (writing into them writes the ledger); a wholly frozen unit's parameters have no moments, and without a
+        master their ``model/`` tensor is an FP32 copy of the BF16 copy: ``writing`` keeps it, to be written back
+        by :meth:`restored`. With host-sharded ledgers only this host's elements of each view
         (:meth:`host_parts`) are valid."""
         slots = self.named_slots()
         out = {}
         for name in names:
             where = slots[name]
-            m, v = self.moments(*where)
-            out[f"model/{name}"], out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = self.master_view(*where), m, v
+            out[f"model/{name}"] = self.master_view(*where)
+            if writing and not self.has_master(where[0]):
+                self._pending.append((out[f"model/{name}"], self._view(where, "bf16")))  # type: ignore[arg-type]
+            moments = self.moments(*where)
+            if moments is not None:
+                out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = moments
         return out
 
     def host_parts(self, where: Slot) -> list[tuple[int, int]]:
@@ -136,8 +155,9 @@ class LedgerState:
         state, index = {}, 0
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if step > 0:
-                    exp_avg, exp_avg_sq = self.moments(*self._slot_of[id(p)])
+                moments = self.moments(*self._slot_of[id(p)])
+                if step > 0 and moments is not None:  # torch keeps no state for a parameter it never updated
+                    exp_avg, exp_avg_sq = moments
                     state[index] = {
                         "step": torch.tensor(float(step)),
                         "exp_avg": exp_avg.clone(),
@@ -151,7 +171,11 @@ class LedgerState:
         slot = self.layout.units[where[0]].slots[where[1]]
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{slot.name}: checkpoint shape {tuple(value.shape)} != model shape {slot.shape}.")
-        self._view(where, region).copy_(value.reshape(slot.shape))
+        view = self._view(where, region)
+        if view is None and region == "master":  # a unit keeping only its BF16 copy
+            view = self._view(where, "bf16")
+        if view is not None:  # no moments in a wholly frozen unit: nothing to restore there
+            view.copy_(value.reshape(slot.shape))
 
     def _barrier(self) -> None:
         if self.topology.shard_group is not None:
@@ -202,6 +226,9 @@ class LedgerState:
         for name, value in buffers.items():
             if name in own and id(own[name]) not in self._slot_of:
                 own[name].data.copy_(value)
+        pending, self._pending = self._pending, []
+        for scratch, bf16 in pending:  # weights of units without a master, read as FP32
+            bf16.copy_(scratch.view(bf16.shape))
         self._barrier()
         if self.topology.writes_ledger:
             self.ledger.refresh_bf16(self._host_ranges)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from cpu_ops import accumulate, adamw_update, adamw_update_sum, set_kernel_threads, warmup
-from slidedp_lightning.runtime.host_state import HostLedger
+from slidedp_lightning.runtime.host_state import ALL_REGIONS, HostLedger
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import lane_delay
 from slidedp_lightning.runtime.trace import Tracer
@@ -141,7 +141,8 @@ class UpdateLane:
         self.threads = threads
         self.tracer = tracer or Tracer(None, rank)
         self.segments: list[list[tuple[int, int, int]]] = []
-        self._arrays = ledger.np_arrays()
+        # per unit: its master, exp_avg, exp_avg_sq and BF16 ranges (numpy views; None for a wholly frozen unit)
+        self._arrays = [tuple(ledger.region_np(r, u.index) for r in ALL_REGIONS) for u in layout.units]
         self._queue: queue.Queue[UpdateTask | _Call | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
@@ -305,13 +306,14 @@ class UpdateLane:
 
     def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0), one param-group run at a time."""
-        master, exp_avg, exp_avg_sq, bf16 = self._arrays
+        master, exp_avg, exp_avg_sq, bf16 = self._arrays[task.unit]
         for sa, sb, g in self.segments[task.unit]:
             a, b = max(sa, c0), min(sb, c1)
             if a >= b or g < 0:  # g < 0: frozen parameters keep their weights and moments bit-identical
                 continue
+            assert master is not None and exp_avg is not None and exp_avg_sq is not None and bf16 is not None
             h = task.hyper[g]
-            lo, hi = unit.offset + a, unit.offset + b
+            lo, hi = a, b
             kw = _AdamKwargs(
                 step=task.step,
                 lr=h.lr,
