@@ -10,7 +10,7 @@ from cpu_ops.adamw8 import (
     signed_map,
     unsigned_map,
 )
-from cpu_ops.bandwidth import adam_shaped_copy
+from cpu_ops.bandwidth import adam8_shaped_copy, adam_shaped_copy
 from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
 from cpu_ops.threads import logical_cpus, physical_cores, set_kernel_threads, thread_budget
 from cpu_ops.warmup import is_vectorized, warmup
@@ -18,6 +18,7 @@ from cpu_ops.warmup import is_vectorized, warmup
 __all__ = [
     "QUANT_BLOCK",
     "accumulate",
+    "adam8_shaped_copy",
     "adam_shaped_copy",
     "adamw_update",
     "adamw8_update",

@@ -33,6 +33,7 @@ import numba
 import numpy as np
 
 from cpu_ops import _kernels8
+from cpu_ops._kernels8 import S_CODE, U_CODE
 from cpu_ops._validate import BF16_BITS, FP32, check_array, check_vector
 from cpu_ops.adamw import _GRAD_DTYPES, _hyperparameters, grad_rows
 
@@ -47,75 +48,23 @@ __all__ = [
 
 QUANT_BLOCK: int = 256
 CODES = np.dtype(np.uint8)
-_LO = (127 - 26) << 7  # top-16-bit key of 2**-26: every |y| below it shares one table slot
-_WIDTH = (127 << 7) - _LO + 2  # keys _LO - 1 (everything smaller) .. key of 1.0
 _CHUNKS_PER_THREAD = 4
-
-
-def _dynamic_map(signed: bool) -> np.ndarray:
-    """The 256 sorted float32 values of the (signed tree / unsigned) dynamic map, built in float64."""
-    magnitudes = []
-    fraction_bits = 6 if signed else 7
-    for e in range(7):
-        f = fraction_bits - e
-        k = np.arange(2**f, dtype=np.float64)
-        magnitudes.append(10.0**-e * (0.1 + 0.9 * (k + 1) / 2**f))
-    positive = np.concatenate(magnitudes)
-    values = [np.zeros(1), positive, np.array([1e-7])]
-    if signed:
-        values.append(-positive)
-    out = np.sort(np.concatenate(values)).astype(np.float32)
-    if out.shape != (256,) or not np.all(np.diff(out) > 0):
-        raise AssertionError("dynamic map construction is wrong")  # construction invariant
-    return out
-
-
-def _search_tables(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Midpoints (+inf sentinel) and the bf16-interval table of :func:`_kernels8.quantize_value`."""
-    mid = np.empty(256, np.float32)
-    mid[:255] = ((code[:-1].astype(np.float64) + code[1:].astype(np.float64)) / 2).astype(np.float32)
-    mid[255] = np.inf
-    mags = np.arange(_LO - 1, _LO - 1 + _WIDTH, dtype=np.uint32)
-    low_bits, high_bits = [], []
-    for sign in (0, 1):
-        key = (np.uint32(sign << 15) | mags) << np.uint32(16)
-        first = key.copy()
-        last = key | np.uint32(0xFFFF)
-        first[0], last[0] = key[0] & np.uint32(0x80000000), (key[0] | np.uint32(0xFFFF))  # all |y| < 2**-26
-        # the interval's smallest value is its first key for y >= 0, its last for y < 0
-        low_bits.append(last if sign else first)
-        high_bits.append(first if sign else last)
-    low = np.concatenate(low_bits).view(np.float32)
-    high = np.concatenate(high_bits).view(np.float32)
-    base = np.searchsorted(mid, low, side="left")
-    top = np.searchsorted(mid, high, side="left")
-    if np.any(top - base > 1):
-        raise AssertionError("a bf16 interval holds two code midpoints; the lookup needs more mantissa bits")
-    return mid, base.astype(np.uint8)
-
-
-_S_CODE = _dynamic_map(signed=True)
-_U_CODE = _dynamic_map(signed=False)
-_S_MID, _S_TABLE = _search_tables(_S_CODE)
-_U_MID, _U_TABLE = _search_tables(_U_CODE)
-_S_ZERO = np.uint8(np.searchsorted(_S_MID, np.float32(0.0), side="left"))
-_U_ZERO = np.uint8(0)
 
 
 def signed_map() -> np.ndarray:
     """The signed dynamic tree map of ``exp_avg``: 256 sorted float32 values in [-1, 1], with 0."""
-    return _S_CODE.copy()
+    return S_CODE.copy()
 
 
 def unsigned_map() -> np.ndarray:
     """The unsigned dynamic map of ``exp_avg_sq``: 256 sorted float32 values in [0, 1]."""
-    return _U_CODE.copy()
+    return U_CODE.copy()
 
 
-def _maps(signed: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.uint8]:
+def _check_signed(signed: object) -> bool:
     if not isinstance(signed, bool):
         raise TypeError(f"signed must be a bool, got {type(signed).__name__}")
-    return (_S_CODE, _S_TABLE, _S_MID, _S_ZERO) if signed else (_U_CODE, _U_TABLE, _U_MID, _U_ZERO)
+    return signed
 
 
 def num_blocks(n: int) -> int:
@@ -132,7 +81,7 @@ def quantize_blockwise(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndar
 
     ``signed=True`` is the ``exp_avg`` map, ``False`` the ``exp_avg_sq`` map (x must then be >= 0).
     """
-    code, table, mid, zero = _maps(signed)
+    _check_signed(signed)
     check_vector("x", x, None, (FP32,))
     n = x.shape[0]
     if not signed and n and float(np.min(x)) < 0.0:
@@ -140,18 +89,18 @@ def quantize_blockwise(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndar
     q = np.empty(n, CODES)
     absmax = np.empty(num_blocks(n), np.float32)
     if n:
-        _kernels8.quantize_kernel(x, q, absmax, QUANT_BLOCK, _chunks(absmax.shape[0]), table, mid, _LO, _WIDTH, zero)
+        _kernels8.quantize_kernel(x, q, absmax, QUANT_BLOCK, _chunks(absmax.shape[0]), signed)
     return q, absmax
 
 
 def dequantize_blockwise(q: np.ndarray, absmax: np.ndarray, signed: bool) -> np.ndarray:
     """float32 ``code[q[i]] * absmax[i // QUANT_BLOCK]`` (the inverse of :func:`quantize_blockwise`)."""
-    code = _maps(signed)[0]
+    _check_signed(signed)
     check_vector("q", q, None, (CODES,))
     check_vector("absmax", absmax, num_blocks(q.shape[0]), (FP32,))
     out = np.empty(q.shape[0], np.float32)
     if q.shape[0]:
-        _kernels8.dequantize_kernel(q, absmax, out, QUANT_BLOCK, code)
+        _kernels8.dequantize_kernel(q, absmax, out, QUANT_BLOCK, signed)
     return out
 
 
@@ -262,14 +211,4 @@ def adamw8_update(
         scale,
         QUANT_BLOCK,
         _chunks(nblocks),
-        _S_CODE,
-        _U_CODE,
-        _S_TABLE,
-        _U_TABLE,
-        _S_MID,
-        _U_MID,
-        _LO,
-        _WIDTH,
-        _S_ZERO,
-        _U_ZERO,
     )
