@@ -1,4 +1,5 @@
-"""Host ledger size of one model under full fine-tuning, LoRA and frozen embeddings (one CPU process each).
+"""Host ledger size of one model under full fine-tuning, LoRA and frozen embeddings, and in each ledger mode
+(``optimizer_state`` x ``bf16_copy``), one CPU process each.
 
 A wholly frozen unit keeps one copy of its weights and no moments; a unit holding a trainable parameter (a LoRA
 adapter inside a block) keeps every region. Prints one row per case and precision (``engine.ledger_stats()``).
@@ -80,6 +81,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    print("| optimizer_state | bf16_copy | case | ledger | B/param | vs default |")
+    print("|---|---|---|---|---|---|")
+    default = None
+    for state, copy in (("fp32", True), ("fp32", False), ("int8", True), ("int8", False)):
+        for case in ("full", "lora"):
+            model = build(args, case)
+            config = EngineConfig(optimizer_state=state, bf16_copy=copy)
+            engine = SlideDPEngine(model, config, device=torch.device("cpu"), compute_dtype=torch.bfloat16)
+            try:
+                s = engine.ledger_stats()
+            finally:
+                engine.close(restore=False)
+            default = default or s.nbytes
+            print(
+                f"| {state} | {copy} | {case} | {format_bytes(s.nbytes)} | {s.bytes_per_param:.2f} | {s.nbytes / default:.3f} |"
+            )
     return 0
 
 

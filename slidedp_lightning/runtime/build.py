@@ -116,7 +116,8 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
     """The ledger of ``layout``: every region for each unit with a trainable parameter; a wholly frozen unit keeps
     only the copy of its weights the device reads (:func:`unit_regions`)."""
     host_reduce = config.grad_route == "host_reduce"
-    regions = tuple(unit_regions(not u.frozen, dtype) for u in layout.units)
+    mode = (config.optimizer_state, config.bf16_copy)
+    regions = tuple(unit_regions(not u.frozen, dtype, *mode) for u in layout.units)
     return LedgerGeometry(
         total=layout.total,
         num_units=len(layout.units),
@@ -125,7 +126,8 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
         staging_elems=layout.max_unit if host_reduce else 0,
         staging_itemsize=2 if dtype == torch.bfloat16 else 4,
         unit_sizes=tuple(u.padded for u in layout.units),
-        regions_of_unit=regions if any(u.frozen for u in layout.units) else (),
+        regions_of_unit=regions if any(u.frozen for u in layout.units) or not config.bf16_copy else (),
+        optimizer_state=config.optimizer_state,
     )
 
 
@@ -280,6 +282,7 @@ class InitialWeights:
                         ledger.region("bf16", unit.index)[a:b].copy_(flat[a:b])  # type: ignore[index]
                     bar.update(4 * sum(s.numel for s in unit.slots))
             ledger.refresh_bf16(ranges)
+            ledger.clear_moments(ranges)
         self.report = LoadReport(kind, total, bar.seconds, 1)
         if meta:
             log.log(
@@ -339,6 +342,7 @@ class InitialWeights:
         bar = ByteProgress(what, total, show=topo.local_rank == 0)
         try:
             for u, pieces in work:
+                ledger.clear_moments([ranges[i] if i == u else (ranges[i][0], ranges[i][0]) for i in range(len(units))])
                 master, bf16 = ledger.region("master", u), ledger.region("bf16", u)
                 for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
                     lo -= units[u].offset

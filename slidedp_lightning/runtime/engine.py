@@ -123,6 +123,7 @@ class SlideDPEngine:
                 "sharded" if sharded else "full",
                 topology.owner_rank,
                 topology.param_group if sharded else None,
+                config.h2d_convert,
             )
             self.residency.bind()
             # close() resolves "auto" to a bool first; a construction failing midway still holds "auto" (truthy)

@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM  # noqa: F401  (the default layout, re-exported)
+from slidedp_lightning.runtime.ledger_geometry import (  # noqa: F401  (re-exported)
+    ALL_REGIONS,
+    GUARD,
+    MOMENTS,
+    PAGE,
+    LedgerGeometry,
+    LedgerStats,
+    unit_regions,
+)
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
-GUARD = PAGE  # bytes left between the arrays so they never sit at power-of-two distances
 SHM_ENV = "SLIDEDP_SHM_DIR"  # where ledgers are created (default /dev/shm); any local directory shared by the ranks
 
 
@@ -136,151 +142,6 @@ class HostMemoryError(MemoryError):
     """The host cannot hold the ledger."""
 
 
-def _page(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
-
-
-# The per-element regions of the ledger, in file order, and their dtypes.
-REGIONS: dict[str, torch.dtype] = {
-    "master": torch.float32,
-    "exp_avg": torch.float32,
-    "exp_avg_sq": torch.float32,
-    "bf16": torch.bfloat16,
-}
-ALL_REGIONS: tuple[str, ...] = tuple(REGIONS)
-MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-
-
-def region_itemsize(name: str) -> int:
-    return torch.empty(0, dtype=REGIONS[name]).element_size()
-
-
-def unit_regions(trainable: bool, compute_dtype: torch.dtype) -> tuple[str, ...]:
-    """The regions a unit keeps: all of them unless every parameter of it is frozen. A wholly frozen unit has no
-    moments and keeps one copy of its weights, the one the device reads: the BF16 copy under bf16 compute, else
-    the FP32 master."""
-    if trainable:
-        return ALL_REGIONS
-    return ("bf16",) if compute_dtype == torch.bfloat16 else ("master",)
-
-
-@dataclass(frozen=True)
-class LedgerGeometry:
-    """Sizes and byte offsets of everything in one ledger file.
-
-    Each region (``master``, ``exp_avg``, ``exp_avg_sq``, ``bf16``) holds the units that have it back to back, in
-    unit order; a unit has an element offset in each region it has (:meth:`unit_offsets`). Without
-    ``unit_sizes`` the units are not described and every region holds ``total`` elements."""
-
-    total: int  # padded parameter count over all units (elements of a region every unit has)
-    num_units: int
-    world_size: int
-    staging_slots: int  # host_reduce gradient slots per rank (0 when the route is gpu_reduce)
-    staging_elems: int  # elements per staging slot
-    staging_itemsize: int  # 4 for FP32 gradients, 2 for BF16
-    unit_sizes: tuple[int, ...] = ()  # padded elements of each unit
-    regions_of_unit: tuple[tuple[str, ...], ...] = ()  # the regions each unit has (empty: all of them)
-
-    def __post_init__(self) -> None:
-        if self.unit_sizes and (len(self.unit_sizes) != self.num_units or sum(self.unit_sizes) != self.total):
-            raise ValueError(
-                f"unit_sizes {self.unit_sizes[:4]}... do not add up to {self.num_units} units, {self.total}"
-            )
-        if self.regions_of_unit and len(self.regions_of_unit) != len(self.unit_sizes):
-            raise ValueError("regions_of_unit needs one entry per unit of unit_sizes")
-
-    def has(self, name: str, unit: int) -> bool:
-        """Whether ``unit`` has a range in region ``name``."""
-        return not self.regions_of_unit or name in self.regions_of_unit[unit]
-
-    def unit_offsets(self, name: str) -> tuple[int | None, ...]:
-        """Element offset of every unit inside region ``name`` (None: the unit is not in it)."""
-        if not self.unit_sizes:
-            raise ValueError("this ledger geometry does not describe its units (no unit_sizes)")
-        out: list[int | None] = []
-        pos = 0
-        for u, size in enumerate(self.unit_sizes):
-            if self.has(name, u):
-                out.append(pos)
-                pos += size
-            else:
-                out.append(None)
-        return tuple(out)
-
-    def layout_offsets(self) -> tuple[int, ...]:
-        """Element offset of every unit in the layout (``Unit.offset``: as if every unit had every region)."""
-        out, pos = [], 0
-        for size in self.unit_sizes:
-            out.append(pos)
-            pos += size
-        return tuple(out)
-
-    def region_elems(self, name: str) -> int:
-        """Elements of region ``name``."""
-        if not self.regions_of_unit:
-            return self.total
-        return sum(size for u, size in enumerate(self.unit_sizes) if self.has(name, u))
-
-    def unit_bytes(self, unit: int) -> int:
-        """Bytes of every region range of ``unit`` (padding included, guards not)."""
-        return sum(self.unit_sizes[unit] * region_itemsize(r) for r in ALL_REGIONS if self.has(r, unit))
-
-    def _stamp_elems(self) -> int:
-        r, u, k = self.world_size, self.num_units, self.staging_slots
-        return u * r + r + r * k + r * r * k + 8
-
-    @property
-    def offsets(self) -> dict[str, int]:
-        off, pos = {}, 0
-        sizes = [("stamps", self._stamp_elems() * 8)]
-        sizes += [(name, self.region_elems(name) * region_itemsize(name)) for name in ALL_REGIONS]
-        sizes += [("staging", self.staging_bytes)]
-        for name, nbytes in sizes:
-            off[name] = pos
-            pos = _page(pos + nbytes) + (GUARD if nbytes else 0)
-        off["end"] = pos
-        return off
-
-    @property
-    def nbytes(self) -> int:
-        return self.offsets["end"]
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.world_size * self.staging_slots * self.staging_elems * self.staging_itemsize
-
-
-@dataclass(frozen=True)
-class LedgerStats:
-    """What one host's ledger holds, for reports and benchmarks (the public read interface of its size).
-
-    ``trainable_*`` counts the units with at least one trainable parameter (a partially frozen unit's frozen
-    parameters keep their moments, so they count here), ``frozen_*`` the wholly frozen units; their bytes are the
-    region ranges of those units, padding included (stamps, guards and staging are in ``nbytes`` only)."""
-
-    nbytes: int  # the file's size: every region, padding and guards included
-    num_params: int  # model parameters it holds (each tied parameter once)
-    padded_params: int  # elements per array, alignment and shard padding included
-    allocated_bytes: int  # memory the file holds now (a page is allocated when first written)
-    copies: float  # ledgers of this size per host: 1; R for the replicated route; 1/N when host-sharded
-    trainable_params: int = 0
-    trainable_bytes: int = 0
-    frozen_params: int = 0
-    frozen_bytes: int = 0
-
-    @property
-    def bytes_per_param(self) -> float:
-        return self.nbytes / self.num_params if self.num_params else 0.0
-
-    @property
-    def trainable_bytes_per_param(self) -> float:
-        return self.trainable_bytes / self.trainable_params if self.trainable_params else 0.0
-
-    @property
-    def frozen_bytes_per_param(self) -> float:
-        return self.frozen_bytes / self.frozen_params if self.frozen_params else 0.0
-
-
 def available_host_bytes() -> tuple[int, int]:
     """(MemAvailable, free bytes in the ledger directory)."""
     mem = 0
@@ -356,11 +217,16 @@ class HostLedger:
             itemsize = torch.empty(0, dtype=dtype).element_size()
             return self._raw[off[name] : off[name] + count * itemsize].view(dtype)
 
-        # each region whole: the units that have it, back to back (empty where no unit has it)
-        self.master, self.exp_avg, self.exp_avg_sq, self.bf16 = (
-            view(name, g.region_elems(name), REGIONS[name]) for name in ALL_REGIONS
-        )
-        self._unit_offsets = {name: g.unit_offsets(name) for name in ALL_REGIONS} if g.unit_sizes else None
+        # each region whole: the units that have it, back to back (empty where no unit has it, or the mode has none:
+        # the absmax regions exist with optimizer_state="int8" only)
+        self.master = self.exp_avg = self.exp_avg_sq = self.bf16 = torch.empty(0)
+        self.exp_avg_absmax = self.exp_avg_sq_absmax = torch.empty(0)
+        for name, (dtype, _) in g.specs.items():
+            setattr(self, name, view(name, g.region_elems(name), dtype))
+        self._unit_offsets: dict[str, tuple[int | None, ...]] | None = None
+        if g.unit_sizes:
+            none = (None,) * g.num_units
+            self._unit_offsets = {name: g.unit_offsets(name) if name in g.specs else none for name in ALL_REGIONS}
         stamps = view("stamps", g._stamp_elems(), torch.int64).numpy()
         r, u, k = g.world_size, g.num_units, g.staging_slots
         pos = 0
@@ -383,15 +249,16 @@ class HostLedger:
 
     def region(self, name: str, unit: int) -> torch.Tensor | None:
         """The padded range of ``unit`` (its index) in region ``name`` (``master``, ``exp_avg``, ``exp_avg_sq``,
-        ``bf16``), a view of the shared mapping; None when the unit has no range there (a wholly frozen unit keeps
-        neither moments nor, under bf16 compute, an FP32 master)."""
+        their ``*_absmax`` scales under int8, ``bf16``), a view of the shared mapping (a scale region: one element
+        per block); None when the unit has no range there (a wholly frozen unit keeps neither moments nor, under
+        bf16 compute, an FP32 master; no unit has a BF16 copy with ``bf16_copy=False``)."""
         if self._unit_offsets is None:
             raise ValueError(f"the geometry of {self.path} does not describe its units: region() needs unit_sizes")
         start = self._unit_offsets[name][unit]
         if start is None:
             return None
         whole = getattr(self, name)
-        return whole[start : start + self.geometry.unit_sizes[unit]]
+        return whole[start : start + self.geometry.unit_sizes[unit] // self.geometry.specs[name][1]]
 
     def np_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The four whole regions as numpy views (BF16 as raw uint16 bits); every unit must have every region."""
@@ -408,6 +275,25 @@ class HostLedger:
         if t is None:
             return None
         return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+    def clear_moments(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        """int8 moments: write the code of 0 everywhere (or in ``ranges``, per unit in layout elements): a new file
+        reads as zero bytes, which is the code of -1 in exp_avg's signed map. No-op under fp32."""
+        g = self.geometry
+        if g.optimizer_state != "int8":
+            return
+        from cpu_ops.adamw8 import quantize_blockwise
+
+        zero = {
+            name: int(quantize_blockwise(np.zeros(1, np.float32), signed=name == "exp_avg")[0][0]) for name in MOMENTS
+        }
+        starts = g.layout_offsets()
+        for u in range(g.num_units):
+            a, b = (0, g.unit_sizes[u]) if ranges is None else (ranges[u][0] - starts[u], ranges[u][1] - starts[u])
+            for name in MOMENTS:
+                codes = self.region(name, u)
+                if codes is not None:
+                    codes[a:b].fill_(zero[name])
 
     def weights(self, unit: int) -> torch.Tensor:
         """The unit's weights in FP32: its master, or (no master) a copy converted from its BF16 copy."""
@@ -480,5 +366,5 @@ class HostLedger:
         if fd is not None:
             os.close(fd)
             self._fd = None
-        for name in ("master", "exp_avg", "exp_avg_sq", "bf16", "staging", "_raw"):
+        for name in (*ALL_REGIONS, "staging", "_raw"):
             setattr(self, name, None)

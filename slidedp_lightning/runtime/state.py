@@ -7,11 +7,13 @@ calling a reader and evicts every resident unit before calling a writer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from slidedp_lightning.runtime.host_state import HostLedger
+from cpu_ops.adamw8 import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
+from slidedp_lightning.runtime.host_state import MOMENTS, HostLedger
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.topology import Topology
 
@@ -71,11 +73,44 @@ class LedgerState:
             return bf16.float()
         return view
 
+    @property
+    def int8(self) -> bool:
+        return self.ledger.geometry.optimizer_state == "int8"
+
     def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views of the parameter's Adam moments; None for a wholly frozen unit (it keeps none)."""
+        """The parameter's Adam moments in FP32: views of the ledger, or with int8 moments dequantized copies;
+        None for a wholly frozen unit (it keeps none)."""
         where = (unit_index, slot_index)
+        if self.int8:
+            if self.ledger.region("exp_avg", unit_index) is None:
+                return None
+            return self._dequantized(where, "exp_avg"), self._dequantized(where, "exp_avg_sq")
         m, v = self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
         return None if m is None or v is None else (m, v)
+
+    def _blocks(self, where: Slot, region: str) -> tuple[int, np.ndarray, np.ndarray]:
+        """(first element, codes, scales) of the whole blocks of ``region`` that hold the parameter ``where``."""
+        slot = self.layout.units[where[0]].slots[where[1]]
+        b0, b1 = slot.offset // QUANT_BLOCK, -(-slot.end // QUANT_BLOCK)
+        codes, scales = self.ledger.region_np(region, where[0]), self.ledger.region_np(f"{region}_absmax", where[0])
+        assert codes is not None and scales is not None
+        return b0 * QUANT_BLOCK, codes[b0 * QUANT_BLOCK : b1 * QUANT_BLOCK], scales[b0:b1]
+
+    def _dequantized(self, where: Slot, region: str) -> torch.Tensor:
+        slot = self.layout.units[where[0]].slots[where[1]]
+        start, codes, scales = self._blocks(where, region)
+        values = dequantize_blockwise(codes, scales, signed=region == "exp_avg")
+        return torch.from_numpy(values[slot.offset - start : slot.end - start]).view(slot.shape)
+
+    def _quantize_into(self, where: Slot, region: str, value: torch.Tensor) -> None:
+        """Write FP32 ``value`` into the parameter's int8 moment: its blocks are dequantized, overwritten where the
+        parameter lies, and quantized again (a neighbour sharing a block is requantized with the block's scale)."""
+        slot = self.layout.units[where[0]].slots[where[1]]
+        start, codes, scales = self._blocks(where, region)
+        signed = region == "exp_avg"
+        values = dequantize_blockwise(codes, scales, signed=signed)
+        values[slot.offset - start : slot.end - start] = value.detach().reshape(-1).to(torch.float32).numpy()
+        codes[:], scales[:] = quantize_blockwise(values, signed=signed)
 
     def named_slots(self) -> dict[str, Slot]:
         """Each ledger parameter once (a tied one under its first name), keyed as ``root.state_dict()``."""
@@ -101,9 +136,29 @@ class LedgerState:
             out[f"model/{name}"] = self.master_view(*where)
             if writing and not self.has_master(where[0]):
                 self._pending.append((out[f"model/{name}"], self._view(where, "bf16")))  # type: ignore[arg-type]
-            moments = self.moments(*where)
-            if moments is not None:
-                out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = moments
+            # what the ledger holds (int8: the 8-bit codes; their scales are in scale_tensors); none when frozen
+            m, v = self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
+            if m is not None and v is not None:
+                out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = m, v
+        return out
+
+    def scale_tensors(self, unit_index: int) -> dict[str, tuple[int, int, torch.Tensor]]:
+        """int8 moments: ``{key: (start, stop, view)}`` of the unit's per-block scales this host holds, over the
+        blocks up to its last parameter (keyed ``exp_avg_absmax/<unit name>``; the blocks start at the unit's start,
+        so they are the same for every number of ranks). Empty under fp32 or for a wholly frozen unit."""
+        unit = self.layout.units[unit_index]
+        if not self.int8 or self.ledger.region("exp_avg", unit_index) is None:
+            return {}
+        blocks = -(-unit.slots[-1].end // QUANT_BLOCK)
+        lo, hi = 0, blocks
+        if self.topology.host_sharded:
+            per_host = self.topology.ranks_per_host * unit.shard_numel // QUANT_BLOCK
+            lo, hi = min(self.topology.host * per_host, blocks), min((self.topology.host + 1) * per_host, blocks)
+        out = {}
+        for region in MOMENTS:
+            view = self.ledger.region(f"{region}_absmax", unit_index)
+            assert view is not None
+            out[f"{region}_absmax/{unit.name}"] = (lo, hi, view[lo:hi])
         return out
 
     def host_parts(self, where: Slot) -> list[tuple[int, int]]:
@@ -171,6 +226,10 @@ class LedgerState:
         slot = self.layout.units[where[0]].slots[where[1]]
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{slot.name}: checkpoint shape {tuple(value.shape)} != model shape {slot.shape}.")
+        if self.int8 and region in MOMENTS:
+            if self.ledger.region(region, where[0]) is not None:
+                self._quantize_into(where, region, value)
+            return
         view = self._view(where, region)
         if view is None and region == "master":  # a unit keeping only its BF16 copy
             view = self._view(where, "bf16")
