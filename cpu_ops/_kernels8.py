@@ -100,7 +100,7 @@ def quantize_value(y, table):
     mag = np.uint32((bits >> _U16) & np.uint32(0x7FFF))
     mag = np.uint32(min(max(mag, np.uint32(_LO - 1)), np.uint32(_LO + _WIDTH - 2)))
     slot = np.uint32(np.uint32(mag - np.uint32(_LO - 1)) + np.uint32(neg & np.uint32(_WIDTH)))
-    entry = np.uint32(table[slot])  # unsigned index: no negative-index wraparound code
+    entry = np.uint32(table[slot & np.uint32(0x1FFF)])  # unsigned, < 2**13 (a no-op): 32-bit gather indices
     low = np.uint32((bits & np.uint32(0xFFFF)) ^ (neg & np.uint32(0xFFFF)))
     above = np.uint32(low > np.uint32(entry >> np.uint32(8)))
     return np.uint8(np.uint32(entry & np.uint32(0xFF)) + above)

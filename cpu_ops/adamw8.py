@@ -22,7 +22,8 @@ of 4 bytes of absmax per block and moment.  We take 256: 0.03 B/param of scales 
 traffic), blocks that fit the kernel's L1 scratch, and four independent scales per 1024-element shard row.
 
 The update of an element is exactly the FP32 kernel's (:func:`cpu_ops.adamw_update`): dequantize m and v,
-then the same float32 operations, then requantize.  See docs/PERFORMANCE.md for its speed.
+then the same float32 operations, then requantize.  A NaN moment makes its block's absmax NaN, so the whole
+block reads back as NaN on the next step.  See docs/PERFORMANCE.md for its speed.
 """
 
 from __future__ import annotations
