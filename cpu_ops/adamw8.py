@@ -1,5 +1,5 @@
 """AdamW with 8-bit moments: block-wise dynamic quantization (Dettmers et al., "8-bit Optimizers via
-Block-wise Quantization", 2021), fused into one Numba pass per block.
+Block-wise Quantization", 2021, arXiv 2110.02861), fused into one Numba pass per block.
 
 Scheme:
 
@@ -20,7 +20,7 @@ ledger's shards start on 1024-element boundaries, so the block must divide 1024;
 closest to the paper's validated setting (half its span, so each element's error bound, which scales with its
 own block's absmax, is at least as tight).  Its scales cost 8 bytes per 1024 parameters, and the per-block
 work of the fused kernel (segment lookup, loop set-up) is spread over 4x more elements than with 256-element
-blocks, which measured about 13 % faster (docs/PERFORMANCE.md).
+blocks, which took 13 % less time (docs/PERFORMANCE.md).
 
 The update of an element is exactly the FP32 kernel's (:func:`cpu_ops.adamw_update`): dequantize m and v,
 then the same float32 operations, then requantize.  A NaN moment makes its block's absmax NaN, so the whole
