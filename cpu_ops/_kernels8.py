@@ -94,13 +94,16 @@ def quantize_value(y, table):
     One lookup in the packed table of :func:`_search_tables` by the top 16 bits of y (clamped to the range
     of |y| that has an entry), then one integer comparison of y's low 16 bits with that interval's midpoint.
     """
+    # every intermediate is cast back to uint32 so that the vectorized loop works on 32-bit lanes
     bits = np.float32(y).view(np.uint32)
-    sign = np.int32(bits >> np.uint32(31))
-    mag = np.int32((bits >> _U16) & np.uint32(0x7FFF))
-    slot = np.int32(min(max(mag, _LO - 1), _LO + _WIDTH - 2) - (_LO - 1) + sign * _WIDTH)
-    entry = table[np.uint32(slot)]  # unsigned index: no negative-index wraparound code
-    low = np.int32(bits & np.uint32(0xFFFF)) ^ (sign * 0xFFFF)
-    return np.uint8((entry & 0xFF) + (1 if low > (entry >> 8) else 0))
+    neg = np.uint32(np.int32(bits) >> np.int32(31))  # all ones for y < 0
+    mag = np.uint32((bits >> _U16) & np.uint32(0x7FFF))
+    mag = np.uint32(min(max(mag, np.uint32(_LO - 1)), np.uint32(_LO + _WIDTH - 2)))
+    slot = np.uint32(np.uint32(mag - np.uint32(_LO - 1)) + np.uint32(neg & np.uint32(_WIDTH)))
+    entry = np.uint32(table[slot & np.uint32(0x1FFF)])  # unsigned, < 2**13 (a no-op): 32-bit gather indices
+    low = np.uint32((bits & np.uint32(0xFFFF)) ^ (neg & np.uint32(0xFFFF)))
+    above = np.uint32(low > np.uint32(entry >> np.uint32(8)))
+    return np.uint8(np.uint32(entry & np.uint32(0xFF)) + above)
 
 
 @njit(**_INLINE)
@@ -263,23 +266,20 @@ def adamw8_kernel(
 
 
 @njit(**KERNEL_OPTIONS)
-def adam8_shaped_copy_kernel(param, mq, vq, m_absmax, v_absmax, grads, bf16_out, block, chunks):
-    """Moves exactly the bytes of :func:`adamw8_kernel` with trivial math: that update's bandwidth ceiling."""
-    n = param.shape[0]
-    nblocks = m_absmax.shape[0]
+def adam8_shaped_copy_kernel(param, mq, vq, m_absmax, v_absmax, grads, bf16_out):
+    """Moves exactly the bytes of :func:`adamw8_kernel` with trivial math: that update's bandwidth ceiling.
+
+    A flat pass over the elements (param -= g, codes += 1, truncated bf16 copy), then one over the scales.
+    """
     one = np.float32(1.0)
-    for c in prange(chunks):
-        for b in range(c * nblocks // chunks, (c + 1) * nblocks // chunks):
-            s = b * block
-            e = min(s + block, n)
-            for j in range(e - s):
-                i = np.uint64(s + j)
-                g = _summed_grad(grads, i, one)
-                p = param[i] - g
-                param[i] = p
-                mq[i] = np.uint8(mq[i] + np.uint8(1))
-                vq[i] = np.uint8(vq[i] + np.uint8(1))
-                if bf16_out is not None:
-                    bf16_out[i] = np.uint16(np.float32(p).view(np.uint32) >> _U16)
-            m_absmax[b] = m_absmax[b] + one
-            v_absmax[b] = v_absmax[b] + one
+    for i in prange(param.shape[0]):
+        g = _summed_grad(grads, i, one)
+        p = param[i] - g
+        param[i] = p
+        mq[i] = np.uint8(mq[i] + np.uint8(1))
+        vq[i] = np.uint8(vq[i] + np.uint8(1))
+        if bf16_out is not None:
+            bf16_out[i] = np.uint16(np.float32(p).view(np.uint32) >> _U16)
+    for b in prange(m_absmax.shape[0]):
+        m_absmax[b] = m_absmax[b] + one
+        v_absmax[b] = v_absmax[b] + one

@@ -1,5 +1,5 @@
 """AdamW with 8-bit moments: block-wise dynamic quantization (Dettmers et al., "8-bit Optimizers via
-Block-wise Quantization", 2021), fused into one Numba pass per block.
+Block-wise Quantization", 2021, arXiv 2110.02861), fused into one Numba pass per block.
 
 Scheme:
 
@@ -16,13 +16,15 @@ Scheme:
 
 Block size: the paper quantizes in blocks of 2048 and shows that block-wise quantization with that size
 matches 32-bit Adam, because a block's absmax confines an outlier's precision loss to its own block.  The
-ledger's shards start on 1024-element boundaries, so the block must divide 1024; a smaller block only
-tightens that confinement (the error bound of every element scales with its own block's absmax), at a cost
-of 4 bytes of absmax per block and moment.  We take 256: 0.03 B/param of scales (under 1 % of the update's
-traffic), blocks that fit the kernel's L1 scratch, and four independent scales per 1024-element shard row.
+ledger's shards start on 1024-element boundaries, so the block must divide 1024; we take 1024, the divisor
+closest to the paper's validated setting (half its span, so each element's error bound, which scales with its
+own block's absmax, is at least as tight).  Its scales cost 8 bytes per 1024 parameters, and the per-block
+work of the fused kernel (segment lookup, loop set-up) is spread over 4x more elements than with 256-element
+blocks, which took 13 % less time (docs/PERFORMANCE.md).
 
 The update of an element is exactly the FP32 kernel's (:func:`cpu_ops.adamw_update`): dequantize m and v,
-then the same float32 operations, then requantize.  See docs/PERFORMANCE.md for its speed.
+then the same float32 operations, then requantize.  A NaN moment makes its block's absmax NaN, so the whole
+block reads back as NaN on the next step.  See docs/PERFORMANCE.md for its speed.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ __all__ = [
     "unsigned_map",
 ]
 
-QUANT_BLOCK: int = 256
+QUANT_BLOCK: int = 1024
 CODES = np.dtype(np.uint8)
 _CHUNKS_PER_THREAD = 4
 

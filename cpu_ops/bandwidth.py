@@ -7,7 +7,7 @@ import numpy as np
 from cpu_ops import _kernels, _kernels8
 from cpu_ops._validate import BF16_BITS, FP32, check_vector
 from cpu_ops.adamw import _check_state, grad_rows
-from cpu_ops.adamw8 import CODES, QUANT_BLOCK, _chunks, num_blocks
+from cpu_ops.adamw8 import CODES, num_blocks
 
 
 def adam_shaped_copy(
@@ -40,7 +40,7 @@ def adam8_shaped_copy(
     grads: np.ndarray,
     bf16_out: np.ndarray | None = None,
 ) -> None:
-    """Touch the arrays exactly as :func:`cpu_ops.adamw8_update` would (block by block), trivially.
+    """Touch the arrays exactly as :func:`cpu_ops.adamw8_update` would, trivially.
 
     Reads and writes param, both code arrays and both absmax arrays, reads ``grads`` (1-D or (R, n) rows) and
     writes ``bf16_out``; values change (param -= g, codes += 1, scales += 1): use scratch buffers.
@@ -57,13 +57,5 @@ def adam8_shaped_copy(
         check_vector("bf16_out", bf16_out, n, (BF16_BITS,), writeable=True)
     if n:
         _kernels8.adam8_shaped_copy_kernel(
-            param,
-            exp_avg_q,
-            exp_avg_sq_q,
-            exp_avg_absmax,
-            exp_avg_sq_absmax,
-            rows,
-            bf16_out,
-            QUANT_BLOCK,
-            _chunks(nblocks),
+            param, exp_avg_q, exp_avg_sq_q, exp_avg_absmax, exp_avg_sq_absmax, rows, bf16_out
         )

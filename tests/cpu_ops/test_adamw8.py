@@ -209,7 +209,9 @@ def test_padding_stays_zero_and_all_frozen_only_requantizes() -> None:
     frozen = frozen_mask(N, SEGMENTS)
     np.testing.assert_array_equal(m[frozen], 0.0)
     np.testing.assert_array_equal(v[frozen], 0.0)
-    assert np.all(v[~frozen] > 0)
+    # updated elements hold their new moments; only v below ~5e-8 of its block's absmax (a |g| under ~2e-4 of the
+    # block's largest) rounds to 0, the bottom of the unsigned map's range
+    assert np.mean(v[~frozen] > 0) > 0.99 and np.all(m[~frozen] != 0)
     # no segments: the parameters stay, the moments are requantized with their own absmax (a fixed point)
     saved = (p.copy(), mq.copy(), vq.copy(), mam.copy(), vam.copy())
     adamw8_update(p, mq, vq, mam, vam, grad, segments=np.zeros((0, 3), np.int64), hyper=[], step=2)
@@ -238,7 +240,7 @@ def test_views_at_block_boundaries_equal_one_call() -> None:
 def test_training_close_to_fp32_adamw() -> None:
     """200 steps of least squares: the 8-bit moments reach the FP32 AdamW loss within a few percent."""
     rng = np.random.default_rng(0)
-    samples, dim = 2048, 3 * B + 50
+    samples, dim = 4096, B + 300  # two blocks, the second one short
     x = rng.standard_normal((samples, dim)).astype(np.float32)
     w_true = (rng.standard_normal(dim) * rng.uniform(0.01, 1.0, dim)).astype(np.float32)
     y = x @ w_true + np.float32(0.5) * rng.standard_normal(samples).astype(np.float32)
