@@ -124,32 +124,6 @@ class _AdamKwargs(TypedDict):
     bf16_out: np.ndarray | None
 
 
-def warmup8(sum_rows: tuple[int, ...]) -> float:
-    """Compile the 8-bit update's signatures the lane uses (FP32 and BF16 gradients, one row or ``sum_rows``,
-    with and without a BF16 copy); returns the seconds spent."""
-    import time
-
-    start = time.perf_counter()
-    n = QUANT_BLOCK
-    for dtype in (np.float32, np.uint16):
-        for rows in (1, *sum_rows):
-            for bf16_out in (None, np.zeros(n, np.uint16)):
-                grad = np.zeros(n if rows == 1 else (rows, n), dtype)
-                adamw8_update(
-                    np.zeros(n, np.float32),
-                    np.zeros(n, np.uint8),
-                    np.zeros(n, np.uint8),
-                    np.zeros(1, np.float32),
-                    np.zeros(1, np.float32),
-                    grad,
-                    segments=np.array([[0, n, 0]], np.int64),
-                    hyper=[(1e-3, 0.9, 0.999, 1e-8, 0.0, True)],
-                    step=1,
-                    bf16_out=bf16_out,
-                )
-    return time.perf_counter() - start
-
-
 class UpdateLane:
     """One worker thread per rank running the fused Numba AdamW on the ledger, FIFO by unit."""
 
@@ -268,9 +242,8 @@ class UpdateLane:
     def _run(self) -> None:
         try:
             set_kernel_threads(self.threads)
-            self.jit_s = warmup(sum_rows=self._sum_rows)  # here, never inside the first training step
-            if self.int8:
-                self.jit_s += warmup8(self._sum_rows)
+            # here, never inside the first training step (with int8 moments: the 8-bit kernels too)
+            self.jit_s = warmup(sum_rows=self._sum_rows, adam8=self.int8)
         except BaseException as exc:  # reported to the training thread
             self.error = exc
         finally:

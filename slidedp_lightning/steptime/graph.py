@@ -133,7 +133,7 @@ class StepConfig:
 
 
 def host_ledger_bytes(cfg: StepConfig) -> float:
-    """Host memory of the ledger on each host (bytes): 14 B/param (8.03 int8, 6.03 int8 without the BF16 copy),
+    """Host memory of the ledger on each host (bytes): 14 B/param (8.008 int8, 6.008 int8 without the BF16 copy),
     divided by N when host-sharded."""
     default = cfg.optimizer_state == "fp32" and cfg.bf16_copy
     per = LEDGER_BYTES_PER_PARAM if default else ledger_bytes_per_param(cfg.optimizer_state, cfg.bf16_copy)

@@ -46,8 +46,8 @@ def run(config: EngineConfig, dtype: torch.dtype = torch.float32, steps: int = 6
 def test_the_constants_name_the_kernels_block() -> None:
     assert constants.QUANT_BLOCK == cpu_ops.adamw8.QUANT_BLOCK
     assert constants.ledger_bytes_per_param() == constants.LEDGER_BYTES_PER_PARAM == 14
-    assert constants.ledger_bytes_per_param("int8") == pytest.approx(8 + 8 / 256)
-    assert constants.ledger_bytes_per_param("int8", bf16_copy=False) == pytest.approx(6 + 8 / 256)
+    assert constants.ledger_bytes_per_param("int8") == pytest.approx(8 + 8 / constants.QUANT_BLOCK)
+    assert constants.ledger_bytes_per_param("int8", bf16_copy=False) == pytest.approx(6 + 8 / constants.QUANT_BLOCK)
     assert constants.update_bytes_per_param(4) == 28  # the default convention, unchanged
 
 
@@ -168,7 +168,10 @@ def test_int8_optimizer_state_dict_round_trips() -> None:
         ({"optimizer_state": "int4"}, "optimizer_state must be one of"),
         ({"bf16_copy": "no"}, "bf16_copy must be True or False"),
         ({"optimizer_state": "int8", "checkpoint_format": "full"}, "checkpoint_format='distributed'"),
-        ({"optimizer_state": "int8", "chunk_bytes": 512}, "chunk_bytes must be at least 1024"),
+        (
+            {"optimizer_state": "int8", "chunk_bytes": 2 * constants.QUANT_BLOCK},
+            f"chunk_bytes must be at least {4 * constants.QUANT_BLOCK}",
+        ),
     ],
 )
 def test_bad_combinations_are_refused(kwargs: dict, match: str) -> None:
@@ -181,3 +184,45 @@ def test_options_reach_the_engine_config() -> None:
     assert (cfg.optimizer_state, cfg.bf16_copy) == ("int8", False)
     assert cfg.chunk_elems is not None and cfg.chunk_elems % constants.QUANT_BLOCK == 0
     assert SlideDPOptions(chunk_bytes=5000).base_engine_config().chunk_elems == 5000 // 4 // 16 * 16
+
+
+@pytest.mark.parametrize("bf16_copy", [True, False])
+def test_int8_with_frozen_parameters(bf16_copy: bool) -> None:
+    """A wholly frozen block (no moments, no scales) and frozen parameters inside trained units (their codes and
+    scales kept, their runs left out of the 8-bit kernel's segments): frozen weights stay, the rest trains."""
+    model = tiny_model(False, layers=3)
+    model.model.layers[1].requires_grad_(False)
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    initial = {n: t.clone() for n, t in model.state_dict().items()}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    config = EngineConfig(optimizer_state="int8", bf16_copy=bf16_copy)
+    engine = SlideDPEngine(model, config, device=CPU, compute_dtype=torch.bfloat16)
+    try:
+        unit = next(u for u in engine.layout.units if u.frozen)
+        for region in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+            assert engine.ledger.region(region, unit.index) is None, region
+        assert (engine.ledger.region("bf16", unit.index) is not None) == bf16_copy
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+        engine.attach_optimizer(opt)
+        losses = []
+        for x in token_batches(6, 2, 16):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            assert engine.end_step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+        weights = engine.state_dict()
+        for name in initial:
+            if name in frozen:
+                want = (
+                    initial[name].to(torch.bfloat16).float()
+                    if name.startswith("model.layers.1.") and bf16_copy
+                    else initial[name]
+                )
+                assert torch.equal(weights[name], want), name
+            elif name.endswith("proj.weight"):
+                assert not torch.equal(weights[name], initial[name]), f"{name} did not train"
+        assert len(engine.optimizer_state_dict(opt)["state"]) == len(opt.param_groups[0]["params"])
+    finally:
+        engine.close(restore=False)
