@@ -15,6 +15,7 @@ from numba.core.dispatcher import Dispatcher
 from cpu_ops import _kernels
 from cpu_ops.accumulate import accumulate, sum_squares
 from cpu_ops.adamw import _hyperparameters, adamw_update, adamw_update_sum
+from cpu_ops.adamw8 import QUANT_BLOCK, adamw8_update, dequantize_blockwise, quantize_blockwise
 from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16
 
 __all__ = ["warmup", "is_vectorized"]
@@ -50,12 +51,13 @@ def _state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.ones(_N, np.float32), np.zeros(_N, np.float32), np.zeros(_N, np.float32)
 
 
-def warmup(sum_rows: Iterable[int] = (2,)) -> float:
+def warmup(sum_rows: Iterable[int] = (2,), adam8: bool = False) -> float:
     """Compile (or load from Numba's cache) every kernel signature the runtime uses.
 
     Covers fp32 and bf16 grads, with and without ``bf16_out``, the single-grad route,
     the summed route for each R in ``sum_rows`` (pass the local world size), and both
-    conversions.  Runs on tiny arrays; returns the seconds spent.
+    conversions.  ``adam8=True`` also compiles the 8-bit-moment kernels (:mod:`cpu_ops.adamw8`) for the
+    same gradient routes, and block-wise (de)quantization.  Runs on tiny arrays; returns the seconds spent.
     """
     start = time.perf_counter()
     rows = sorted({int(r) for r in sum_rows})
@@ -69,12 +71,28 @@ def warmup(sum_rows: Iterable[int] = (2,)) -> float:
         accumulate(np.zeros(_N, np.float32), np.zeros(_N, dtype), first=True)
         for r in rows:
             accumulate(np.zeros(_N, np.float32), np.zeros((r, _N), dtype))
+    if adam8:
+        _warmup_adam8(rows)
     sum_squares(np.zeros(_N, np.float32))
     fp32_to_bf16(np.zeros(_N, np.float32), np.zeros(_N, np.uint16))
     bf16_to_fp32(np.zeros(_N, np.uint16), np.zeros(_N, np.float32))
     elapsed = time.perf_counter() - start
-    log.info("cpu_ops kernels ready in %.2f s (sum rows %s)", elapsed, rows)
+    log.info("cpu_ops kernels ready in %.2f s (sum rows %s, 8-bit moments %s)", elapsed, rows, adam8)
     return elapsed
+
+
+def _warmup_adam8(rows: list[int]) -> None:
+    n = 2 * QUANT_BLOCK
+    segments = np.array([[0, n, 0]], np.int64)
+    hyper = [(_HYPER["lr"], _HYPER["beta1"], _HYPER["beta2"], _HYPER["eps"], _HYPER["weight_decay"], True)]
+    for dtype in _GRAD_DTYPES:
+        for bf16_out in (None, np.zeros(n, np.uint16)):
+            for grad in (np.zeros(n, dtype), *(np.zeros((r, n), dtype) for r in rows)):
+                state = (np.ones(n, np.float32), np.zeros(n, np.uint8), np.zeros(n, np.uint8))
+                scales = (np.zeros(2, np.float32), np.zeros(2, np.float32))
+                adamw8_update(*state, *scales, grad, segments=segments, hyper=hyper, step=1, bf16_out=bf16_out)
+    for signed in (True, False):
+        dequantize_blockwise(*quantize_blockwise(np.zeros(n, np.float32), signed), signed)
 
 
 def _example_args(kernel_name: str) -> list[tuple]:

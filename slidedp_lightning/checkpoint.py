@@ -2,7 +2,8 @@
 
 A checkpoint (format 2) is a directory:
 
-- DCP files holding every parameter's FP32 master and both Adam moments as plain 1-D tensors, each a piece of
+- DCP files holding every parameter's FP32 master and both Adam moments (a wholly frozen unit has no moments,
+  and without a master its weights come from its BF16 copy) as plain 1-D tensors, each a piece of
   the flattened tensor under ``<kind>/<name>@<start>-<stop>`` (its elements ``[start, stop)``). The ledger is
   shared by the ranks of a host, so each rank writes (and reads) a balanced share of the parameters (with
   several hosts, each host's ranks split them again: every host's ledger is complete and the checkpoint keeps
@@ -137,18 +138,40 @@ def _mine(engine) -> list[str]:
     return share(sizes, count)[index]
 
 
-def _held(engine) -> list[tuple[str, int, int, torch.Tensor]]:
+def _held(engine, writing: bool = False) -> list[tuple[str, int, int, torch.Tensor]]:
     """``(key, start, stop, view)``: what this rank writes and reads, its share's parameters and moments, each
     the elements ``[start, stop)`` its host holds (all of them unless host-sharded) as a 1-D view of the
-    ledger."""
+    ledger (wholly frozen units: no moments; their weights from the BF16 copy when they keep no master, written
+    back by ``engine.restored`` when ``writing``)."""
     slots = engine.state.named_slots()
     out = []
-    for key, view in engine.state.ledger_tensors(_mine(engine)).items():
+    for key, view in engine.state.ledger_tensors(_mine(engine), writing).items():
         parts = engine.state.host_parts(slots[key.split("/", 1)[1]])
         lo, hi = parts[engine.topology.host] if engine.topology.host_sharded else parts[0]
         if hi > lo:
             out.append((key, lo, hi, view.view(-1)[lo:hi]))
+    index, count = engine.topology.checkpoint_share
+    for unit in engine.layout.units[index::count]:  # int8 moments: their per-block scales, one rank per unit
+        for key, (lo, hi, view) in engine.state.scale_tensors(unit.index).items():
+            if hi > lo:
+                out.append((key, lo, hi, view))
     return out
+
+
+def ledger_mode(engine) -> dict[str, Any]:
+    """What the ledger holds, recorded in ``meta.json``: the moments' form and whether a BF16 copy is kept."""
+    return {"optimizer_state": engine.config.optimizer_state, "bf16_copy": engine.config.bf16_copy}
+
+
+def check_mode(path: Path, info: dict[str, Any], engine) -> None:
+    """Refuse a checkpoint whose moments are in another form than this run's ledger (older ones: fp32)."""
+    saved, mine = info.get("optimizer_state", "fp32"), engine.config.optimizer_state
+    if saved != mine:
+        raise ValueError(
+            f"checkpoint {path} holds optimizer_state={saved!r} Adam moments, and this run's ledger keeps "
+            f"optimizer_state={mine!r} ones: resume with SlideDPStrategy(optimizer_state={saved!r}) (the "
+            "bf16_copy option may differ)."
+        )
 
 
 def _stored(path: Path, metadata: Any) -> dict[str, list[tuple[int, int, str, TensorStorageMetadata]]]:
@@ -277,6 +300,7 @@ def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[bytes, bytes]:
         "world_size": _job_size(engine),
         "params": {n: list(engine.layout.units[u].slots[s].shape) for n, (u, s) in sorted(slots.items())},
         "buffers": engine.state.buffers(),
+        **ledger_mode(engine),
         **_hf_configs(engine.model),
     }
     tensors: dict[str, torch.Tensor] = {}
@@ -417,9 +441,10 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
             f"other shapes {reshaped[:5]}"
         )
+    check_mode(path, info, engine)
     engine.synchronize()
     engine.drop_resident()
-    read_ranges(path, _held(engine), process_group=_job_group(engine))
+    read_ranges(path, _held(engine, writing=True), process_group=_job_group(engine))
     engine.restored(info["step"], info["buffers"])
     log.info(
         "SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks",

@@ -16,9 +16,11 @@ from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.constants import (
     CHECKPOINT_FORMATS,
     HOST_LAYOUTS,
+    OPTIMIZER_STATES,
     CheckpointFormat,
     GradRoute,
     HostLayout,
+    OptimizerState,
     ParamRoute,
     UpdateMode,
 )
@@ -44,8 +46,23 @@ class SlideDPOptions:
     meta_init: bool = False
     host_layout: HostLayout = "replicated"
     checkpoint_format: CheckpointFormat = "distributed"
+    optimizer_state: OptimizerState = "fp32"
+    bf16_copy: bool = True
 
     def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"optimizer_state must be one of {OPTIMIZER_STATES} (the Adam moments in the host ledger: exact FP32 "
+                f"or block-wise 8-bit), got {self.optimizer_state!r}."
+            )
+        if not isinstance(self.bf16_copy, bool):
+            raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
+        if self.optimizer_state == "int8" and self.checkpoint_format == "full":
+            raise ValueError(
+                "checkpoint_format='full' stores torch AdamW's FP32 moments, and optimizer_state='int8' keeps 8-bit "
+                "ones: use checkpoint_format='distributed' (it stores the 8-bit moments as the ledger holds them) or "
+                "optimizer_state='fp32'."
+            )
         if self.update not in ("auto", "immediate", "deferred"):
             raise ValueError(f"update must be 'auto', 'immediate' or 'deferred', got {self.update!r}.")
         if self.host_layout not in HOST_LAYOUTS:
@@ -96,6 +113,8 @@ class SlideDPOptions:
             activation_policy=ActivationPolicy.coerce(static),
             update="deferred" if self.update == "deferred" else "immediate",
             max_units_in_flight=self.max_units_in_flight,
+            optimizer_state=self.optimizer_state,
+            bf16_copy=self.bf16_copy,
         )
 
     # -- rules that need the job --------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -34,7 +34,7 @@ from slidedp_lightning import export, process_groups, signals
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.callbacks import LaneTrace
 from slidedp_lightning.checks import refuse_what_cannot_see_gradients
-from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, ParamRoute, UpdateMode
+from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, OptimizerState, ParamRoute, UpdateMode
 from slidedp_lightning.options import ActivationOption, SlideDPOptions
 from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
 from slidedp_lightning.pretrained import loading_into_ledger, warn_if_materialized
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_OPTION_NAMES = frozenset(f.name for f in fields(SlideDPOptions))
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _LOADED = "_slidedp_loaded_into_ledger"
 
@@ -98,6 +99,8 @@ class SlideDPStrategy(ParallelStrategy):
         checkpoint_format: ``"distributed"``: checkpoints are directories written by every rank through
             ``torch.distributed.checkpoint`` (FP32 weights and moments per parameter, loadable on any number of
             ranks, swapped into place atomically); ``"full"``: one ``torch.save`` file from rank 0.
+        optimizer_state: the ledger's Adam moments, ``"fp32"`` (exact) or ``"int8"`` (block-wise 8-bit, 8 B/param
+            ledger); bf16_copy: keep the BF16 transfer copy (False: converted from the master on the way, -2 B/param).
         start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
         timeout: process-group timeout; also bounds every wait on another rank.
 
@@ -124,25 +127,16 @@ class SlideDPStrategy(ParallelStrategy):
         meta_init: bool = False,
         host_layout: HostLayout = "replicated",
         checkpoint_format: CheckpointFormat = "distributed",
+        optimizer_state: OptimizerState = "fp32",
+        bf16_copy: bool = True,
         start_method: StartMethod = "popen",
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__()
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
-        self.options = SlideDPOptions(
-            param_route=param_route,
-            grad_route=grad_route,
-            chunk_bytes=chunk_bytes,
-            prefetch_window=prefetch_window,
-            max_units_in_flight=max_units_in_flight,
-            update_threads=update_threads,
-            activation_policy=activation_policy,
-            update=update,
-            meta_init=meta_init,
-            host_layout=host_layout,
-            checkpoint_format=checkpoint_format,
-        )
+        # every argument but start_method and timeout is an option, checked by SlideDPOptions
+        self.options = SlideDPOptions(**{k: v for k, v in locals().items() if k in _OPTION_NAMES})
         # AutoPolicy keeps its plan: a later fit/validate of the same strategy reuses it instead of measuring
         self.planner: AutoPolicy | None = AutoPolicy() if activation_policy == "auto" else self.options.planner
         self._start_method = start_method

@@ -211,6 +211,9 @@ class AutoPolicy:
             prefetch_window=engine.config.prefetch_window,
             activation=UnitActivation(),
             precision="bf16-mixed" if engine.compute_dtype == torch.bfloat16 else "32-true",
+            optimizer_state=engine.config.optimizer_state,
+            bf16_copy=engine.config.bf16_copy,
+            h2d_convert=engine.config.h2d_convert,
         )
         bounds = analyze(cfg, profile).bounds
         return Fixed(

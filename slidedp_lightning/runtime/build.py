@@ -28,6 +28,7 @@ from slidedp_lightning.runtime.host_state import (
     ledger_path,
     remove_stale_ledgers,
     trim_host_heap,
+    unit_regions,
 )
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.ledger_pages import ledger_spans, prepare_pages
@@ -115,7 +116,11 @@ def resolve_auto_routes(
 
 
 def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dtype: torch.dtype) -> LedgerGeometry:
+    """The ledger of ``layout``: every region for each unit with a trainable parameter; a wholly frozen unit keeps
+    only the copy of its weights the device reads (:func:`unit_regions`)."""
     host_reduce = config.grad_route == "host_reduce"
+    mode = (config.optimizer_state, config.bf16_copy)
+    regions = tuple(unit_regions(not u.frozen, dtype, *mode) for u in layout.units)
     return LedgerGeometry(
         total=layout.total,
         num_units=len(layout.units),
@@ -123,6 +128,9 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
         staging_slots=config.staging_slots if host_reduce else 0,
         staging_elems=layout.max_unit if host_reduce else 0,
         staging_itemsize=2 if dtype == torch.bfloat16 else 4,
+        unit_sizes=tuple(u.padded for u in layout.units),
+        regions_of_unit=regions if any(u.frozen for u in layout.units) or not config.bf16_copy else (),
+        optimizer_state=config.optimizer_state,
     )
 
 
@@ -253,19 +261,31 @@ class InitialWeights:
         with ByteProgress(what, total, show=True) as bar:
             if ranges is None:
                 for unit in self.layout.units:
-                    self._copy_unit(unit, ledger.master[unit.offset : unit.offset + unit.padded])
+                    master = ledger.region("master", unit.index)
+                    if master is not None:
+                        self._copy_unit(unit, master)
+                    else:  # a frozen unit keeping only its BF16 copy
+                        flat = torch.zeros(unit.padded)
+                        self._copy_unit(unit, flat)
+                        ledger.region("bf16", unit.index).copy_(flat)  # type: ignore[union-attr]
                     bar.update(4 * sum(s.numel for s in unit.slots))
                 if leaders is not None:
-                    dist.broadcast(ledger.master, src=0, group=leaders)
+                    broadcast_weights(ledger, leaders, src=0)
             else:  # each host keeps only its slice of global rank 0's weights, received one unit at a time
                 for unit, (a, b) in zip(self.layout.units, ranges):
                     flat = torch.zeros(unit.padded)
                     self._copy_unit(unit, flat)
                     if leaders is not None:
                         dist.broadcast(flat, src=0, group=leaders)
-                    ledger.master[a:b].copy_(flat[a - unit.offset : b - unit.offset])
+                    a, b = a - unit.offset, b - unit.offset
+                    master = ledger.region("master", unit.index)
+                    if master is not None:
+                        master[a:b].copy_(flat[a:b])
+                    else:
+                        ledger.region("bf16", unit.index)[a:b].copy_(flat[a:b])  # type: ignore[index]
                     bar.update(4 * sum(s.numel for s in unit.slots))
             ledger.refresh_bf16(ranges)
+            ledger.clear_moments(ranges)
         self.report = LoadReport(kind, total, bar.seconds, 1)
         if meta:
             log.log(
@@ -300,7 +320,7 @@ class InitialWeights:
 
     # -- every rank: a checkpoint ---------------------------------------------------------------------------
     def _pieces(self, unit: Unit, names: list[str], a: int, b: int) -> list[tuple[str, int, int, int]]:
-        """``(name, first element, ledger offset, count)`` of each parameter of ``unit`` inside ledger ``[a, b)``."""
+        """``(name, first element, layout offset, count)`` of each parameter of ``unit`` inside layout ``[a, b)``."""
         out = []
         for slot, name in zip(unit.slots, names):
             s0 = unit.offset + slot.offset
@@ -327,10 +347,20 @@ class InitialWeights:
         try:  # the conversion kernels run on this rank's share of the cores, as the update kernels do
             budget = cpu_ops.thread_budget(count)
             cpu_ops.set_kernel_threads(budget)
-            prepare_pages(ledger, ledger_spans(ledger, [(lo, n) for _, p in work for _, _, lo, n in p]), budget)
-            for _, pieces in work:
+            views = []
+            for u, pieces in work:
+                for region in ("master", "bf16"):
+                    whole = ledger.region(region, u)
+                    if whole is not None:
+                        views += [whole[lo - units[u].offset : lo - units[u].offset + n] for _, _, lo, n in pieces]
+            prepare_pages(ledger, ledger_spans(ledger, views), budget)
+            for u, pieces in work:
+                ledger.clear_moments([ranges[i] if i == u else (ranges[i][0], ranges[i][0]) for i in range(len(units))])
+                master, bf16 = ledger.region("master", u), ledger.region("bf16", u)
                 for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
-                    self.source.read_into(name, ledger.master[lo : lo + n], start, ledger.bf16[lo : lo + n])
+                    lo -= units[u].offset
+                    out = master[lo : lo + n] if master is not None else torch.empty(n)
+                    self.source.read_into(name, out, start, bf16[lo : lo + n] if bf16 is not None else None)
                     bar.update(self.source.nbytes(name, n))
         except Exception as exc:  # raised below, after every rank has reported
             error = exc
@@ -361,6 +391,17 @@ class InitialWeights:
             count,
             rate(self.report.nbytes, self.report.seconds),
         )
+
+
+def broadcast_weights(ledger: HostLedger, group: Any, **src: int) -> None:
+    """Global rank 0's weights to every rank of ``group``: the whole master and the BF16 copies of the units
+    that have no master (the other BF16 copies are refreshed from the master afterwards)."""
+    if ledger.master.numel():
+        dist.broadcast(ledger.master, group=group, **src)  # type: ignore[arg-type]
+    g = ledger.geometry
+    for u in range(g.num_units):
+        if not g.has("master", u):
+            dist.broadcast(ledger.region("bf16", u), group=group, **src)  # type: ignore[arg-type]
 
 
 def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology) -> HostLedger:
@@ -396,7 +437,7 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
         try:
             if by_rank0:
                 if topology.world is not None:  # DDP's rule: rank 0's weights
-                    dist.broadcast(ledger.master, group=topology.world, group_src=0)
+                    broadcast_weights(ledger, topology.world, group_src=0)
                 ledger.refresh_bf16()
             else:  # every rank reads the same files
                 weights.load(ledger)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from slidedp_lightning.constants import GRAD_ROUTES, PARAM_ROUTES, UPDATE_MODES
+from slidedp_lightning.constants import GRAD_ROUTES, OPTIMIZER_STATES, PARAM_ROUTES, QUANT_BLOCK, UPDATE_MODES
 from slidedp_lightning.runtime.activations import ActivationPolicy
 
 
@@ -32,6 +32,13 @@ class EngineConfig:
     update: str = "immediate"
     accumulate: int = 1  # backward passes (micro-batches) per optimizer step
     max_units_in_flight: int = 2  # units whose gradient may wait for the CPU update before backward waits
+    # the ledger's Adam moments: "fp32" (exact) or "int8" (block-wise 8-bit codes + an FP32 absmax per block)
+    optimizer_state: str = "fp32"
+    # keep the BF16 transfer copy in the ledger (False: units are converted from the FP32 master on the way)
+    bf16_copy: bool = True
+    # bf16_copy=False under bf16 compute: "host" converts into a reused (pinned) staging buffer and copies BF16,
+    # "device" copies the FP32 master and converts on the device
+    h2d_convert: str = "host"
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=_lane_delay_from_env)
 
@@ -62,11 +69,26 @@ class EngineConfig:
             )
         if self.update not in UPDATE_MODES:
             raise ValueError(f"update must be one of {UPDATE_MODES}, got {self.update!r}.")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}.")
+        if not isinstance(self.bf16_copy, bool):
+            raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
+        if self.h2d_convert not in ("host", "device"):
+            raise ValueError(f"h2d_convert must be 'host' or 'device', got {self.h2d_convert!r}.")
+        if self.optimizer_state == "int8" and isinstance(self.chunk_bytes, int) and self.chunk_bytes < 4 * QUANT_BLOCK:
+            raise ValueError(
+                f"optimizer_state='int8' updates whole blocks of {QUANT_BLOCK} elements: chunk_bytes must be at "
+                f"least {4 * QUANT_BLOCK} (got {self.chunk_bytes}), or None / 'auto'."
+            )
 
     @property
     def chunk_elems(self) -> int | None:
-        """FP32 elements per gradient chunk (a multiple of 16), or None for one chunk per unit."""
-        return self.chunk_bytes // 4 // 16 * 16 if isinstance(self.chunk_bytes, int) else None
+        """FP32 elements per gradient chunk (a multiple of 16; of QUANT_BLOCK with int8 moments, so every chunk
+        starts on a block), or None for one chunk per unit."""
+        if not isinstance(self.chunk_bytes, int):
+            return None
+        align = QUANT_BLOCK if self.optimizer_state == "int8" else 16
+        return max(self.chunk_bytes // 4 // align * align, align)
 
 
 def _positive_int(name: str, value: object, alternatives: str = "") -> None:

@@ -51,11 +51,17 @@ def find_streamed_model(root: nn.Module) -> nn.Module:
     return models.find_streamed_model(root)
 
 
-def _trainable_note(trainable: int, frozen: int) -> str:
-    """The log line's parameter split; frozen parameters still have (unused) moments in the ledger."""
+def _trainable_note(trainable: int, frozen: int, stats: LedgerStats | None = None) -> str:
+    """The log line's parameter split and, with frozen parameters, what each part costs in the ledger."""
     if not frozen:
         return f"{trainable:,} trainable, 0 frozen"
-    return f"{trainable:,} trainable, {frozen:,} frozen: their FP32 master and moments stay allocated, unused"
+    note = f"{trainable:,} trainable, {frozen:,} frozen"
+    if stats is not None and stats.frozen_params:
+        note += (
+            f" (wholly frozen units: {stats.frozen_bytes_per_param:.2f} B/param, the rest "
+            f"{stats.trainable_bytes_per_param:.2f} B/param)"
+        )
+    return note
 
 
 class SlideDPEngine:
@@ -117,6 +123,7 @@ class SlideDPEngine:
                 "sharded" if sharded else "full",
                 topology.owner_rank,
                 topology.param_group if sharded else None,
+                config.h2d_convert,
             )
             self.residency.bind()
             # close() resolves "auto" to a bool first; a construction failing midway still holds "auto" (truthy)
@@ -183,7 +190,7 @@ class SlideDPEngine:
             topology.describe(),
             len(layout.units),
             f"{layout.num_params:,}",
-            _trainable_note(layout.num_trainable, layout.num_params - layout.num_trainable),
+            _trainable_note(layout.num_trainable, layout.num_params - layout.num_trainable, self.ledger_stats()),
             format_bytes(geometry.nbytes),
             geometry.nbytes / layout.num_params,
             config.param_route,
@@ -282,13 +289,22 @@ class SlideDPEngine:
         }
 
     def ledger_stats(self) -> LedgerStats:
-        """The size of this host's ledger and the memory it holds now."""
+        """The size of this host's ledger and the memory it holds now, split into the wholly frozen units and the
+        rest."""
+        g = self.ledger.geometry
+        params = [sum(s.numel for s in u.slots) for u in self.layout.units]
+        frozen = [u.index for u in self.layout.units if u.frozen]
+        trainable = [u.index for u in self.layout.units if not u.frozen]
         return LedgerStats(
-            nbytes=self.ledger.geometry.nbytes,
+            nbytes=g.nbytes,
             num_params=self.layout.num_params,
             padded_params=self.layout.total,
             allocated_bytes=self.ledger.allocated_bytes(),
             copies=self.topology.ledger_copies,
+            trainable_params=sum(params[u] for u in trainable),
+            trainable_bytes=sum(g.unit_bytes(u) for u in trainable),
+            frozen_params=sum(params[u] for u in frozen),
+            frozen_bytes=sum(g.unit_bytes(u) for u in frozen),
         )
 
     # -- state (readers synchronize first; writers also evict every resident unit) ----------------------

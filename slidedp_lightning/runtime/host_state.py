@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM
+from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM  # noqa: F401  (the default layout, re-exported)
+from slidedp_lightning.runtime.ledger_geometry import (  # noqa: F401  (re-exported)
+    ALL_REGIONS,
+    GUARD,
+    MOMENTS,
+    PAGE,
+    LedgerGeometry,
+    LedgerStats,
+    unit_regions,
+)
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
-GUARD = PAGE  # bytes left between the arrays so they never sit at power-of-two distances
 SHM_ENV = "SLIDEDP_SHM_DIR"  # where ledgers are created (default /dev/shm); any local directory shared by the ranks
 
 
@@ -136,65 +142,6 @@ class HostMemoryError(MemoryError):
     """The host cannot hold the ledger."""
 
 
-def _page(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
-
-
-@dataclass(frozen=True)
-class LedgerGeometry:
-    """Sizes and byte offsets of everything in one ledger file."""
-
-    total: int  # elements per array (padded parameter count)
-    num_units: int
-    world_size: int
-    staging_slots: int  # host_reduce gradient slots per rank (0 when the route is gpu_reduce)
-    staging_elems: int  # elements per staging slot
-    staging_itemsize: int  # 4 for FP32 gradients, 2 for BF16
-
-    def _stamp_elems(self) -> int:
-        r, u, k = self.world_size, self.num_units, self.staging_slots
-        return u * r + r + r * k + r * r * k + 8
-
-    @property
-    def offsets(self) -> dict[str, int]:
-        off, pos = {}, 0
-        for name, nbytes in (
-            ("stamps", self._stamp_elems() * 8),
-            ("master", self.total * 4),
-            ("exp_avg", self.total * 4),
-            ("exp_avg_sq", self.total * 4),
-            ("bf16", self.total * 2),
-            ("staging", self.world_size * self.staging_slots * self.staging_elems * self.staging_itemsize),
-        ):
-            off[name] = pos
-            pos = _page(pos + nbytes) + (GUARD if nbytes else 0)
-        off["end"] = pos
-        return off
-
-    @property
-    def nbytes(self) -> int:
-        return self.offsets["end"]
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.world_size * self.staging_slots * self.staging_elems * self.staging_itemsize
-
-
-@dataclass(frozen=True)
-class LedgerStats:
-    """What one host's ledger holds, for reports and benchmarks (the public read interface of its size)."""
-
-    nbytes: int  # the file's size: every region, padding and guards included
-    num_params: int  # model parameters it holds (each tied parameter once)
-    padded_params: int  # elements per array, alignment and shard padding included
-    allocated_bytes: int  # memory the file holds now (a page is allocated when first written)
-    copies: float  # ledgers of this size per host: 1; R for the replicated route; 1/N when host-sharded
-
-    @property
-    def bytes_per_param(self) -> float:
-        return self.nbytes / self.num_params if self.num_params else 0.0
-
-
 def available_host_bytes() -> tuple[int, int]:
     """(MemAvailable, free bytes in the ledger directory)."""
     mem = 0
@@ -223,7 +170,7 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float =
                 if copies == 1
                 else f"this host's {copies:.3g} of the ledger "
             )
-            + f"({LEDGER_BYTES_PER_PARAM} B/param x {num_params:,} params + padding"
+            + f"({geometry.nbytes / max(num_params, 1):.1f} B/param x {num_params:,} params, padding included"
             + (f" + {format_bytes(geometry.staging_bytes)} host_reduce staging" if geometry.staging_bytes else "")
             + f"), but only {format_bytes(have)} is available (MemAvailable {format_bytes(mem)}, "
             f"{shm_dir()} free {format_bytes(shm)}). Free host memory, enlarge {shm_dir()} (mount -o remount,size=...) "
@@ -238,7 +185,8 @@ class HostLedger:
     """Shared-memory arrays of one host.
 
     Tensors (torch views of the shared mapping): ``master``, ``exp_avg``, ``exp_avg_sq`` (FP32),
-    ``bf16`` (BF16 transfer copy) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
+    ``bf16`` (BF16 transfer copy), each a whole region (the units that have it, back to back; :meth:`region` is
+    one unit's range; empty when no unit has it) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
     Stamps (int64 numpy views, written by one process, read by all): ``version[unit, owner]`` = updates
     applied; ``pids[rank]``; ``grad_gen[rank, slot]`` = watermark of a staging slot (generation * 2**32 + elements
     written so far, see grads.WATERMARK);
@@ -264,16 +212,21 @@ class HostLedger:
         self._linked = create
         off = geometry.offsets
         g = geometry
-        n = g.total
 
         def view(name: str, count: int, dtype: torch.dtype) -> torch.Tensor:
             itemsize = torch.empty(0, dtype=dtype).element_size()
             return self._raw[off[name] : off[name] + count * itemsize].view(dtype)
 
-        self.master = view("master", n, torch.float32)
-        self.exp_avg = view("exp_avg", n, torch.float32)
-        self.exp_avg_sq = view("exp_avg_sq", n, torch.float32)
-        self.bf16 = view("bf16", n, torch.bfloat16)
+        # each region whole: the units that have it, back to back (empty where no unit has it, or the mode has none:
+        # the absmax regions exist with optimizer_state="int8" only)
+        self.master = self.exp_avg = self.exp_avg_sq = self.bf16 = torch.empty(0)
+        self.exp_avg_absmax = self.exp_avg_sq_absmax = torch.empty(0)
+        for name, (dtype, _) in g.specs.items():
+            setattr(self, name, view(name, g.region_elems(name), dtype))
+        self._unit_offsets: dict[str, tuple[int | None, ...]] | None = None
+        if g.unit_sizes:
+            none = (None,) * g.num_units
+            self._unit_offsets = {name: g.unit_offsets(name) if name in g.specs else none for name in ALL_REGIONS}
         stamps = view("stamps", g._stamp_elems(), torch.int64).numpy()
         r, u, k = g.world_size, g.num_units, g.staging_slots
         pos = 0
@@ -294,14 +247,62 @@ class HostLedger:
             sdtype = torch.float32 if g.staging_itemsize == 4 else torch.bfloat16
             self.staging = view("staging", r * k * g.staging_elems, sdtype).view(r, k, g.staging_elems)
 
-    # numpy views for the kernels (BF16 as raw uint16 bits)
+    def region(self, name: str, unit: int) -> torch.Tensor | None:
+        """The padded range of ``unit`` (its index) in region ``name`` (``master``, ``exp_avg``, ``exp_avg_sq``,
+        their ``*_absmax`` scales under int8, ``bf16``), a view of the shared mapping (a scale region: one element
+        per block); None when the unit has no range there (a wholly frozen unit keeps neither moments nor, under
+        bf16 compute, an FP32 master; no unit has a BF16 copy with ``bf16_copy=False``)."""
+        if self._unit_offsets is None:
+            raise ValueError(f"the geometry of {self.path} does not describe its units: region() needs unit_sizes")
+        start = self._unit_offsets[name][unit]
+        if start is None:
+            return None
+        whole = getattr(self, name)
+        return whole[start : start + self.geometry.unit_sizes[unit] // self.geometry.specs[name][1]]
+
     def np_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The four whole regions as numpy views (BF16 as raw uint16 bits); every unit must have every region."""
         return (
             self.master.numpy(),
             self.exp_avg.numpy(),
             self.exp_avg_sq.numpy(),
             self.bf16.view(torch.int16).numpy().view(np.uint16),
         )
+
+    def region_np(self, name: str, unit: int) -> np.ndarray | None:
+        """:meth:`region` as a numpy view for the kernels (BF16 as raw uint16 bits)."""
+        t = self.region(name, unit)
+        if t is None:
+            return None
+        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+    def clear_moments(self, ranges: list[tuple[int, int]] | None = None) -> None:
+        """int8 moments: write the code of 0 everywhere (or in ``ranges``, per unit in layout elements): a new file
+        reads as zero bytes, which is the code of -1 in exp_avg's signed map. No-op under fp32."""
+        g = self.geometry
+        if g.optimizer_state != "int8":
+            return
+        from cpu_ops.adamw8 import quantize_blockwise
+
+        zero = {
+            name: int(quantize_blockwise(np.zeros(1, np.float32), signed=name == "exp_avg")[0][0]) for name in MOMENTS
+        }
+        starts = g.layout_offsets()
+        for u in range(g.num_units):
+            a, b = (0, g.unit_sizes[u]) if ranges is None else (ranges[u][0] - starts[u], ranges[u][1] - starts[u])
+            for name in MOMENTS:
+                codes = self.region(name, u)
+                if codes is not None:
+                    codes[a:b].fill_(zero[name])
+
+    def weights(self, unit: int) -> torch.Tensor:
+        """The unit's weights in FP32: its master, or (no master) a copy converted from its BF16 copy."""
+        master = self.region("master", unit)
+        if master is not None:
+            return master
+        bf16 = self.region("bf16", unit)
+        assert bf16 is not None, "every unit keeps its master or its BF16 copy"
+        return bf16.float()
 
     def pin(self) -> bool:
         """Page-lock this process's mapping (``cudaHostRegister``) so H2D/D2H copies to and from it are async
@@ -325,12 +326,27 @@ class HostLedger:
     def refresh_bf16(self, ranges: list[tuple[int, int]] | None = None) -> None:
         """Rewrite the BF16 transfer copy from the master (torch's conversion: round-to-nearest-even, the same
         bits as the update kernel's; runs on the calling thread with torch's threads, no Numba), everywhere or
-        in ``ranges`` only (a host-sharded ledger never touches the pages it does not own)."""
-        if ranges is None:
+        in ``ranges`` only: one ``[a, b)`` per unit in layout elements (``Unit.offset`` based; a host-sharded
+        ledger never touches the pages it does not own). Units without a master or a BF16 copy are skipped."""
+        g = self.geometry
+        whole = not g.regions_of_unit or all(g.has("master", u) and g.has("bf16", u) for u in range(g.num_units))
+        if ranges is None and whole:
             self.bf16.copy_(self.master)
             return
-        for a, b in ranges:
-            self.bf16[a:b].copy_(self.master[a:b])
+        if not g.unit_sizes:  # units not described: every region is laid out as the layout
+            for a, b in ranges or [(0, g.total)]:
+                self.bf16[a:b].copy_(self.master[a:b])
+            return
+        if ranges is None:
+            ranges = [(a, a + n) for a, n in zip(g.layout_offsets(), g.unit_sizes)]
+        for u, ((a, b), start) in enumerate(zip(ranges, g.layout_offsets())):
+            master, bf16 = self.region("master", u), self.region("bf16", u)
+            if master is not None and bf16 is not None:
+                bf16[a - start : b - start].copy_(master[a - start : b - start])
+
+    def mapping_address(self) -> int:
+        """The address of the mapping's first byte (file offset 0)."""
+        return self._raw.data_ptr()
 
     def allocated_bytes(self) -> int:
         """Bytes of memory the ledger file holds now (a page is allocated when first written)."""
@@ -354,5 +370,5 @@ class HostLedger:
         if fd is not None:
             os.close(fd)
             self._fd = None
-        for name in ("master", "exp_avg", "exp_avg_sq", "bf16", "staging", "_raw"):
+        for name in (*ALL_REGIONS, "staging", "_raw"):
             setattr(self, name, None)

@@ -123,8 +123,9 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
     replicated baseline has a single owner but keeps the same layout, so every mode computes on the same
     memory geometry).
 
-    Frozen parameters (``requires_grad=False``) keep their slot (the master holds their weights) with
-    ``trainable=False``. Raises :class:`UnsupportedModelError` for parameters outside every unit.
+    Frozen parameters (``requires_grad=False``) keep their slot (the ledger holds their weights, see
+    ``host_state.unit_regions``) with ``trainable=False``. Raises :class:`UnsupportedModelError` for parameters outside
+    every unit.
     """
     names = {id(p): n for n, p in root.named_parameters()}
     locations = _param_locations(root)

@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from slidedp_lightning.runtime.host_state import HostLedger, HostMemoryError, format_bytes, shm_dir
 
 __all__ = ["ledger_spans", "prepare_pages"]
@@ -58,14 +60,10 @@ def _inward(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def ledger_spans(ledger: HostLedger, pieces: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """File byte spans of the FP32 master and BF16 copy of the ledger elements ``[lo, lo + n)`` of each piece."""
-    off = ledger.geometry.offsets
-    return [
-        (off[name] + size * lo, off[name] + size * (lo + n))
-        for lo, n in pieces
-        for name, size in (("master", 4), ("bf16", 2))
-    ]
+def ledger_spans(ledger: HostLedger, views: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """Byte spans ``[a, b)`` of the ledger's mapping that the 1-D ``views`` of it (region ranges) cover."""
+    base = ledger.mapping_address()
+    return [(v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size()) for v in views if v.numel()]
 
 
 def prepare_pages(ledger: HostLedger, spans: list[tuple[int, int]], threads: int) -> bool:
@@ -76,7 +74,7 @@ def prepare_pages(ledger: HostLedger, spans: list[tuple[int, int]], threads: int
     chunks = _inward(spans)
     if libc is None or not chunks:
         return False
-    base = ledger.master.data_ptr() - ledger.geometry.offsets["master"]  # the mapping's first byte
+    base = ledger.mapping_address()
     try:
         fd: int | None = os.open(ledger.path, os.O_RDWR)
     except OSError:  # already unlinked (a private ledger): the populate alone allocates them

@@ -42,6 +42,7 @@ class UnitResidency:
         route: str = "full",
         rank: int = 0,
         group=None,
+        h2d_convert: str = "host",
     ) -> None:
         self.layout = layout
         self.ledger = ledger
@@ -60,9 +61,21 @@ class UnitResidency:
         self.pending: dict[int, Future] = {}
         self.resident = [False] * len(layout.units)
         self.filled_step = [-1] * len(layout.units)  # the step whose weights a resident buffer holds
-        self._source = ledger.bf16 if dtype == torch.bfloat16 else ledger.master
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"unsupported compute dtype {dtype}")
+        # what each fill copies: the BF16 copy under bf16 compute, else (FP32 compute, or no BF16 copy kept) the
+        # master, converted on the way (h2d_convert: "host" into a reused staging buffer, "device" after the copy)
+        want = "bf16" if dtype == torch.bfloat16 else "master"
+        sources = [ledger.region(want, u.index) for u in layout.units]
+        sources = [src if src is not None else ledger.region("master", i) for i, src in enumerate(sources)]
+        self._sources = [src for src in sources if src is not None]
+        if len(self._sources) != len(sources):
+            raise ValueError("the ledger has neither a master nor a BF16 copy of some unit")
+        if h2d_convert not in ("host", "device"):
+            raise ValueError(f"h2d_convert must be 'host' or 'device', got {h2d_convert!r}")
+        self.h2d_convert = h2d_convert
+        self._staging: torch.Tensor | None = None  # host conversion: one unit's BF16 bytes, reused
+        self._staging_copied = None  # marker of the last copy that read the staging buffer
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
         self._forward_mark = -1  # highest unit acquired by the current forward pass
@@ -83,13 +96,13 @@ class UnitResidency:
             buf.untyped_storage().resize_(0)  # views keep their geometry; the memory goes until acquire
 
     def unbind(self, restore: bool) -> None:
-        """Give the model ordinary parameters again: FP32 copies of the master, or meta tensors."""
-        master = self.ledger.master
+        """Give the model ordinary parameters again: FP32 copies of the master (of the BF16 copy for a unit
+        without one), or meta tensors."""
         for unit in self.layout.units:
+            weights = self.ledger.weights(unit.index) if restore else None
             for slot in unit.slots:
-                if restore:
-                    start = unit.offset + slot.offset
-                    data = master[start : start + slot.numel].clone().view(slot.shape)
+                if weights is not None:
+                    data = weights[slot.offset : slot.end].clone().view(slot.shape)
                 else:
                     data = torch.empty(slot.shape, device="meta")
                 param = nn.Parameter(data, requires_grad=slot.trainable)
@@ -120,7 +133,7 @@ class UnitResidency:
         lane_delay()
         self.fills[u] += 1
         lanes = self.lanes
-        src = self._source[unit.offset : unit.offset + unit.padded]
+        src = self._sources[u]
         with lanes.on("h2d"):
             # memory allocated here belongs to the H2D lane: a block the compute lane freed is handed out only
             # once the compute work recorded on it is done, so no wait on the compute lane is needed
@@ -131,12 +144,12 @@ class UnitResidency:
             buf = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, (unit.padded,), (1,))
             if self.route == "full":
                 with lanes.span("h2d", "copy", step, u):
-                    buf.copy_(src, non_blocking=True)
+                    self._copy(buf, src)
                 return lanes.mark("h2d")
             s0, s1 = unit.shard(self.rank)
             shard = torch.empty(s1 - s0, dtype=self.dtype, device=self.device)
             with lanes.span("h2d", "copy shard", step, u):
-                shard.copy_(src[s0:s1], non_blocking=True)
+                self._copy(shard, src[s0:s1])
             copied = lanes.mark("h2d")
         lane_delay()
         with lanes.on("comm"), lanes.span("h2d", "all_gather", step, u, on="comm"):
@@ -145,6 +158,22 @@ class UnitResidency:
         lanes.hand_over(shard, "comm")
         lanes.hand_over(buf, "comm")
         return lanes.mark("comm")
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host ledger -> device buffer, on the H2D lane. Without a BF16 copy in the ledger the FP32 master is
+        converted on the way: on the host into a reused (pinned) staging buffer, then copied (2 B/param over the
+        link), or (``h2d_convert="device"``) copied as FP32 and converted by the device (4 B/param)."""
+        if src.dtype == dst.dtype or self.h2d_convert == "device":
+            dst.copy_(src, non_blocking=True)
+            return
+        if self._staging is None:  # pinned on CUDA: the copy out of it is async DMA
+            self._staging = self.lanes.pinned(self.layout.max_unit, dst.dtype)
+        if self._staging_copied is not None:  # the previous copy out of the staging buffer must be done
+            self.lanes.host_wait(self._staging_copied)
+        stage = self._staging[: src.numel()]
+        stage.copy_(src)  # round-to-nearest-even, the bits the update kernel writes into a BF16 copy
+        dst.copy_(stage, non_blocking=True)
+        self._staging_copied = self.lanes.mark("h2d")
 
     def _start(self, u: int, step: int) -> None:
         if self.resident[u] and self.filled_step[u] < step and self.refs[u] == 0 and not self.held_for_backward[u]:

@@ -7,11 +7,13 @@ calling a reader and evicts every resident unit before calling a writer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from slidedp_lightning.runtime.host_state import HostLedger
+from cpu_ops.adamw8 import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
+from slidedp_lightning.runtime.host_state import MOMENTS, HostLedger
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.topology import Topology
 
@@ -37,6 +39,7 @@ class LedgerState:
         self.root, self.layout, self.ledger, self.topology = root, layout, ledger, topology
         self._slot_of = slot_of  # id(parameter) -> its slot
         self._host_ranges = host_ranges
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (FP32 scratch, BF16 view) to write back
 
     def require_whole_parameters(self, what: str) -> None:
         if self.topology.host_sharded:
@@ -51,18 +54,63 @@ class LedgerState:
         """The ledger slot of a parameter of the streamed model (None for buffers and other tensors)."""
         return self._slot_of.get(id(tensor))
 
-    def _view(self, where: Slot, region: str) -> torch.Tensor:
-        unit = self.layout.units[where[0]]
-        slot = unit.slots[where[1]]
-        start = unit.offset + slot.offset
-        return getattr(self.ledger, region)[start : start + slot.numel].view(slot.shape)
+    def _view(self, where: Slot, region: str) -> torch.Tensor | None:
+        """The parameter's elements in ``region`` (None when its unit has no range there)."""
+        slot = self.layout.units[where[0]].slots[where[1]]
+        flat = self.ledger.region(region, where[0])
+        return None if flat is None else flat[slot.offset : slot.end].view(slot.shape)
+
+    def has_master(self, unit_index: int) -> bool:
+        return self.ledger.geometry.has("master", unit_index)
 
     def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
-        return self._view((unit_index, slot_index), "master")
+        """The parameter's FP32 weights: a view of the master, or (a wholly frozen unit under bf16 compute, which
+        keeps only its BF16 copy) an FP32 copy of its BF16 copy."""
+        view = self._view((unit_index, slot_index), "master")
+        if view is None:
+            bf16 = self._view((unit_index, slot_index), "bf16")
+            assert bf16 is not None, "every unit keeps its master or its BF16 copy"
+            return bf16.float()
+        return view
 
-    def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def int8(self) -> bool:
+        return self.ledger.geometry.optimizer_state == "int8"
+
+    def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The parameter's Adam moments in FP32: views of the ledger, or with int8 moments dequantized copies;
+        None for a wholly frozen unit (it keeps none)."""
         where = (unit_index, slot_index)
-        return self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
+        if self.int8:
+            if self.ledger.region("exp_avg", unit_index) is None:
+                return None
+            return self._dequantized(where, "exp_avg"), self._dequantized(where, "exp_avg_sq")
+        m, v = self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
+        return None if m is None or v is None else (m, v)
+
+    def _blocks(self, where: Slot, region: str) -> tuple[int, np.ndarray, np.ndarray]:
+        """(first element, codes, scales) of the whole blocks of ``region`` that hold the parameter ``where``."""
+        slot = self.layout.units[where[0]].slots[where[1]]
+        b0, b1 = slot.offset // QUANT_BLOCK, -(-slot.end // QUANT_BLOCK)
+        codes, scales = self.ledger.region_np(region, where[0]), self.ledger.region_np(f"{region}_absmax", where[0])
+        assert codes is not None and scales is not None
+        return b0 * QUANT_BLOCK, codes[b0 * QUANT_BLOCK : b1 * QUANT_BLOCK], scales[b0:b1]
+
+    def _dequantized(self, where: Slot, region: str) -> torch.Tensor:
+        slot = self.layout.units[where[0]].slots[where[1]]
+        start, codes, scales = self._blocks(where, region)
+        values = dequantize_blockwise(codes, scales, signed=region == "exp_avg")
+        return torch.from_numpy(values[slot.offset - start : slot.end - start]).view(slot.shape)
+
+    def _quantize_into(self, where: Slot, region: str, value: torch.Tensor) -> None:
+        """Write FP32 ``value`` into the parameter's int8 moment: its blocks are dequantized, overwritten where the
+        parameter lies, and quantized again (a neighbour sharing a block is requantized with the block's scale)."""
+        slot = self.layout.units[where[0]].slots[where[1]]
+        start, codes, scales = self._blocks(where, region)
+        signed = region == "exp_avg"
+        values = dequantize_blockwise(codes, scales, signed=signed)
+        values[slot.offset - start : slot.end - start] = value.detach().reshape(-1).to(torch.float32).numpy()
+        codes[:], scales[:] = quantize_blockwise(values, signed=signed)
 
     def named_slots(self) -> dict[str, Slot]:
         """Each ledger parameter once (a tied one under its first name), keyed as ``root.state_dict()``."""
@@ -75,16 +123,42 @@ class LedgerState:
                 out[name] = where
         return out
 
-    def ledger_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def ledger_tensors(self, names: list[str], writing: bool = False) -> dict[str, torch.Tensor]:
         """Views for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>``
-        (writing into them writes the ledger). With host-sharded ledgers only this host's elements of each view
+        (writing into them writes the ledger); a wholly frozen unit's parameters have no moments, and without a
+        master their ``model/`` tensor is an FP32 copy of the BF16 copy: ``writing`` keeps it, to be written back
+        by :meth:`restored`. With host-sharded ledgers only this host's elements of each view
         (:meth:`host_parts`) are valid."""
         slots = self.named_slots()
         out = {}
         for name in names:
             where = slots[name]
-            m, v = self.moments(*where)
-            out[f"model/{name}"], out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = self.master_view(*where), m, v
+            out[f"model/{name}"] = self.master_view(*where)
+            if writing and not self.has_master(where[0]):
+                self._pending.append((out[f"model/{name}"], self._view(where, "bf16")))  # type: ignore[arg-type]
+            # what the ledger holds (int8: the 8-bit codes; their scales are in scale_tensors); none when frozen
+            m, v = self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
+            if m is not None and v is not None:
+                out[f"exp_avg/{name}"], out[f"exp_avg_sq/{name}"] = m, v
+        return out
+
+    def scale_tensors(self, unit_index: int) -> dict[str, tuple[int, int, torch.Tensor]]:
+        """int8 moments: ``{key: (start, stop, view)}`` of the unit's per-block scales this host holds, over the
+        blocks up to its last parameter (keyed ``exp_avg_absmax/<unit name>``; the blocks start at the unit's start,
+        so they are the same for every number of ranks). Empty under fp32 or for a wholly frozen unit."""
+        unit = self.layout.units[unit_index]
+        if not self.int8 or self.ledger.region("exp_avg", unit_index) is None:
+            return {}
+        blocks = -(-unit.slots[-1].end // QUANT_BLOCK)
+        lo, hi = 0, blocks
+        if self.topology.host_sharded:
+            per_host = self.topology.ranks_per_host * unit.shard_numel // QUANT_BLOCK
+            lo, hi = min(self.topology.host * per_host, blocks), min((self.topology.host + 1) * per_host, blocks)
+        out = {}
+        for region in MOMENTS:
+            view = self.ledger.region(f"{region}_absmax", unit_index)
+            assert view is not None
+            out[f"{region}_absmax/{unit.name}"] = (lo, hi, view[lo:hi])
         return out
 
     def host_parts(self, where: Slot) -> list[tuple[int, int]]:
@@ -136,8 +210,9 @@ class LedgerState:
         state, index = {}, 0
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if step > 0:
-                    exp_avg, exp_avg_sq = self.moments(*self._slot_of[id(p)])
+                moments = self.moments(*self._slot_of[id(p)])
+                if step > 0 and moments is not None:  # torch keeps no state for a parameter it never updated
+                    exp_avg, exp_avg_sq = moments
                     state[index] = {
                         "step": torch.tensor(float(step)),
                         "exp_avg": exp_avg.clone(),
@@ -151,7 +226,15 @@ class LedgerState:
         slot = self.layout.units[where[0]].slots[where[1]]
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{slot.name}: checkpoint shape {tuple(value.shape)} != model shape {slot.shape}.")
-        self._view(where, region).copy_(value.reshape(slot.shape))
+        if self.int8 and region in MOMENTS:
+            if self.ledger.region(region, where[0]) is not None:
+                self._quantize_into(where, region, value)
+            return
+        view = self._view(where, region)
+        if view is None and region == "master":  # a unit keeping only its BF16 copy
+            view = self._view(where, "bf16")
+        if view is not None:  # no moments in a wholly frozen unit: nothing to restore there
+            view.copy_(value.reshape(slot.shape))
 
     def _barrier(self) -> None:
         if self.topology.shard_group is not None:
@@ -202,6 +285,9 @@ class LedgerState:
         for name, value in buffers.items():
             if name in own and id(own[name]) not in self._slot_of:
                 own[name].data.copy_(value)
+        pending, self._pending = self._pending, []
+        for scratch, bf16 in pending:  # weights of units without a master, read as FP32
+            bf16.copy_(scratch.view(bf16.shape))
         self._barrier()
         if self.topology.writes_ledger:
             self.ledger.refresh_bf16(self._host_ranges)

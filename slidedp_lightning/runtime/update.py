@@ -13,8 +13,9 @@ from typing import Any, Protocol, TypedDict
 import numpy as np
 import torch
 
-from cpu_ops import accumulate, adamw_update, adamw_update_sum, set_kernel_threads, warmup
-from slidedp_lightning.runtime.host_state import HostLedger
+from cpu_ops import accumulate, adamw8_update, adamw_update, adamw_update_sum, set_kernel_threads, warmup
+from cpu_ops.adamw8 import QUANT_BLOCK
+from slidedp_lightning.runtime.host_state import ALL_REGIONS, HostLedger
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.sync import lane_delay
 from slidedp_lightning.runtime.trace import Tracer
@@ -141,7 +142,10 @@ class UpdateLane:
         self.threads = threads
         self.tracer = tracer or Tracer(None, rank)
         self.segments: list[list[tuple[int, int, int]]] = []
-        self._arrays = ledger.np_arrays()
+        # per unit: its ranges of every region (numpy views; None where it has none: a wholly frozen unit's moments,
+        # the int8 scales under fp32, the BF16 copy when it is not kept)
+        self._arrays = [dict((r, ledger.region_np(r, u.index)) for r in ALL_REGIONS) for u in layout.units]
+        self.int8 = ledger.geometry.optimizer_state == "int8"
         self._queue: queue.Queue[UpdateTask | _Call | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
@@ -238,7 +242,8 @@ class UpdateLane:
     def _run(self) -> None:
         try:
             set_kernel_threads(self.threads)
-            self.jit_s = warmup(sum_rows=self._sum_rows)  # here, never inside the first training step
+            # here, never inside the first training step (with int8 moments: the 8-bit kernels too)
+            self.jit_s = warmup(sum_rows=self._sum_rows, adam8=self.int8)
         except BaseException as exc:  # reported to the training thread
             self.error = exc
         finally:
@@ -305,13 +310,18 @@ class UpdateLane:
 
     def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0), one param-group run at a time."""
-        master, exp_avg, exp_avg_sq, bf16 = self._arrays
+        arrays = self._arrays[task.unit]
+        if self.int8:
+            self._kernels8(task, arrays, grad, c0, c1, scale)
+            return
+        master, exp_avg, exp_avg_sq, bf16 = (arrays[r] for r in ("master", "exp_avg", "exp_avg_sq", "bf16"))
         for sa, sb, g in self.segments[task.unit]:
             a, b = max(sa, c0), min(sb, c1)
             if a >= b or g < 0:  # g < 0: frozen parameters keep their weights and moments bit-identical
                 continue
+            assert master is not None and exp_avg is not None and exp_avg_sq is not None
             h = task.hyper[g]
-            lo, hi = unit.offset + a, unit.offset + b
+            lo, hi = a, b
             kw = _AdamKwargs(
                 step=task.step,
                 lr=h.lr,
@@ -321,12 +331,40 @@ class UpdateLane:
                 weight_decay=h.weight_decay,
                 decoupled=h.decoupled,
                 grad_scale=scale,
-                bf16_out=bf16[lo:hi],
+                bf16_out=bf16[lo:hi] if bf16 is not None else None,
             )
             if grad.ndim == 1:
                 adamw_update(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[a - c0 : b - c0], **kw)
             else:
                 adamw_update_sum(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[:, a - c0 : b - c0], **kw)
+
+    def _kernels8(self, task: UpdateTask, arrays: dict, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
+        """int8 moments: one fused call over unit-relative [c0, c1) (c0 on a QUANT_BLOCK boundary) with its
+        param-group runs as segments; frozen runs are left out (their weights stay, their zero moments too)."""
+        segments = [
+            (max(sa, c0) - c0, min(sb, c1) - c0, g)
+            for sa, sb, g in self.segments[task.unit]
+            if g >= 0 and sa < c1 and sb > c0
+        ]
+        if not segments:
+            return
+        if c0 % QUANT_BLOCK:
+            raise AssertionError(f"int8 update chunk starts at {c0}, not on a {QUANT_BLOCK}-element block")
+        b0, b1 = c0 // QUANT_BLOCK, -(-c1 // QUANT_BLOCK)
+        bf16 = arrays["bf16"]
+        adamw8_update(
+            arrays["master"][c0:c1],
+            arrays["exp_avg"][c0:c1],
+            arrays["exp_avg_sq"][c0:c1],
+            arrays["exp_avg_absmax"][b0:b1],
+            arrays["exp_avg_sq_absmax"][b0:b1],
+            grad,
+            segments=np.asarray(segments, dtype=np.int64),
+            hyper=[(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled) for h in task.hyper],
+            step=task.step,
+            grad_scale=scale,
+            bf16_out=bf16[c0:c1] if bf16 is not None else None,
+        )
 
     def close(self, wait_s: float = 30.0) -> None:
         """Stop the worker after the queued updates (a daemon thread: a worker stuck on a dead peer is abandoned)."""

@@ -21,7 +21,15 @@ import math
 from dataclasses import dataclass, field
 
 from slidedp_lightning import constants
-from slidedp_lightning.constants import GRAD_ROUTES, HOST_LAYOUTS, LEDGER_BYTES_PER_PARAM, update_bytes_per_param
+from slidedp_lightning.constants import (
+    GRAD_ROUTES,
+    HOST_LAYOUTS,
+    LEDGER_BYTES_PER_PARAM,
+    OPTIMIZER_STATES,
+    h2d_bytes_per_param,
+    ledger_bytes_per_param,
+    update_bytes_per_param,
+)
 from slidedp_lightning.steptime.profiles import Profile
 from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, units
 
@@ -56,8 +64,15 @@ class StepConfig:
     # the training step all-reduces its loss over every rank (Lightning's ``self.log(..., sync_dist=True)``) between
     # forward and backward, on the compute thread
     loss_sync: bool = False
+    # the ledger's mode (EngineConfig): int8 moments; no BF16 copy (units converted from the master on the way,
+    # on the host into staging or, h2d_convert "device", after an FP32 copy)
+    optimizer_state: str = "fp32"
+    bf16_copy: bool = True
+    h2d_convert: str = "host"
 
     def __post_init__(self) -> None:
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"unknown optimizer_state {self.optimizer_state!r}; choose one of {OPTIMIZER_STATES}")
         if self.param_route not in PARAM_ROUTES:
             raise ValueError(f"unknown param_route {self.param_route!r}; choose one of {PARAM_ROUTES}")
         if self.grad_route not in GRAD_ROUTES:
@@ -118,16 +133,27 @@ class StepConfig:
 
 
 def host_ledger_bytes(cfg: StepConfig) -> float:
-    """Host memory of the ledger on each host (bytes): 14 B/param, divided by N when host-sharded."""
-    return LEDGER_BYTES_PER_PARAM * cfg.model.total_params * cfg.state_share
+    """Host memory of the ledger on each host (bytes): 14 B/param (8.008 int8, 6.008 int8 without the BF16 copy),
+    divided by N when host-sharded."""
+    default = cfg.optimizer_state == "fp32" and cfg.bf16_copy
+    per = LEDGER_BYTES_PER_PARAM if default else ledger_bytes_per_param(cfg.optimizer_state, cfg.bf16_copy)
+    return per * cfg.model.total_params * cfg.state_share
+
+
+def _bf16_out(cfg: StepConfig) -> bool:
+    """The update writes the BF16 copy (bf16-mixed with the copy kept)."""
+    return cfg.precision == "bf16-mixed" and cfg.bf16_copy
 
 
 def host_update_bytes(cfg: StepConfig) -> float:
     """CPU update bytes per host per step (all of that host's ranks): the host's share of every parameter."""
-    per = update_bytes_per_param(4, rows=1, bf16_out=cfg.precision == "bf16-mixed")
+    per = update_bytes_per_param(4, rows=1, bf16_out=_bf16_out(cfg), optimizer_state=cfg.optimizer_state)
     if cfg.grad_route == "host_reduce":
         per = update_bytes_per_param(
-            2 if cfg.precision == "bf16-mixed" else 4, rows=cfg.gpus, bf16_out=cfg.precision == "bf16-mixed"
+            2 if cfg.precision == "bf16-mixed" else 4,
+            rows=cfg.gpus,
+            bf16_out=_bf16_out(cfg),
+            optimizer_state=cfg.optimizer_state,
         )
     if cfg.param_route in ("replicated", "slideformer"):
         raise ValueError(f"host_update_bytes: param_route {cfg.param_route!r} is not a shared-ledger route")
@@ -242,10 +268,14 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             deps += last_update.get(u, [])
         tag = "bwd" if backward else "fwd"
         sharded = cfg.param_route == "sharded" and r > 1
-        nbytes = p * pb / r if sharded else p * pb
+        hb = h2d_bytes_per_param(pb, cfg.bf16_copy, cfg.h2d_convert == "device")  # bytes per param over PCIe
+        nbytes = p * hb / r if sharded else p * hb
         nbytes *= cfg.state_share  # host-sharded: the rank's 1/(N R) shard
         gathered = cfg.host_sharded or sharded  # the copy fills a shard, a gather the unit's buffer
         demand = _fresh({"h2d": nbytes, "dram": nbytes}, profile, nbytes if gathered else p * pb)
+        if pb == 2 and not cfg.bf16_copy and cfg.h2d_convert == "host":  # read the master, write the staging
+            demand["dram"] = demand.get("dram", 0.0) + 3 * nbytes
+            demand["cpu"] = demand.get("cpu", 0.0) + 3 * nbytes
         ids = [b.add(Op(f"h2d {tag}", "h2d", step, u, demand, profile.copy_latency_s, deps))]
         if cfg.host_sharded:  # one ring over all N R ranks
             demand, fixed = flat_collective(
@@ -351,13 +381,15 @@ def _gradient(
     r, lat = cfg.gpus, profile.link_latency_s
     if cfg.grad_route == "host_reduce":
         d2h = b.add(Op("d2h", "d2h", step, u, {"d2h": p * pb, "dram": p * pb}, profile.copy_latency_s, list(start)))
-        nbytes = p / r * update_bytes_per_param(pb, rows=r, bf16_out=cfg.precision == "bf16-mixed")
+        nbytes = (
+            p / r * update_bytes_per_param(pb, rows=r, bf16_out=_bf16_out(cfg), optimizer_state=cfg.optimizer_state)
+        )
         return [b.add(Op("update", "update", step, u, {"cpu": nbytes, "dram": nbytes}, 0.0, [d2h]))]
     replicated = cfg.param_route == "replicated"
     reduced = p if replicated else p / r  # parameters this rank holds after the in-host reduction
     share = reduced * cfg.state_share  # parameters this rank receives and updates
     n_chunks = max(1, math.ceil(reduced * 4 / cfg.chunk_bytes)) if cfg.chunk_bytes else 1
-    per_upd = update_bytes_per_param(4, rows=1, bf16_out=cfg.precision == "bf16-mixed")
+    per_upd = update_bytes_per_param(4, rows=1, bf16_out=_bf16_out(cfg), optimizer_state=cfg.optimizer_state)
     out = []
     for k in range(n_chunks):
         frac = 1 / n_chunks

@@ -43,7 +43,7 @@ def slideformer_reduce_bytes(r: int) -> int:
     """Host bytes rank 0 moves per parameter per step: zero the FP32 mean (4), R x ``mean += slot`` (the BF16 slot
     promoted into an FP32 temporary: read 2, write 4; the add: read 4 + 4, write 4), ``mean /= R`` (8), FP32 AdamW
     with an FP32 gradient (28)."""
-    return 4 + SF_SLOT_BYTES * r + 8 + update_bytes_per_param(4, rows=1)
+    return 4 + SF_SLOT_BYTES * r + 8 + int(update_bytes_per_param(4, rows=1))
 
 
 def slideformer_ops(cfg: StepConfig, profile: Profile, steps: int) -> list[Op]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cpu_ops import adam_shaped_copy, fp32_to_bf16
+from cpu_ops import QUANT_BLOCK, adam8_shaped_copy, adam_shaped_copy, fp32_to_bf16
 from slidedp_lightning.constants import update_bytes_per_param
 
 
@@ -54,3 +54,36 @@ def test_adam_shaped_copy_rejects_mismatched_rows():
     p, m, v = _state(100)
     with pytest.raises(ValueError, match="grads"):
         adam_shaped_copy(p, m, v, np.zeros((2, 99), np.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_adam8_shaped_copy_touches_every_array_of_the_8bit_update(rows, with_out):
+    n = 3 * QUANT_BLOCK + 5
+    nblocks = 4
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal(n, dtype=np.float32)
+    mq, vq = rng.integers(0, 256, n).astype(np.uint8), rng.integers(0, 256, n).astype(np.uint8)
+    m_absmax, v_absmax = rng.random(nblocks, dtype=np.float32), rng.random(nblocks, dtype=np.float32)
+    grads = rng.standard_normal((rows, n), dtype=np.float32)
+    before = [a.copy() for a in (p, mq, vq, m_absmax, v_absmax)]
+    out = np.zeros(n, np.uint16) if with_out else None
+    adam8_shaped_copy(p, mq, vq, m_absmax, v_absmax, grads[0] if rows == 1 else grads, out)
+    np.testing.assert_array_equal(
+        p, before[0] - grads.sum(axis=0, dtype=np.float32) if rows > 1 else before[0] - grads[0]
+    )
+    np.testing.assert_array_equal(mq, before[1] + np.uint8(1))
+    np.testing.assert_array_equal(vq, before[2] + np.uint8(1))
+    np.testing.assert_array_equal(m_absmax, before[3] + np.float32(1))
+    np.testing.assert_array_equal(v_absmax, before[4] + np.float32(1))
+    if with_out:
+        np.testing.assert_array_equal(out, (p.view(np.uint32) >> 16).astype(np.uint16))
+
+
+def test_adam8_shaped_copy_rejects_wrong_scales():
+    n = 2 * QUANT_BLOCK
+    with pytest.raises(ValueError, match="exp_avg_absmax has length 3"):
+        adam8_shaped_copy(
+            np.zeros(n, np.float32), np.zeros(n, np.uint8), np.zeros(n, np.uint8), np.zeros(3, np.float32),
+            np.zeros(2, np.float32), np.zeros(n, np.float32),
+        )  # fmt: skip

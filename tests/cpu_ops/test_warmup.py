@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from cpu_ops import _kernels, warmup
@@ -12,7 +14,7 @@ def test_warmup_compiles_runtime_signatures() -> None:
     assert seconds >= 0.0
     expected = {(dtype, rows) for dtype in ("float32", "uint16") for rows in (1, 2)}
     for kernel in (_kernels.adamw_kernel, _kernels.adamw_bf16_out_kernel):
-        grads = [sig[3] for sig in kernel.signatures]  # UniTuple of R gradient rows
+        grads: list[Any] = [sig[3] for sig in kernel.signatures]  # UniTuple of R gradient rows
         assert expected <= {(str(g.dtype.dtype), g.count) for g in grads}
     assert _kernels.fp32_to_bf16_kernel.signatures
     assert _kernels.bf16_to_fp32_kernel.signatures
@@ -22,3 +24,15 @@ def test_warmup_compiles_runtime_signatures() -> None:
 def test_warmup_rejects_bad_rows() -> None:
     with pytest.raises(ValueError, match="sum_rows must be >= 1"):
         warmup(sum_rows=(0,))
+
+
+def test_warmup_adam8_compiles_the_8bit_kernels() -> None:
+    from cpu_ops import _kernels8
+
+    warmup(sum_rows=(2,), adam8=True)
+    expected = {(dtype, rows, out) for dtype in ("float32", "uint16") for rows in (1, 2) for out in (False, True)}
+    grads: list[Any] = [(sig[5], sig[6]) for sig in _kernels8.adamw8_kernel.signatures]  # (R rows, bf16_out)
+    found = {(str(g.dtype.dtype), g.count, str(out) != "none") for g, out in grads}
+    assert expected <= found
+    assert _kernels8.quantize_kernel.signatures
+    assert _kernels8.dequantize_kernel.signatures

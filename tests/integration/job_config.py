@@ -28,6 +28,8 @@ STRATEGY_OPTIONS = (
     "meta_init",
     "host_layout",
     "checkpoint_format",
+    "optimizer_state",
+    "bf16_copy",
 )
 # former job keys, named in the error so that an old call site finds its new name
 RENAMED = {"window": "prefetch_window", "activations": "activation_policy"}
@@ -88,6 +90,8 @@ class JobConfig:
     meta_init: bool = False
     host_layout: str = "replicated"
     checkpoint_format: str = "distributed"
+    optimizer_state: str = "fp32"
+    bf16_copy: bool = True
     memory_budget: int | None = None  # activation_policy becomes AutoPolicy(memory_budget=...)
     # outputs
     trace_dir: str | None = None  # a LaneTrace callback writes here (slidedp only)

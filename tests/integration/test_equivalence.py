@@ -89,6 +89,8 @@ CASES = {
         False,
         {"loss_chunk": 5, "activation_policy": "full@1", "param_route": "sharded"},
     ),
+    # no BF16 copy in the ledger: FP32 compute never reads it, so nothing may change
+    "untied-no-bf16-copy-sharded": (False, {"bf16_copy": False, "param_route": "sharded"}),
     # frozen parameters: the reference DDP job freezes the same ones (MODEL_KNOBS)
     "tied-freeze-embeddings-host_reduce": (True, {"freeze": ["model.embed_tokens."], "grad_route": "host_reduce"}),
     "untied-freeze-embeddings-sharded": (False, {"freeze": ["model.embed_tokens."], "param_route": "sharded"}),

@@ -105,9 +105,13 @@ def test_frozen_matches_adamw(case: str, route: str, update: str, policy: str) -
         if case == "middle_block":  # a wholly frozen unit: never reduced nor updated
             unit = next(u for u in engine.layout.units if u.frozen)
             assert engine.ledger.version[unit.index].min() == 6  # stamped, so the next forward can fill it
-            for slot in unit.slots:
-                m, v = engine.state.moments(unit.index, unit.slots.index(slot))
-                assert not m.any() and not v.any()
+            # no moments and, under FP32 compute, no BF16 copy: only the master the device reads
+            for region in ("exp_avg", "exp_avg_sq", "bf16"):
+                assert engine.ledger.region(region, unit.index) is None, region
+            assert all(engine.state.moments(unit.index, i) is None for i in range(len(unit.slots)))
+        for unit in engine.layout.units:  # units with a trainable parameter keep every region
+            if not unit.frozen:
+                assert all(engine.ledger.region(r, unit.index) is not None for r in ("master", "exp_avg", "bf16"))
     finally:
         engine.close()
     # parameters are restored to the module after training, frozen ones still frozen
@@ -197,6 +201,8 @@ def test_optimizer_state_of_trainable_parameters_round_trips() -> None:
 
 
 def test_bf16_copy_of_frozen_weights_untouched() -> None:
+    """Under bf16 compute a wholly frozen unit keeps only its BF16 copy (no master, no moments): it stays the
+    initial weights rounded to BF16, which is what the state dict reports for it."""
     model = tiny_model(False, layers=3)
     freeze_middle_block(model)
     initial = {n: t.clone() for n, t in model.state_dict().items()}
@@ -209,13 +215,19 @@ def test_bf16_copy_of_frozen_weights_untouched() -> None:
             loss.backward()
             assert engine.end_step()
         unit = next(u for u in engine.layout.units if u.frozen)
-        lo, hi = unit.offset, unit.offset + unit.padded
-        master, bf16 = engine.ledger.master[lo:hi], engine.ledger.bf16[lo:hi]
-        assert torch.equal(bf16, master.to(torch.bfloat16))
+        for region in ("master", "exp_avg", "exp_avg_sq"):
+            assert engine.ledger.region(region, unit.index) is None, region
+        bf16 = engine.ledger.region("bf16", unit.index)
+        assert bf16 is not None
+        for slot in unit.slots:
+            want = initial[slot.name].reshape(-1).to(torch.bfloat16)
+            assert torch.equal(bf16[slot.offset : slot.end], want), slot.name
+        for a, b in unit.gaps():
+            assert not bf16[a:b].any()
         weights = engine.state_dict()
         for name in initial:
             if name.startswith("model.layers.1."):
-                assert torch.equal(weights[name], initial[name]), name
+                assert torch.equal(weights[name], initial[name].to(torch.bfloat16).float()), name
             elif name.endswith("weight") and "norm" not in name:
                 assert not torch.equal(weights[name], initial[name]), f"{name} did not train"
     finally:

@@ -19,6 +19,11 @@ def _ledger(tmp_path) -> HostLedger:
     return HostLedger(str(tmp_path / "ledger"), geometry, create=True)
 
 
+def _views(ledger: HostLedger, lo: int, n: int) -> list[torch.Tensor]:
+    """The FP32 master and BF16 copy of the elements ``[lo, lo + n)``: what a fill writes."""
+    return [ledger.master[lo : lo + n], ledger.bf16[lo : lo + n]]
+
+
 def _resident(ledger: HostLedger, name: str, lo: int, hi: int, size: int) -> list[bool]:
     """Per page of ``name``'s elements [lo, hi): whether the file holds it (SEEK_DATA/SEEK_HOLE)."""
     fd = os.open(ledger.path, os.O_RDONLY)
@@ -41,7 +46,7 @@ def test_the_pieces_pages_are_allocated_whole_pages_only_and_their_contents_kept
         assert ledger.allocated_bytes() < PAGE * 4  # a new file holds (almost) nothing
         ledger.master[10] = 3.5  # written before: kept
         lo, n = 10, 300_000  # starts and ends inside a page
-        assert prepare_pages(ledger, ledger_spans(ledger, [(lo, n)]), threads=2)
+        assert prepare_pages(ledger, ledger_spans(ledger, _views(ledger, lo, n)), threads=2)
         master = _resident(ledger, "master", 0, N, 4)
         per_page = PAGE // 4
         first, last = -(-lo // per_page), (lo + n) // per_page  # the pages wholly inside
@@ -59,7 +64,7 @@ def test_an_unlinked_ledger_is_mapped_without_fallocate_and_a_full_one_says_so(t
     try:
         ledger.unlink()
         before = ledger.allocated_bytes()
-        assert prepare_pages(ledger, ledger_spans(ledger, [(0, N)]), threads=1)
+        assert prepare_pages(ledger, ledger_spans(ledger, _views(ledger, 0, N)), threads=1)
         assert ledger.allocated_bytes() - before >= 6 * N - 2 * PAGE  # MADV_POPULATE_WRITE allocated them
         assert torch.count_nonzero(ledger.master) == 0
     finally:
@@ -77,8 +82,8 @@ def test_an_unlinked_ledger_is_mapped_without_fallocate_and_a_full_one_says_so(t
         monkeypatch.setattr(ledger_pages, "_libc", lambda: Full())
         monkeypatch.setattr(ledger_pages.ctypes, "get_errno", lambda: 28)  # ENOSPC
         with pytest.raises(HostMemoryError, match=r"could not allocate 6\.00 MiB of ledger pages .*ENOSPC"):
-            prepare_pages(ledger, ledger_spans(ledger, [(0, N)]), threads=1)
+            prepare_pages(ledger, ledger_spans(ledger, _views(ledger, 0, N)), threads=1)
         monkeypatch.setattr(ledger_pages.ctypes, "get_errno", lambda: 95)  # EOPNOTSUPP: populate alone
-        assert prepare_pages(ledger, ledger_spans(ledger, [(0, N)]), threads=1)
+        assert prepare_pages(ledger, ledger_spans(ledger, _views(ledger, 0, N)), threads=1)
     finally:
         ledger.close()

@@ -214,3 +214,33 @@ def test_bad_host_inputs(capsys):
     assert "not a multiple of 3" in capsys.readouterr().err
     assert main(["scaling", *args, "--total-gpus", "16,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_the_model_knows_each_ledger_mode():
+    """Ledger bytes, update traffic and H2D bytes of the compact modes, taken from the config."""
+    from dataclasses import replace
+
+    from slidedp_lightning.constants import QUANT_BLOCK, ledger_bytes_per_param
+
+    state8 = 4 + 2 * (1 + 4 / QUANT_BLOCK)  # master and two int8 moments with their scales
+
+    base = StepConfig(load_config("qwen3-14b"), 4, 1024, 8, "sharded", activation="full")
+    n = base.model.total_params
+    int8 = replace(base, optimizer_state="int8")
+    lean = replace(int8, bf16_copy=False)
+    assert (
+        host_ledger_bytes(int8) == pytest.approx(ledger_bytes_per_param("int8") * n) == pytest.approx((state8 + 2) * n)
+    )
+    assert host_ledger_bytes(lean) == pytest.approx(state8 * n)
+    assert host_update_bytes(base) == pytest.approx(30 * n)  # 28 B + the BF16 copy
+    assert host_update_bytes(int8) == pytest.approx((2 * state8 + 4 + 2) * n)
+    assert host_update_bytes(lean) == pytest.approx((2 * state8 + 4) * n)
+    profile = load_profile(shipped_profiles()[0])
+
+    def h2d(cfg: StepConfig) -> float:
+        return sum(op.demand.get("h2d", 0.0) for op in build_ops(cfg, profile, steps=1) if op.name.startswith("h2d"))
+
+    assert h2d(lean) == pytest.approx(h2d(base))  # converted on the host: BF16 over the link
+    assert h2d(replace(lean, h2d_convert="device")) == pytest.approx(2 * h2d(base))  # FP32 over the link
+    with pytest.raises(ValueError, match="optimizer_state"):
+        replace(base, optimizer_state="int4")

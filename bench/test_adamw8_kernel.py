@@ -1,0 +1,145 @@
+"""The fused 8-bit-moment AdamW kernel against its bandwidth ceiling and the FP32 fused kernel, in one process.
+
+The runtime's route: bf16 gradient in, FP32 master updated in place, bf16 copy of the new master out. Cases:
+
+* ``8-bit moments``: :func:`cpu_ops.adamw8_update` (one segment, one group);
+* ``ceiling 8-bit``: :func:`cpu_ops.adam8_shaped_copy`, the same bytes with trivial math;
+* ``fp32 moments``: :func:`cpu_ops.adamw_update` with ``bf16_out`` (and its ceiling, for context).
+
+One warm-up round, then ``--bench-rounds`` measured rounds in a rotating order; medians. The buffers of a size
+are freed before the next size (256 M parameters hold about 4.5 GB). Acceptance, asserted after the results are
+recorded: 8-bit >= 0.9x its ceiling and faster than FP32, in parameters per second.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from bench.report import Measurement, Ratio
+from cpu_ops import (
+    QUANT_BLOCK,
+    adam8_shaped_copy,
+    adam_shaped_copy,
+    adamw8_update,
+    adamw_update,
+    physical_cores,
+    quantize_blockwise,
+    set_kernel_threads,
+)
+from cpu_ops import warmup as kernel_warmup
+from slidedp_lightning.constants import update_bytes_per_param as bpp
+
+SUITE = "adamw8_kernel"
+PAGE = 4096
+THREADS = sorted({1, physical_cores()})
+LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-5, 0.9, 0.999, 1e-8, 0.01
+# read master 4 + codes 2 + bf16 grad 2, write master 4 + codes 2 + bf16 copy 2 (+ 16 B of scales per block)
+BYTES_8BIT = 16
+RATIOS = [
+    ("8-bit / its ceiling", "8-bit moments", "ceiling 8-bit", 0.9),
+    ("8-bit / fp32 moments", "8-bit moments", "fp32 moments", 1.0),
+]
+
+
+def aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Page-aligned array padded by a page, so buffers never sit at power-of-two distances."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + 2 * PAGE, np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class Buffers:
+    """Master, bf16 gradient and bf16 copy shared by all cases, plus 8-bit and FP32 moments."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.p = aligned((n,), np.float32)
+        self.p[:] = rng.standard_normal(n, dtype=np.float32)
+        self.g16 = aligned((n,), np.uint16)
+        self.g16[:] = (rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)).view(np.uint32) >> 16
+        self.out16 = aligned((n,), np.uint16)
+        self.m, self.v = aligned((n,), np.float32), aligned((n,), np.float32)
+        self.m[:] = 0
+        self.v[:] = 0
+        nblocks = -(-n // QUANT_BLOCK)
+        self.mq, self.vq = aligned((n,), np.uint8), aligned((n,), np.uint8)
+        self.mq[:] = quantize_blockwise(np.zeros(1, np.float32), True)[0][0]  # the code of 0
+        self.vq[:] = 0
+        self.m_absmax, self.v_absmax = np.zeros(nblocks, np.float32), np.zeros(nblocks, np.float32)
+        self.segments = np.array([[0, n, 0]], np.int64)
+
+
+def build_cases(b: Buffers) -> dict[str, tuple[Callable[[], None], int]]:
+    """name -> (one call, bytes/param it moves)."""
+    step = [0, 0]
+    group = [(LR, BETA1, BETA2, EPS, WEIGHT_DECAY, True)]
+
+    def adam8() -> None:
+        step[0] += 1
+        adamw8_update(
+            b.p, b.mq, b.vq, b.m_absmax, b.v_absmax, b.g16, segments=b.segments, hyper=group, step=step[0],
+            bf16_out=b.out16,
+        )  # fmt: skip
+
+    def adam32() -> None:
+        step[1] += 1
+        adamw_update(
+            b.p, b.m, b.v, b.g16, step=step[1], lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WEIGHT_DECAY,
+            bf16_out=b.out16,
+        )  # fmt: skip
+
+    return {
+        "8-bit moments": (adam8, BYTES_8BIT),
+        "ceiling 8-bit": (lambda: adam8_shaped_copy(b.p, b.mq, b.vq, b.m_absmax, b.v_absmax, b.g16, b.out16), 16),
+        "fp32 moments": (adam32, bpp(2, bf16_out=True)),
+        "ceiling fp32": (lambda: adam_shaped_copy(b.p, b.m, b.v, b.g16, b.out16), bpp(2, bf16_out=True)),
+    }
+
+
+@pytest.mark.parametrize("threads", THREADS, ids=lambda t: f"{t}T")
+def test_adamw8_kernel(benchmark, bench_report, bench_rounds, size_m, threads):
+    n = size_m * 1_000_000
+    bench_report.note(
+        SUITE,
+        "bf16 grad in, bf16 copy out; GB/s = Gparam/s x bytes/param (8-bit: 16 B/param + 16 B of scales per "
+        f"{QUANT_BLOCK}-element block; fp32: 28 B/param)",
+    )
+    set_kernel_threads(threads)
+    kernel_warmup(sum_rows=(2,), adam8=True)
+    buffers = Buffers(n)
+    cases = build_cases(buffers)
+    order = list(cases)
+    times: dict[str, list[float]] = defaultdict(list)
+
+    def one_round(cases: dict = cases) -> None:
+        for name in order:
+            t0 = time.perf_counter()
+            cases[name][0]()
+            times[name].append(time.perf_counter() - t0)
+        order.append(order.pop(0))
+
+    benchmark.group = f"{SUITE} {size_m}M x{threads}T"
+    benchmark.pedantic(one_round, rounds=bench_rounds, warmup_rounds=1, iterations=1)
+    medians = {}
+    for name, (_, nbytes) in cases.items():
+        measured = times[name][1:]  # the first call was the warm-up round
+        medians[name] = float(np.median(measured))
+        bench_report.add(Measurement(SUITE, name, size_m, threads, medians[name], nbytes, len(measured)))
+    missed = []
+    for label, num, den, target in RATIOS:
+        value = medians[den] / medians[num]  # throughput ratio = time ratio inverted
+        bench_report.ratio(Ratio(SUITE, label, size_m, threads, value, target))
+        if value < target:
+            missed.append(f"{label} = {value:.2f} < {target}")
+    benchmark.extra_info.update({name: n / t / 1e9 for name, t in medians.items()})
+    del buffers, cases
+    gc.collect()
+    assert not missed, f"{size_m}M x{threads}T: " + "; ".join(missed)

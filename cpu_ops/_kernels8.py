@@ -1,0 +1,285 @@
+"""Numba kernels of the 8-bit (block-wise quantized) Adam moments (private; use :mod:`cpu_ops.adamw8`).
+
+The Adam element math, the gradient-row sum and the bf16 rounding are the inline helpers of
+:mod:`cpu_ops._kernels`, so the FP32 operation order is the same as the FP32 kernel's.  Numba's
+``cache=True`` keys a cached kernel on *this* file only: after editing a helper in ``_kernels.py``,
+touch this file too (or clear ``__pycache__``) so the 8-bit kernels are recompiled.
+
+Layout: the arrays are cut into blocks of ``block`` elements (the last one may be shorter); each block
+has one float32 absmax per moment.  The parallel loop runs over chunks of whole blocks; each chunk
+owns two float32 scratch rows of one block (L1-resident), so a block is read once and written once.
+
+The maps and lookup tables are module constants here (not arguments): Numba freezes them into the
+machine code, which lets LLVM vectorize the table lookups as gathers (it cannot bound the aliasing of an
+argument array that is indexed by data), and ties the cache to this file, which defines them.
+
+Quantization (exact nearest code, ties to the lower code): ``y = x / absmax`` is looked up in a table
+indexed by the top 16 bits of ``y`` (sign, exponent, 7 mantissa bits), which gives the lowest code the
+bf16 interval of ``y`` can round to; the tables are built so that at most one code midpoint falls in
+any such interval, so a single comparison with that midpoint finishes the search.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from cpu_ops._kernels import _INLINE, KERNEL_OPTIONS, _adam_element, _summed_grad, f32_to_bf16_bits
+
+_U16 = np.uint32(16)
+_ABS = np.uint32(0x7FFFFFFF)
+_LO = (127 - 26) << 7  # top-16-bit key of 2**-26: every |y| below it shares one table slot
+_WIDTH = (127 << 7) - _LO + 2  # keys _LO - 1 (everything smaller) .. key of 1.0
+
+
+def _dynamic_map(signed: bool) -> np.ndarray:
+    """The 256 sorted float32 values of the (signed tree / unsigned) dynamic map, built in float64."""
+    magnitudes = []
+    fraction_bits = 6 if signed else 7
+    for e in range(7):
+        f = fraction_bits - e
+        k = np.arange(2**f, dtype=np.float64)
+        magnitudes.append(10.0**-e * (0.1 + 0.9 * (k + 1) / 2**f))
+    positive = np.concatenate(magnitudes)
+    values = [np.zeros(1), positive, np.array([1e-7])]
+    if signed:
+        values.append(-positive)
+    out = np.sort(np.concatenate(values)).astype(np.float32)
+    if out.shape != (256,) or not np.all(np.diff(out) > 0):
+        raise AssertionError("dynamic map construction is wrong")  # construction invariant
+    return out
+
+
+def _search_tables(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Midpoints (+inf sentinel) and the packed bf16-interval table of :func:`quantize_value`.
+
+    Entry of an interval (the floats sharing the top 16 bits, or all |y| < 2**-26): bits 0..7 the lowest code
+    ``base`` of the interval; bits 8..23 the low 16 bits of the one midpoint inside it, flipped for y < 0 so
+    that "y above the midpoint" is an unsigned ``>`` of the flipped low bits in both signs (0xFFFF: none).
+    """
+    mid = np.empty(256, np.float32)
+    mid[:255] = ((code[:-1].astype(np.float64) + code[1:].astype(np.float64)) / 2).astype(np.float32)
+    mid[255] = np.inf
+    mags = np.arange(_LO - 1, _LO - 1 + _WIDTH, dtype=np.uint32)
+    entries = []
+    for sign in (0, 1):
+        key = (np.uint32(sign << 15) | mags) << np.uint32(16)
+        first = key.copy()
+        last = key | np.uint32(0xFFFF)
+        first[0] = np.uint32(sign << 31)  # the lumped slot: +-0 .. the largest |y| below 2**-26
+        low = (last if sign else first).view(np.float32)  # the interval's smallest value
+        high = (first if sign else last).view(np.float32)
+        base = np.searchsorted(mid, low, side="left")
+        inside = np.searchsorted(mid, high, side="left") - base
+        if np.any(inside > 1) or inside[0] != 0:
+            raise AssertionError("a bf16 interval holds two code midpoints; the lookup needs more mantissa bits")
+        m_low = mid[np.minimum(base, 255)].view(np.uint32) & np.uint32(0xFFFF)
+        flipped = np.where(inside == 1, m_low ^ np.uint32(0xFFFF * sign), np.uint32(0xFFFF))
+        entries.append(base.astype(np.uint32) | (flipped.astype(np.uint32) << np.uint32(8)))
+    return mid, np.concatenate(entries).astype(np.int32)
+
+
+S_CODE = _dynamic_map(signed=True)
+U_CODE = _dynamic_map(signed=False)
+S_MID, S_TABLE = _search_tables(S_CODE)
+U_MID, U_TABLE = _search_tables(U_CODE)
+S_ZERO = np.uint8(np.searchsorted(S_MID, np.float32(0.0), side="left"))
+U_ZERO = np.uint8(0)
+
+
+@njit(**_INLINE)
+def quantize_value(y, table):
+    """Index of the code nearest to ``y`` (float32 in [-1, 1]): ``searchsorted(mid, y, 'left')``.
+
+    One lookup in the packed table of :func:`_search_tables` by the top 16 bits of y (clamped to the range
+    of |y| that has an entry), then one integer comparison of y's low 16 bits with that interval's midpoint.
+    """
+    # every intermediate is cast back to uint32 so that the vectorized loop works on 32-bit lanes
+    bits = np.float32(y).view(np.uint32)
+    neg = np.uint32(np.int32(bits) >> np.int32(31))  # all ones for y < 0
+    mag = np.uint32((bits >> _U16) & np.uint32(0x7FFF))
+    mag = np.uint32(min(max(mag, np.uint32(_LO - 1)), np.uint32(_LO + _WIDTH - 2)))
+    slot = np.uint32(np.uint32(mag - np.uint32(_LO - 1)) + np.uint32(neg & np.uint32(_WIDTH)))
+    entry = np.uint32(table[slot & np.uint32(0x1FFF)])  # unsigned, < 2**13 (a no-op): 32-bit gather indices
+    low = np.uint32((bits & np.uint32(0xFFFF)) ^ (neg & np.uint32(0xFFFF)))
+    above = np.uint32(low > np.uint32(entry >> np.uint32(8)))
+    return np.uint8(np.uint32(entry & np.uint32(0xFF)) + above)
+
+
+@njit(**_INLINE)
+def _absmax(x, length):
+    """max |x[:length]| via the integer order of the float32 bits (vectorizes; a NaN propagates)."""
+    top = np.uint32(0)
+    for j in range(length):
+        bits = np.float32(x[j]).view(np.uint32) & _ABS
+        top = np.uint32(max(top, bits))
+    return np.uint32(top).view(np.float32)
+
+
+@njit(**_INLINE)
+def _requantize(x, length, out, start, table, zero_code):
+    """out[start + j] = nearest code of x[j] / absmax; returns the block's new absmax."""
+    amax = _absmax(x, length)
+    if amax > np.float32(0.0):
+        for j in range(length):
+            out[np.uint64(start + j)] = quantize_value(x[j] / amax, table)
+    else:
+        for j in range(length):
+            out[np.uint64(start + j)] = zero_code
+    return amax
+
+
+@njit(**KERNEL_OPTIONS)
+def quantize_kernel(x, q, absmax, block, chunks, signed):
+    """Block-wise quantization of ``x`` into codes ``q`` and per-block ``absmax`` (signed or unsigned map)."""
+    n = x.shape[0]
+    nblocks = absmax.shape[0]
+    for c in prange(chunks):
+        for b in range(c * nblocks // chunks, (c + 1) * nblocks // chunks):
+            s = b * block
+            e = min(s + block, n)
+            if signed:
+                absmax[b] = _requantize(x[s:e], e - s, q, s, S_TABLE, S_ZERO)
+            else:
+                absmax[b] = _requantize(x[s:e], e - s, q, s, U_TABLE, U_ZERO)
+
+
+@njit(**KERNEL_OPTIONS)
+def dequantize_kernel(q, absmax, out, block, signed):
+    """out[i] = code[q[i]] * absmax[i // block] (the signed or the unsigned map)."""
+    for i in prange(q.shape[0]):
+        out[i] = (S_CODE[q[i]] if signed else U_CODE[q[i]]) * absmax[i // block]
+
+
+@njit(**_INLINE)
+def _first_segment(segments, s):
+    """Index of the first segment whose stop is > s (segments sorted and non-overlapping)."""
+    lo, hi = 0, segments.shape[0]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if segments[mid, 1] <= s:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(**_INLINE)
+def _dequantize_range(mq, vq, m, v, s, first, last, am, av):
+    """Scratch rows m, v (block-relative) of elements first..last-1 from their codes (a frozen gap)."""
+    for t in range(last - first):
+        i = np.uint64(first + t)  # unsigned indices: no wraparound code, so the loops vectorize
+        j = np.uint64(first - s + t)
+        m[j] = S_CODE[mq[i]] * am
+        v[j] = U_CODE[vq[i]] * av
+
+
+@njit(**KERNEL_OPTIONS)
+def adamw8_kernel(
+    param,
+    mq,
+    vq,
+    m_absmax,
+    v_absmax,
+    grads,
+    bf16_out,
+    segments,
+    hyper,
+    grad_scale,
+    block,
+    chunks,
+):
+    """Fused 8-bit AdamW: per block dequantize, update the segments' elements, requantize.
+
+    ``hyper[group]`` holds the float32 scalars of :func:`cpu_ops.adamw._hyperparameters` without
+    ``grad_scale`` (flags as 0/1).  ``bf16_out`` is None or a uint16 array (pruned at compile time).
+    One pass over the block's elements in order: frozen gaps are dequantized, segment pieces are
+    dequantized and updated in the same loop; then both moments are requantized from the scratch rows.
+    """
+    n = param.shape[0]
+    nblocks = m_absmax.shape[0]
+    nseg = segments.shape[0]
+    for c in prange(chunks):
+        b0 = c * nblocks // chunks
+        b1 = (c + 1) * nblocks // chunks
+        m = np.empty(block, np.float32)
+        v = np.empty(block, np.float32)
+        k0 = _first_segment(segments, b0 * block)
+        for b in range(b0, b1):
+            s = b * block
+            e = min(s + block, n)
+            am = m_absmax[b]
+            av = v_absmax[b]
+            while k0 < nseg and segments[k0, 1] <= s:
+                k0 += 1
+            k = k0
+            pos = s
+            while k < nseg and segments[k, 0] < e:
+                first = max(segments[k, 0], s)
+                last = min(segments[k, 1], e)
+                if first > pos:
+                    _dequantize_range(mq, vq, m, v, s, pos, first, am, av)
+                h = hyper[segments[k, 2]]
+                apply_decay = h[0] != 0
+                decay = h[1]
+                apply_l2 = h[2] != 0
+                weight_decay = h[3]
+                lerp_small = h[4] != 0
+                lerp_coeff = h[5]
+                beta2 = h[6]
+                one_minus_beta2 = h[7]
+                bc2_sqrt = h[8]
+                eps = h[9]
+                neg_step_size = h[10]
+                for t in range(last - first):
+                    i = np.uint64(first + t)
+                    j = np.uint64(first - s + t)
+                    g = _summed_grad(grads, i, grad_scale)
+                    p, mm, vv = _adam_element(
+                        param[i],
+                        S_CODE[mq[i]] * am,
+                        U_CODE[vq[i]] * av,
+                        g,
+                        apply_decay,
+                        decay,
+                        apply_l2,
+                        weight_decay,
+                        lerp_small,
+                        lerp_coeff,
+                        beta2,
+                        one_minus_beta2,
+                        bc2_sqrt,
+                        eps,
+                        neg_step_size,
+                    )
+                    param[i] = p
+                    m[j] = mm
+                    v[j] = vv
+                    if bf16_out is not None:
+                        bf16_out[i] = f32_to_bf16_bits(p)
+                pos = last
+                k += 1
+            if e > pos:
+                _dequantize_range(mq, vq, m, v, s, pos, e, am, av)
+            m_absmax[b] = _requantize(m, e - s, mq, s, S_TABLE, S_ZERO)
+            v_absmax[b] = _requantize(v, e - s, vq, s, U_TABLE, U_ZERO)
+
+
+@njit(**KERNEL_OPTIONS)
+def adam8_shaped_copy_kernel(param, mq, vq, m_absmax, v_absmax, grads, bf16_out):
+    """Moves exactly the bytes of :func:`adamw8_kernel` with trivial math: that update's bandwidth ceiling.
+
+    A flat pass over the elements (param -= g, codes += 1, truncated bf16 copy), then one over the scales.
+    """
+    one = np.float32(1.0)
+    for i in prange(param.shape[0]):
+        g = _summed_grad(grads, i, one)
+        p = param[i] - g
+        param[i] = p
+        mq[i] = np.uint8(mq[i] + np.uint8(1))
+        vq[i] = np.uint8(vq[i] + np.uint8(1))
+        if bf16_out is not None:
+            bf16_out[i] = np.uint16(np.float32(p).view(np.uint32) >> _U16)
+    for b in prange(m_absmax.shape[0]):
+        m_absmax[b] = m_absmax[b] + one
+        v_absmax[b] = v_absmax[b] + one

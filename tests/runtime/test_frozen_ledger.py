@@ -1,0 +1,140 @@
+"""The ledger of frozen parameters: a wholly frozen unit keeps no Adam moments and a single copy of its weights
+(the BF16 copy under bf16 compute, the FP32 master under FP32), reported apart in ``engine.ledger_stats()``; its
+weights still reach state dicts, checkpoints and exports."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from slidedp_lightning import checkpoint
+from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.host_state import PAGE
+from tests.helpers import token_batches
+
+CPU = torch.device("cpu")
+
+
+def aligned_model(layers: int = 3, seed: int = 0) -> Qwen3ForCausalLM:
+    """A Qwen3 whose every parameter is a multiple of 16 elements and every unit a multiple of 1024: no padding,
+    so bytes per parameter are the ledger's own."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=256,
+        hidden_size=384,
+        intermediate_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def engine_of(model: torch.nn.Module, dtype: torch.dtype, **config) -> SlideDPEngine:
+    return SlideDPEngine(model, EngineConfig(**config), device=CPU, compute_dtype=dtype)
+
+
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+
+
+@pytest.mark.parametrize(("dtype", "per_param", "region"), [(torch.bfloat16, 2, "bf16"), (torch.float32, 4, "master")])
+def test_a_wholly_frozen_unit_keeps_one_copy_of_its_weights(dtype: torch.dtype, per_param: int, region: str) -> None:
+    full = engine_of(aligned_model(), dtype)
+    try:
+        whole = full.ledger_stats()
+    finally:
+        full.close(restore=False)
+    model = aligned_model()
+    model.model.layers[1].requires_grad_(False)
+    engine = engine_of(model, dtype)
+    try:
+        unit = next(u for u in engine.layout.units if u.frozen)
+        assert unit.padded == sum(s.numel for s in unit.slots), "the test model is meant to have no padding"
+        stats = engine.ledger_stats()
+        assert stats.frozen_params == unit.padded and stats.frozen_bytes_per_param <= per_param
+        assert stats.frozen_bytes == per_param * unit.padded
+        assert stats.trainable_params + stats.frozen_params == stats.num_params
+        assert stats.trainable_bytes == 14 * (stats.padded_params - unit.padded)  # every region, padding included
+        assert whole.frozen_params == 0 and whole.trainable_params == whole.num_params
+        # everything else the same: the file shrinks by what the frozen unit no longer holds, to the page
+        saved = (14 - per_param) * unit.padded
+        assert abs(whole.nbytes - stats.nbytes - saved) <= 4 * PAGE
+        present = {
+            r for r in ("master", "exp_avg", "exp_avg_sq", "bf16") if engine.ledger.region(r, unit.index) is not None
+        }
+        assert present == {region}
+    finally:
+        engine.close(restore=False)
+
+
+def _train(engine: SlideDPEngine, model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[float]:
+    losses = []
+    for x in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        assert engine.end_step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_frozen_weights_without_a_master_reach_checkpoints_and_exports_and_resume(tmp_path) -> None:
+    """bf16 compute, frozen embeddings and a frozen middle block: the checkpoint holds their weights (the BF16 copy
+    in FP32) and no moments for them; a fresh engine loading it continues exactly as the one that saved it."""
+
+    def frozen_model(seed: int) -> torch.nn.Module:
+        model = aligned_model(seed=seed)
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[1].requires_grad_(False)
+        return model
+
+    model = frozen_model(0)
+    initial = {n: t.clone() for n, t in model.state_dict().items()}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    batches = token_batches(4, 2, 16, vocab=256)
+    engine = engine_of(model, torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group
+        try:
+            assert sum(u.frozen for u in engine.layout.units) == 2
+            opt = adamw(model)
+            engine.attach_optimizer(opt)
+            _train(engine, model, opt, batches[:2])
+            exported = engine.state.model_tensors(engine.model)
+            for name in frozen:  # exports: the frozen weights, from their BF16 copy
+                assert torch.equal(exported[name], initial[name].to(torch.bfloat16).float()), name
+            checkpoint.save(engine, {"state_dict": {}}, tmp_path / "ck")
+            opt_state = engine.optimizer_state_dict(opt)
+            assert len(opt_state["state"]) == len([p for p in model.parameters() if p.requires_grad])
+            after = _train(engine, model, opt, batches[2:])
+            want = engine.state_dict()
+        finally:
+            engine.close(restore=False)
+        stored = {
+            k.split("@")[0]
+            for k in checkpoint.CheckedFileSystemReader(tmp_path / "ck").read_metadata().state_dict_metadata
+        }
+        assert {f"model/{n}" for n in frozen} <= stored
+        assert not any(k.startswith("exp_avg") and k.split("/", 1)[1] in frozen for k in stored)
+        other = frozen_model(7)  # other initial weights: everything must come from the checkpoint
+        engine = engine_of(other, torch.bfloat16)
+        try:
+            opt = adamw(other)
+            engine.attach_optimizer(opt)
+            checkpoint.load(engine, tmp_path / "ck")
+            assert engine.step == 2
+            assert _train(engine, other, opt, batches[2:]) == after
+            got = engine.state_dict()
+        finally:
+            engine.close(restore=False)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
