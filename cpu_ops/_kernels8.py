@@ -117,12 +117,16 @@ def _absmax(x, length):
 
 
 @njit(**_INLINE)
-def _requantize(x, length, out, start, table, zero_code):
-    """out[start + j] = nearest code of x[j] / absmax; returns the block's new absmax."""
+def _requantize(x, length, out, start, table, zero_code, floor):
+    """out[start + j] = nearest code of x[j] / absmax, at least ``floor`` for x[j] > 0; returns the block's new
+    absmax. ``floor`` 1 (the unsigned map of exp_avg_sq): a positive second moment is never stored as 0 (see
+    :mod:`cpu_ops.adamw8`, "the zero guard"); 0: nearest code only."""
     amax = _absmax(x, length)
     if amax > np.float32(0.0):
         for j in range(length):
-            out[np.uint64(start + j)] = quantize_value(x[j] / amax, table)
+            code = quantize_value(x[j] / amax, table)
+            positive = np.uint8(np.uint8(x[j] > np.float32(0.0)) & floor)
+            out[np.uint64(start + j)] = max(code, positive)
     else:
         for j in range(length):
             out[np.uint64(start + j)] = zero_code
@@ -139,9 +143,9 @@ def quantize_kernel(x, q, absmax, block, chunks, signed):
             s = b * block
             e = min(s + block, n)
             if signed:
-                absmax[b] = _requantize(x[s:e], e - s, q, s, S_TABLE, S_ZERO)
+                absmax[b] = _requantize(x[s:e], e - s, q, s, S_TABLE, S_ZERO, np.uint8(0))
             else:
-                absmax[b] = _requantize(x[s:e], e - s, q, s, U_TABLE, U_ZERO)
+                absmax[b] = _requantize(x[s:e], e - s, q, s, U_TABLE, U_ZERO, np.uint8(1))
 
 
 @njit(**KERNEL_OPTIONS)
@@ -261,8 +265,8 @@ def adamw8_kernel(
                 k += 1
             if e > pos:
                 _dequantize_range(mq, vq, m, v, s, pos, e, am, av)
-            m_absmax[b] = _requantize(m, e - s, mq, s, S_TABLE, S_ZERO)
-            v_absmax[b] = _requantize(v, e - s, vq, s, U_TABLE, U_ZERO)
+            m_absmax[b] = _requantize(m, e - s, mq, s, S_TABLE, S_ZERO, np.uint8(0))
+            v_absmax[b] = _requantize(v, e - s, vq, s, U_TABLE, U_ZERO, np.uint8(1))
 
 
 @njit(**KERNEL_OPTIONS)

@@ -11,6 +11,12 @@ Scheme:
 * ``exp_avg_sq`` (never negative) uses the *unsigned dynamic* map: no sign bit, the fraction gets that bit
   instead (``7 - e`` bits for e = 0..6, and 1e-7 for e = 7), plus 0.
 * Both maps contain -1 (signed), 0 and 1 exactly, so a block's absmax element and zeros are exact.
+* The zero guard (our addition to the paper's scheme): a positive ``exp_avg_sq`` is stored as at least the
+  unsigned map's smallest non-zero code (1e-7 of its block's absmax), never as 0. Nearest rounding would store
+  every value below 5e-8 of the block's absmax as 0, and an element whose gradient then stays small (a rarely
+  used embedding row beside frequent ones) would step by ``lr * exp_avg / eps`` with an ``exp_avg`` that itself
+  sits at its block's smallest code: steps hundreds of times FP32 Adam's. Rounded up, the denominator can only
+  grow, so such a step can only be smaller than FP32 Adam's.
 * Each block of :data:`QUANT_BLOCK` elements has one float32 absmax per moment; a value is stored as the
   code nearest to ``x / absmax`` (ties to the lower code) and read back as ``code[q] * absmax``.
 

@@ -37,8 +37,9 @@ class EngineConfig:
     # keep the BF16 transfer copy in the ledger (False: units are converted from the FP32 master on the way)
     bf16_copy: bool = True
     # bf16_copy=False under bf16 compute: "host" converts into a reused (pinned) staging buffer and copies BF16,
-    # "device" copies the FP32 master and converts on the device
-    h2d_convert: str = "host"
+    # "device" copies the FP32 master and converts on the device; "auto": "host" on CUDA (half the link bytes),
+    # "device" on a CPU device (no link: the staging pass is pure overhead, docs/PERFORMANCE.md)
+    h2d_convert: str = "auto"
     # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=_lane_delay_from_env)
 
@@ -73,8 +74,8 @@ class EngineConfig:
             raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}.")
         if not isinstance(self.bf16_copy, bool):
             raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
-        if self.h2d_convert not in ("host", "device"):
-            raise ValueError(f"h2d_convert must be 'host' or 'device', got {self.h2d_convert!r}.")
+        if self.h2d_convert not in ("host", "device", "auto"):
+            raise ValueError(f"h2d_convert must be 'host', 'device' or 'auto', got {self.h2d_convert!r}.")
         if self.optimizer_state == "int8" and isinstance(self.chunk_bytes, int) and self.chunk_bytes < 4 * QUANT_BLOCK:
             raise ValueError(
                 f"optimizer_state='int8' updates whole blocks of {QUANT_BLOCK} elements: chunk_bytes must be at "

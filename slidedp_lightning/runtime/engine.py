@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -91,6 +92,8 @@ class SlideDPEngine:
         specs = self.adapter.units(model)
         self.layout = layout = build_layout(root, specs, topology.shard_world, topology.owners)
         self.config, self.route_probe = resolve_auto_routes(config, topology, layout, device, compute_dtype)
+        if self.config.h2d_convert == "auto":  # CUDA: half the link bytes; a CPU device: no link, no staging pass
+            self.config = replace(self.config, h2d_convert="host" if device.type == "cuda" else "device")
         config = self.config
         self.adapter.materialize_buffers(model)
         geometry = ledger_geometry(layout, config, topology, compute_dtype)
