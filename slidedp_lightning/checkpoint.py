@@ -58,6 +58,7 @@ META = "meta.json"
 TENSORS = "meta.safetensors"
 LEGACY_META = "meta.pt"  # format 1: the metadata pickled
 FORMAT = 2
+PIECE_ELEMS = 4 << 20  # elements per stored piece at most (16 MiB of FP32): bounds a resume's reads
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
@@ -155,6 +156,18 @@ def _held(engine, writing: bool = False) -> list[tuple[str, int, int, torch.Tens
         for key, (lo, hi, view) in engine.state.scale_tensors(unit.index).items():
             if hi > lo:
                 out.append((key, lo, hi, view))
+    return out
+
+
+def _pieces(held: list[tuple[str, int, int, torch.Tensor]]) -> list[tuple[str, int, int, torch.Tensor]]:
+    """``held`` cut into pieces of at most :data:`PIECE_ELEMS` elements: a rank that loads reads each stored
+    piece it needs into memory whole (DCP reads a chunk at a time), so the piece size bounds what a resume holds
+    beside the ledger, however large a parameter is."""
+    out = []
+    for key, lo, hi, view in held:
+        for a in range(lo, hi, PIECE_ELEMS):
+            b = min(a + PIECE_ELEMS, hi)
+            out.append((key, a, b, view[a - lo : b - lo]))
     return out
 
 
@@ -327,7 +340,9 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
         kind = CheckpointContentError if reason[0] else RuntimeError
         raise kind(f"SlideDP checkpoint {path} not written: {reason[1]}") from failed
     dcp.save(
-        {piece_key(k, a, b): v for k, a, b, v in _held(engine)}, checkpoint_id=tmp, process_group=_job_group(engine)
+        {piece_key(k, a, b): v for k, a, b, v in _pieces(_held(engine))},
+        checkpoint_id=tmp,
+        process_group=_job_group(engine),
     )
     if files is not None:
         (tmp / META).write_bytes(files[0])

@@ -253,3 +253,38 @@ def test_a_full_checkpoint_loads_with_weights_only_and_a_planted_one_is_refused(
             TinyLM(), data(), ckpt_path=str(tmp_path / "planted.ckpt")
         )
     assert not marker.exists(), "loading the full checkpoint ran the planted payload"
+
+
+def _stored_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an FP32-state checkpoint's ledger, whole, whatever pieces it was stored in."""
+    sizes: dict[str, int] = {}
+    for fqn in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+        key, _, stop = parse_piece(fqn)
+        sizes[key] = max(sizes.get(key, 0), stop)
+    out = {key: torch.empty(n) for key, n in sizes.items()}  # the exact mode: FP32 tensors only
+    read_ranges(path, [(key, 0, n, out[key]) for key, n in sizes.items()], no_dist=True)
+    return out
+
+
+def test_parameters_are_stored_in_bounded_pieces_and_read_back_alike(saved, tmp_path, monkeypatch):
+    """A parameter larger than PIECE_ELEMS is cut into pieces (a resume reads one piece at a time into memory),
+    and the checkpoint holds the same tensors as one stored whole."""
+    from slidedp_lightning import checkpoint
+
+    monkeypatch.setattr(checkpoint, "PIECE_ELEMS", 1000)
+    root = tmp_path / "small"
+    cb = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _checkpointing_trainer(max_steps=2, callbacks=[cb]).fit(TinyLM(), data())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    keys = dcp.FileSystemReader(root / "ck.ckpt").read_metadata().state_dict_metadata
+    embed = sorted(p[1:] for p in map(parse_piece, keys) if p[0] == "model/model.model.embed_tokens.weight")
+    assert embed == [(a, min(a + 1000, 64 * 64)) for a in range(0, 64 * 64, 1000)]
+    assert all(p[2] - p[1] <= 1000 for p in map(parse_piece, keys))
+    whole, cut = _stored_tensors(saved), _stored_tensors(root / "ck.ckpt")
+    assert whole.keys() == cut.keys()
+    for key in whole:
+        assert torch.equal(whole[key], cut[key]), key
+    _resume(_copy(root / "ck.ckpt", tmp_path))
