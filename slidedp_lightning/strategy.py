@@ -30,7 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning import export, process_groups, signals
+from slidedp_lightning import export, process_groups, requeue, signals
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.callbacks import LaneTrace
 from slidedp_lightning.checks import refuse_what_cannot_see_gradients
@@ -455,7 +455,8 @@ class SlideDPStrategy(ParallelStrategy):
     # -- signals, failures, teardown -----------------------------------------------------------------
     @override
     def on_train_start(self) -> None:
-        self._signals.install()  # after Lightning registered its own handlers (see slidedp_lightning.signals)
+        # after Lightning registered its own handlers (see slidedp_lightning.signals and .requeue)
+        self._signals.install(requeue.requeue_signal(self.lightning_module, self._signals))
 
     on_validation_start = on_test_start = on_predict_start = on_train_start
 
