@@ -21,6 +21,7 @@ import atexit
 import logging
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -29,6 +30,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 GUARDED = (signal.SIGTERM, signal.SIGINT)
+PR_SET_PDEATHSIG = 1
 REQUEUE, STOP = 1, 2  # requests recorded under SLURM auto-requeue, acted upon at the end of a step
 
 
@@ -127,6 +129,21 @@ class SignalGuard:
             signal.Signals(signum).name,
         )
         raise SignalExit(signum)
+
+
+def end_with_launcher(launched: bool) -> bool:
+    """A rank process started by a launcher (Lightning's script launcher, torchrun, srun) gets SIGTERM when that
+    launcher dies (Linux ``PR_SET_PDEATHSIG``): an orphaned rank would otherwise wait for a dead rank 0 until
+    the rendezvous or process-group timeout. Returns whether it was set."""
+    if not launched or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def kill_stopped_at_exit(procs: list[subprocess.Popen]) -> None:

@@ -241,6 +241,7 @@ class SlideDPStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         self._failed = False
+        signals.end_with_launcher(self.cluster_environment.creates_processes_externally)
         if dist.is_initialized():
             return  # the user's group (or, after a failed run, SlideDP's own: destroyed at the next good teardown)
         _init_dist_connection(
@@ -455,8 +456,7 @@ class SlideDPStrategy(ParallelStrategy):
     # -- signals, failures, teardown -----------------------------------------------------------------
     @override
     def on_train_start(self) -> None:
-        # after Lightning registered its own handlers (see slidedp_lightning.signals and .requeue)
-        self._signals.install(requeue.requeue_signal(self.lightning_module, self._signals))
+        self._signals.install(requeue.requeue_signal(self.lightning_module, self._signals))  # after Lightning's
 
     on_validation_start = on_test_start = on_predict_start = on_train_start
 

@@ -79,3 +79,44 @@ def test_a_job_id_that_is_not_one_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "1; rm -rf /")
     with pytest.raises(RuntimeError, match="SLURM_JOB_ID"):
         slurm_job_id()
+
+
+CHILD = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("signals", sys.argv[1])  # stdlib only: no package import
+signals = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(signals)
+print(signals.end_with_launcher(sys.argv[2] == "1"), flush=True)
+time.sleep(120)
+"""
+PARENT = """
+import subprocess, sys
+args = [sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]]
+child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_launched_rank_ends_when_its_launcher_dies(launched: bool) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from slidedp_lightning import signals
+
+    out = subprocess.run(
+        [sys.executable, "-c", PARENT, CHILD, signals.__file__, "1" if launched else "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split()
+    pid, armed = int(out[0]), out[1]
+    assert armed == str(launched)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and signals.process_state(pid) not in (None, "Z"):
+        time.sleep(0.05)
+    alive = signals.process_state(pid) not in (None, "Z")
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert alive != launched, "the orphaned rank must end with its launcher (and only a launched one)"
