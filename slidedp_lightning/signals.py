@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 GUARDED = (signal.SIGTERM, signal.SIGINT)
 PR_SET_PDEATHSIG = 1
+LAUNCHER_ENV = "SLIDEDP_LAUNCHER"  # "<pid>:<start time>" of the script launcher, inherited by the ranks it starts
 REQUEUE, STOP = 1, 2  # requests recorded under SLURM auto-requeue, acted upon at the end of a step
 
 
@@ -131,19 +133,38 @@ class SignalGuard:
         raise SignalExit(signum)
 
 
+def name_launcher() -> None:
+    """Record this process (about to start the other ranks) in the environment they inherit."""
+    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{process_start_time(os.getpid())}"
+
+
 def end_with_launcher(launched: bool) -> bool:
     """A rank process started by a launcher (Lightning's script launcher, torchrun, srun) gets SIGTERM when that
     launcher dies (Linux ``PR_SET_PDEATHSIG``): an orphaned rank would otherwise wait for a dead rank 0 until
-    the rendezvous or process-group timeout. Returns whether it was set."""
+    the rendezvous or process-group timeout. A rank whose script launcher (:func:`name_launcher`) died before
+    this point stops at once. Returns whether the signal was set."""
     if not launched or not sys.platform.startswith("linux"):
         return False
     import ctypes
 
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
     except (OSError, AttributeError):
-        return False
+        armed = False
+    pid, _, started = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if pid.isdigit() and int(pid) != os.getppid() and process_start_time(int(pid)) != started:
+        log.error("SlideDP: the launcher of this rank (local rank 0, pid %s) has died: stopping this rank.", pid)
+        raise SignalExit(signal.SIGTERM)
+    return armed
+
+
+def process_start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (with the pid, an identity that survives pid reuse)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def kill_stopped_at_exit(procs: list[subprocess.Popen]) -> None:

@@ -105,8 +105,7 @@ class SlideDPStrategy(ParallelStrategy):
     host memory (else meta, with a warning). Parameters hold no gradient after backward: ``last_grad_norm`` is the
     last deferred step's global norm; manual optimization and hooks that would read ``.grad`` are refused at setup
     (:mod:`slidedp_lightning.checks`). Lane tracing: :class:`~slidedp_lightning.LaneTrace`; the loss in chunks:
-    :func:`~slidedp_lightning.use_chunked_loss`.
-    """
+    :func:`~slidedp_lightning.use_chunked_loss`."""
 
     strategy_name = "slidedp"
 
@@ -230,6 +229,7 @@ class SlideDPStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
+                signals.name_launcher()  # the ranks it starts stop if it dies before they could ask to end with it
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)

@@ -120,3 +120,15 @@ def test_a_launched_rank_ends_when_its_launcher_dies(launched: bool) -> None:
     if alive:
         os.kill(pid, signal.SIGKILL)
     assert alive != launched, "the orphaned rank must end with its launcher (and only a launched one)"
+
+
+def test_a_rank_whose_script_launcher_died_before_it_could_ask_to_end_with_it_stops(monkeypatch) -> None:
+    from slidedp_lightning import signals
+
+    monkeypatch.setenv(signals.LAUNCHER_ENV, f"{2**22 + 11}:123")  # no such process
+    with pytest.raises(SignalExit):
+        signals.end_with_launcher(True)
+    signals.name_launcher()  # this process: alive (not the parent, but not gone either)
+    assert os.environ[signals.LAUNCHER_ENV].startswith(f"{os.getpid()}:")
+    assert signals.end_with_launcher(True)
+    assert not signals.end_with_launcher(False)
