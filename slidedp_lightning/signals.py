@@ -152,7 +152,8 @@ def end_with_launcher(launched: bool) -> bool:
     except (OSError, AttributeError):
         armed = False
     pid, _, started = os.environ.get(LAUNCHER_ENV, "").partition(":")
-    if pid.isdigit() and int(pid) != os.getppid() and process_start_time(int(pid)) != started:
+    gone = pid.isdigit() and (process_start_time(int(pid)) != started or process_state(int(pid)) in ("Z", "X"))
+    if gone and int(pid) != os.getppid():  # (a zombie has exited: its parent has not collected it yet)
         log.error("SlideDP: the launcher of this rank (local rank 0, pid %s) has died: stopping this rank.", pid)
         raise SignalExit(signal.SIGTERM)
     return armed

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import time
 
 import pytest
 
@@ -128,6 +130,13 @@ def test_a_rank_whose_script_launcher_died_before_it_could_ask_to_end_with_it_st
     monkeypatch.setenv(signals.LAUNCHER_ENV, f"{2**22 + 11}:123")  # no such process
     with pytest.raises(SignalExit):
         signals.end_with_launcher(True)
+    zombie = subprocess.Popen(["true"])
+    while signals.process_state(zombie.pid) != "Z":  # exited, not collected yet
+        time.sleep(0.01)
+    monkeypatch.setenv(signals.LAUNCHER_ENV, f"{zombie.pid}:{signals.process_start_time(zombie.pid)}")
+    with pytest.raises(SignalExit):
+        signals.end_with_launcher(True)
+    zombie.wait()
     signals.name_launcher()  # this process: alive (not the parent, but not gone either)
     assert os.environ[signals.LAUNCHER_ENV].startswith(f"{os.getpid()}:")
     assert signals.end_with_launcher(True)
