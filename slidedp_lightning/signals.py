@@ -7,14 +7,22 @@ alone) both can wait for the whole process-group timeout. A SIGINT becomes Light
 shutdown on a rank other than 0. During a SlideDP run :class:`SignalGuard` takes both signals: the signalled rank
 says so, forwards the signal to the ranks it launched (as Lightning's handler does) and stops at once with
 :class:`SignalExit`, without a collective; the other ranks see it gone (dead pid, closed connections) and stop too.
+
+With ``SLURMEnvironment(auto_requeue=True)`` Lightning saves an HPC checkpoint and runs ``scontrol requeue`` on
+the requeue signal (SIGUSR1 by default), and only notes a SIGTERM (SLURM's warning before it kills a requeued
+job), stopping the run at the next step. The guard keeps that behaviour without a collective in a handler: it
+records either signal, and at the end of the step the ranks agree on what arrived and act together
+(:mod:`slidedp_lightning.requeue`). A second SIGTERM stops the rank at once.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
@@ -23,6 +31,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 GUARDED = (signal.SIGTERM, signal.SIGINT)
+PR_SET_PDEATHSIG = 1
+LAUNCHER_ENV = "SLIDEDP_LAUNCHER"  # "<pid>:<start time>" of the script launcher, inherited by the ranks it starts
+REQUEUE, STOP = 1, 2  # requests recorded under SLURM auto-requeue, acted upon at the end of a step
 
 
 class SignalExit(SystemExit):
@@ -43,18 +54,27 @@ class SignalGuard:
         self._previous: dict[int, Any] = {}
         self._state = "off"  # off | armed | holding (teardown, nothing raised yet) | stopping (raised)
         self._pending: int | None = None
+        self._requeue_signal: int | None = None
+        self._requests = 0  # REQUEUE | STOP, under SLURM auto-requeue
 
     @property
     def installed(self) -> bool:
         return bool(self._previous)
 
-    def install(self) -> None:
-        """Take over the guarded signals (main thread only: elsewhere Python cannot set handlers)."""
+    def install(self, requeue_signal: int | None = None) -> None:
+        """Take over the guarded signals (main thread only: elsewhere Python cannot set handlers);
+        ``requeue_signal``: SLURM auto-requeue is on, that signal and SIGTERM are recorded for the step's end."""
         if self._previous or threading.current_thread() is not threading.main_thread():
             return
-        self._state, self._pending = "armed", None
-        for signum in GUARDED:
+        self._state, self._pending, self._requests = "armed", None, 0
+        self._requeue_signal = requeue_signal
+        for signum in dict.fromkeys((*GUARDED, *([requeue_signal] if requeue_signal is not None else []))):
             self._previous[signum] = signal.signal(signum, self._handle)
+
+    def take_requests(self) -> int:
+        """The requests (``REQUEUE | STOP``) recorded since the last call."""
+        requests, self._requests = self._requests, 0
+        return requests
 
     def hold(self) -> None:
         """From now on (teardown) a signal is recorded, not raised: the run is ending anyway."""
@@ -68,10 +88,33 @@ class SignalGuard:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         state, pending, self._state, self._pending = self._state, self._pending, "off", None
+        self._requeue_signal, self._requests = None, 0
         if state == "holding" and pending is not None:
             raise SignalExit(pending)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == self._requeue_signal:
+            if self._state == "armed":
+                self._requests |= REQUEUE
+                log.warning(
+                    "SlideDP: %s received %s (SLURM auto-requeue): saving a checkpoint and requeueing the job at the "
+                    "end of this step.",
+                    self._describe(),
+                    signal.Signals(signum).name,
+                )
+            return  # in teardown there is no step left to save
+        if signum == signal.SIGTERM and self._requeue_signal is not None and self._state == "armed":
+            if not self._requests & STOP:  # the first SIGTERM is SLURM's warning: stop at the end of the step
+                for proc in self._children():
+                    if proc.poll() is None:
+                        proc.send_signal(signum)
+                self._requests |= STOP
+                log.warning(
+                    "SlideDP: %s received SIGTERM (SLURM auto-requeue): stopping at the end of this step; a second "
+                    "SIGTERM stops it at once.",
+                    self._describe(),
+                )
+                return
         if self._state in ("stopping", "off") or self._pending is not None:
             return  # stopping already: a second signal must not interrupt the teardown the first one started
         for proc in self._children():
@@ -88,6 +131,41 @@ class SignalGuard:
             signal.Signals(signum).name,
         )
         raise SignalExit(signum)
+
+
+def name_launcher() -> None:
+    """Record this process (about to start the other ranks) in the environment they inherit."""
+    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{process_start_time(os.getpid())}"
+
+
+def end_with_launcher(launched: bool) -> bool:
+    """A rank process started by a launcher (Lightning's script launcher, torchrun, srun) gets SIGTERM when that
+    launcher dies (Linux ``PR_SET_PDEATHSIG``): an orphaned rank would otherwise wait for a dead rank 0 until
+    the rendezvous or process-group timeout. A rank whose script launcher (:func:`name_launcher`) died before
+    this point stops at once. Returns whether the signal was set."""
+    if not launched or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        armed = False
+    pid, _, started = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    gone = pid.isdigit() and (process_start_time(int(pid)) != started or process_state(int(pid)) in ("Z", "X"))
+    if gone and int(pid) != os.getppid():  # (a zombie has exited: its parent has not collected it yet)
+        log.error("SlideDP: the launcher of this rank (local rank 0, pid %s) has died: stopping this rank.", pid)
+        raise SignalExit(signal.SIGTERM)
+    return armed
+
+
+def process_start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (with the pid, an identity that survives pid reuse)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def kill_stopped_at_exit(procs: list[subprocess.Popen]) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning import export, process_groups, signals
+from slidedp_lightning import export, process_groups, requeue, signals
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.callbacks import LaneTrace
 from slidedp_lightning.checks import refuse_what_cannot_see_gradients
@@ -108,8 +108,7 @@ class SlideDPStrategy(ParallelStrategy):
     host memory (else meta, with a warning). Parameters hold no gradient after backward: ``last_grad_norm`` is the
     last deferred step's global norm; manual optimization and hooks that would read ``.grad`` are refused at setup
     (:mod:`slidedp_lightning.checks`). Lane tracing: :class:`~slidedp_lightning.LaneTrace`; the loss in chunks:
-    :func:`~slidedp_lightning.use_chunked_loss`.
-    """
+    :func:`~slidedp_lightning.use_chunked_loss`."""
 
     strategy_name = "slidedp"
 
@@ -224,6 +223,7 @@ class SlideDPStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
+                signals.name_launcher()  # the ranks it starts stop if it dies before they could ask to end with it
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
@@ -235,6 +235,7 @@ class SlideDPStrategy(ParallelStrategy):
         self.set_world_ranks()
         assert self.cluster_environment is not None
         self._failed = False
+        signals.end_with_launcher(self.cluster_environment.creates_processes_externally)
         if dist.is_initialized():
             return  # the user's group (or, after a failed run, SlideDP's own: destroyed at the next good teardown)
         _init_dist_connection(
@@ -449,7 +450,7 @@ class SlideDPStrategy(ParallelStrategy):
     # -- signals, failures, teardown -----------------------------------------------------------------
     @override
     def on_train_start(self) -> None:
-        self._signals.install()  # after Lightning registered its own handlers (see slidedp_lightning.signals)
+        self._signals.install(requeue.requeue_signal(self.lightning_module, self._signals))  # after Lightning's
 
     on_validation_start = on_test_start = on_predict_start = on_train_start
 

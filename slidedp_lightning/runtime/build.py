@@ -25,12 +25,12 @@ from slidedp_lightning.runtime.host_state import (
     HostLedger,
     LedgerGeometry,
     check_host_memory,
-    ledger_path,
-    remove_stale_ledgers,
+    shm_dir,
     trim_host_heap,
     unit_regions,
 )
 from slidedp_lightning.runtime.layout import Layout, Unit
+from slidedp_lightning.runtime.ledger_file import LedgerHandle
 from slidedp_lightning.runtime.ledger_pages import ledger_spans, prepare_pages
 from slidedp_lightning.runtime.probe import RouteProbe, probe_routes
 from slidedp_lightning.runtime.progress import ByteProgress, rate
@@ -405,35 +405,32 @@ def broadcast_weights(ledger: HostLedger, group: Any, **src: int) -> None:
 
 
 def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology) -> HostLedger:
-    """The host's ledger, created by local rank 0 and mapped by every local rank, its name unlinked once all have
-    mapped it; with a ledger per rank (replicated route), a private one.
+    """The host's ledger, an unnamed file created by local rank 0 and opened and mapped by every local rank (it stops
+    handing the file out once all have it); with a ledger per rank (replicated route), a private one.
 
-    The weights go in before the name is unlinked: from a checkpoint, every rank reads its share of the units into
-    the mapped ledger (:meth:`InitialWeights.load`); otherwise local rank 0 copies (or initializes) them while it
-    creates the file, and a private ledger receives rank 0's weights. Ranks that do not write their ledger give
-    their own copy of the weights back first."""
+    From a checkpoint, every rank reads its share of the units into the mapped ledger
+    (:meth:`InitialWeights.load`); otherwise local rank 0 copies (or initializes) them while it creates the file,
+    and a private ledger receives rank 0's weights. Ranks that do not write their ledger give their own copy of the
+    weights back first."""
     copies = topology.ledger_copies
     weights.release_unwritten()
     by_rank0 = not weights.from_source
+    shared = not topology.ledger_per_rank and topology.ranks_per_host > 1
 
-    def create() -> tuple[str, HostLedger]:
-        remove_stale_ledgers()  # before the preflight: a dead job's ledger may hold the room this one needs
+    def create() -> HostLedger:
         check_host_memory(geometry, num_params, copies)
-        job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "local"
-        path = ledger_path(topology.ledger_name(job))
-        ledger = HostLedger(path, geometry, create=True)
+        ledger = HostLedger(shm_dir(), geometry, create=True, share=shared)
         try:
             if by_rank0:
                 weights.fill(ledger)
         except BaseException:
             ledger.close()
             raise
-        return path, ledger
+        return ledger
 
     if topology.ledger_per_rank:
         on_rank0_for_all(lambda: check_host_memory(geometry, num_params, copies), topology)
-        _, ledger = create()
-        ledger.unlink()
+        ledger = create()
         try:
             if by_rank0:
                 if topology.world is not None:  # DDP's rule: rank 0's weights
@@ -448,20 +445,20 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
         return ledger
     created: list[HostLedger] = []
 
-    def create_on_rank0() -> str:
-        path, ledger = create()
+    def create_on_rank0() -> LedgerHandle:
+        ledger = create()
         created.append(ledger)
-        return path
+        return ledger.handle
 
-    path = on_rank0_for_all(create_on_rank0, topology)
-    ledger = created[0] if created else HostLedger(path, geometry, create=False)
+    handle = on_rank0_for_all(create_on_rank0, topology)
+    ledger = created[0] if created else HostLedger(handle, geometry, create=False)
     try:
         ledger.pids[topology.local_rank] = os.getpid()
         if not by_rank0:
             weights.load(ledger)
         if topology.ledger_group is not None:
             dist.barrier(group=topology.ledger_group)
-        ledger.unlink()  # every rank has mapped it: the name is no longer needed
+        ledger.stop_sharing()  # every rank has the file: nothing more to hand out
     except BaseException:
         ledger.close()
         raise

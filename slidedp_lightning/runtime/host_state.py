@@ -1,8 +1,7 @@
 """The host ledger: one FP32 master, two Adam moments and a BF16 transfer copy per host, in shared memory.
 
-One process (local rank 0) creates the file, every local rank maps it, and the creator unlinks the name
-as soon as all have mapped it: from then on the memory lives exactly as long as the processes using it,
-so a crashed or killed rank can never leak it.
+One process (local rank 0) creates an unnamed file, every local rank opens and maps it (runtime/ledger_file.py):
+the memory lives exactly as long as the processes using it, so a crashed or killed rank can never leak it.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 
 from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM  # noqa: F401  (the default layout, re-exported)
+from slidedp_lightning.runtime.ledger_file import LedgerFile, LedgerHandle
 from slidedp_lightning.runtime.ledger_geometry import (  # noqa: F401  (re-exported)
     ALL_REGIONS,
     GUARD,
@@ -86,56 +86,12 @@ def process_start_time(pid: int) -> str | None:
         return None
 
 
-def ledger_path(job: str) -> str:
-    """A new ledger name: ``slidedp-<job>-<creator pid>-<its start time>-<random>-ledger``."""
-    import uuid
-
-    pid = os.getpid()
-    safe = "".join(c if c.isalnum() else "_" for c in job)[:40] or "job"
-    return os.path.join(shm_dir(), f"slidedp-{safe}-{pid}-{process_start_time(pid)}-{uuid.uuid4().hex[:8]}-ledger")
-
-
-def remove_stale_ledgers(directory: str | None = None) -> list[str]:
-    """Delete ledger files whose creating process is gone (a job killed before its ranks had mapped the file);
-    a ledger whose creator still runs is never touched, nor any file whose name does not parse."""
-    directory = directory or shm_dir()
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        parts = name.split("-")
-        if len(parts) < 6 or parts[0] != "slidedp" or parts[-1] != "ledger":
-            continue
-        try:
-            pid, started = int(parts[-4]), parts[-3]
-        except ValueError:
-            continue
-        if process_start_time(pid) == started:
-            continue  # its creator is alive: a running job's ledger
-        path = os.path.join(directory, name)
-        try:
-            size = os.path.getsize(path)
-            os.unlink(path)
-        except OSError:
-            continue
-        removed.append(path)
-        log.warning(
-            "SlideDP removed a stale ledger of a dead job (creator pid %d is gone): %s, %s",
-            pid,
-            path,
-            format_bytes(size),
-        )
-    return removed
-
-
-def _where_ledgers_go(err: OSError, path: str) -> OSError:
-    """``err`` (creating the ledger file ``path``) again, saying where the directory came from."""
+def _where_ledgers_go(err: OSError) -> OSError:
+    """``err`` (creating the ledger file) again, saying where the directory came from."""
     source = (
         f"{SHM_ENV}={os.environ[SHM_ENV]!r}" if SHM_ENV in os.environ else f"the default /dev/shm ({SHM_ENV} unset)"
     )
-    return type(err)(err.errno, f"SlideDP cannot create its host ledger {path} in {source}: {err.strerror}")
+    return type(err)(err.errno, f"SlideDP cannot create its host ledger in {source}: {err.strerror}")
 
 
 class HostMemoryError(MemoryError):
@@ -193,23 +149,24 @@ class HostLedger:
     ``consumed[owner, writer, slot]`` = generation an owner has finished reading.
     """
 
-    def __init__(self, path: str, geometry: LedgerGeometry, *, create: bool) -> None:
-        self.path = path
+    def __init__(
+        self, source: str | LedgerHandle, geometry: LedgerGeometry, *, create: bool, share: bool = False
+    ) -> None:
+        """``create``: a new file in the directory ``source`` (``share``: other ranks will open it, from
+        :attr:`handle`); else the creator's file, from its ``source`` handle."""
         self.geometry = geometry
         self.owner = create
         if create:
+            assert isinstance(source, str), "a new ledger is created in a directory"
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                self.file = LedgerFile.create(source, geometry.nbytes, "slidedp-ledger", share=share)
             except OSError as err:
-                raise _where_ledgers_go(err, path) from err
-            try:
-                os.ftruncate(fd, geometry.nbytes)
-            finally:
-                os.close(fd)
-        self._raw = torch.from_file(path, shared=True, size=geometry.nbytes, dtype=torch.uint8)
-        # the file's allocated size stays readable after the name goes
-        self._fd: int | None = os.open(path, os.O_RDONLY)
-        self._linked = create
+                raise _where_ledgers_go(err) from err
+        else:
+            assert isinstance(source, LedgerHandle), "an existing ledger is opened from its creator's handle"
+            self.file = LedgerFile.open(source)
+        self._fd: int | None = self.file.fd
+        self._raw = torch.from_file(self.file.path, shared=True, size=geometry.nbytes, dtype=torch.uint8)
         off = geometry.offsets
         g = geometry
 
@@ -253,7 +210,7 @@ class HostLedger:
         per block); None when the unit has no range there (a wholly frozen unit keeps neither moments nor, under
         bf16 compute, an FP32 master; no unit has a BF16 copy with ``bf16_copy=False``)."""
         if self._unit_offsets is None:
-            raise ValueError(f"the geometry of {self.path} does not describe its units: region() needs unit_sizes")
+            raise ValueError("this ledger's geometry does not describe its units: region() needs unit_sizes")
         start = self._unit_offsets[name][unit]
         if start is None:
             return None
@@ -348,27 +305,25 @@ class HostLedger:
         """The address of the mapping's first byte (file offset 0)."""
         return self._raw.data_ptr()
 
+    @property
+    def handle(self) -> LedgerHandle:
+        """What the other ranks of the host open this ledger from (its creator only)."""
+        return self.file.handle()
+
     def allocated_bytes(self) -> int:
         """Bytes of memory the ledger file holds now (a page is allocated when first written)."""
         assert self._fd is not None, "the ledger is closed"
-        return os.fstat(self._fd).st_blocks * 512
+        return self.file.allocated_bytes()
 
-    def unlink(self) -> None:
-        """Remove the file name (the mapping stays valid for every process that has it)."""
-        if self.owner and self._linked:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self._linked = False
-            log.debug("unlinked %s", self.path)
+    def stop_sharing(self) -> None:
+        """Every rank of the host has the file now: stop handing its descriptor out."""
+        self.file.stop_sharing()
 
     def close(self) -> None:
-        self.unlink()
         self.unpin()
-        fd = getattr(self, "_fd", None)  # absent when __init__ failed before opening it
-        if fd is not None:
-            os.close(fd)
+        file = getattr(self, "file", None)  # absent when __init__ failed before opening it
+        if file is not None:
+            file.close()
             self._fd = None
         for name in (*ALL_REGIONS, "staging", "_raw"):
             setattr(self, name, None)

@@ -75,10 +75,7 @@ def prepare_pages(ledger: HostLedger, spans: list[tuple[int, int]], threads: int
     if libc is None or not chunks:
         return False
     base = ledger.mapping_address()
-    try:
-        fd: int | None = os.open(ledger.path, os.O_RDWR)
-    except OSError:  # already unlinked (a private ledger): the populate alone allocates them
-        fd = None
+    fd = ledger.file.fd  # the ledger's own descriptor (the file has no name to open)
 
     def allocate(chunk: tuple[int, int]) -> int:
         a, b = chunk
@@ -88,22 +85,18 @@ def prepare_pages(ledger: HostLedger, spans: list[tuple[int, int]], threads: int
         a, b = chunk
         return 0 if libc.madvise(base + a, b - a, MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
-    try:
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="slidedp-pages") as pool:
-            for step in (allocate, populate):
-                codes = set(pool.map(step, chunks)) - {0}
-                if codes - set(_UNSUPPORTED):
-                    need = sum(b - a for a, b in chunks)
-                    raise HostMemoryError(
-                        f"SlideDP could not allocate {format_bytes(need)} of ledger pages in {shm_dir()} "
-                        f"({', '.join(errno.errorcode.get(c, str(c)) for c in sorted(codes))}): the host is out of "
-                        "shared memory. Free host memory or enlarge the shared-memory file system, then start again."
-                    )
-                if codes:
-                    log.debug("SlideDP: %s of the ledger pages not offered here (%s)", step.__name__, sorted(codes))
-                    if step is populate:
-                        return False
-    finally:
-        if fd is not None:
-            os.close(fd)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="slidedp-pages") as pool:
+        for step in (allocate, populate):
+            codes = set(pool.map(step, chunks)) - {0}
+            if codes - set(_UNSUPPORTED):
+                need = sum(b - a for a, b in chunks)
+                raise HostMemoryError(
+                    f"SlideDP could not allocate {format_bytes(need)} of ledger pages in {shm_dir()} "
+                    f"({', '.join(errno.errorcode.get(c, str(c)) for c in sorted(codes))}): the host is out of "
+                    "shared memory. Free host memory or enlarge the shared-memory file system, then start again."
+                )
+            if codes:
+                log.debug("SlideDP: %s of the ledger pages not offered here (%s)", step.__name__, sorted(codes))
+                if step is populate:
+                    return False
     return True

@@ -212,9 +212,6 @@ class Topology:
         """Whether this rank writes its ledger's shared state (weights, stamps) on load and restore."""
         return self.local_rank == 0 or self.ledger_per_rank
 
-    def ledger_name(self, job: str) -> str:
-        return f"{job}-host{self.host}"
-
     # -- checkpoints ------------------------------------------------------------------------------------
     @property
     def checkpoint_share(self) -> tuple[int, int]:

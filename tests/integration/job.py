@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -135,14 +136,24 @@ class TinyLM(L.LightningModule):
             return
         if self.cfg.dump_initial and self.global_rank == 0:
             torch.save(engine.state_dict(), os.path.join(self.cfg.out, "initial_state.pt"))
-        mapped = set()
+        mapped = set()  # (device, inode, path) of every shared mapping of a file with no name (the ledger's)
         with open("/proc/self/maps") as f:
             for line in f:
                 parts = line.split(maxsplit=5)
-                if len(parts) == 6 and "slidedp-" in parts[5]:
-                    mapped.add((parts[4], parts[5].strip()))
+                name = parts[5].strip() if len(parts) == 6 else ""
+                if "s" in parts[1] and ("/memfd:slidedp-ledger" in name or re.search(r"/#\d+ \(deleted\)$", name)):
+                    mapped.add((parts[3], parts[4], name))
         stats = engine.ledger_stats()
-        info = {"mapped": sorted(mapped), "nbytes": stats.nbytes, "num_params": stats.num_params}
+        from slidedp_lightning.runtime.host_state import shm_dir
+
+        st = os.statvfs(shm_dir())
+        info = {
+            "mapped": sorted(mapped),
+            "nbytes": stats.nbytes,
+            "num_params": stats.num_params,
+            "dir_entries": sorted(os.listdir(shm_dir())),  # the ledger directory while the ledger is alive
+            "dir_used": (st.f_blocks - st.f_bfree) * st.f_frsize,
+        }
         with open(os.path.join(self.cfg.out, f"ledger_rank{self.global_rank}.json"), "w") as f:
             json.dump(info, f)
 

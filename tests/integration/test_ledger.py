@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,10 +14,22 @@ pytestmark = pytest.mark.slow  # multi-process jobs, 10-30 s each
 
 @pytest.mark.integration
 @pytest.mark.parametrize("devices", [1, 2])
-def test_one_ledger_per_host_at_14_bytes_per_param(job_runner, devices):
-    res = job_runner(f"ledger_{devices}", strategy="slidedp", devices=devices, tied=True, steps=3, batch=2)
+def test_one_ledger_per_host_at_14_bytes_per_param(job_runner, devices, tmp_path_factory):
+    """Every rank maps the same file, which never has a name in the ledger directory (listed while it is alive)."""
+    ledgers = tmp_path_factory.mktemp(f"ledger_dir_{devices}")
+    res = job_runner(
+        f"ledger_{devices}",
+        env={"SLIDEDP_SHM_DIR": str(ledgers)},
+        strategy="slidedp",
+        devices=devices,
+        tied=True,
+        steps=3,
+        batch=2,
+    )
     assert res.returncode == 0, res.output[-4000:]
     infos = [res.ledger(r) for r in range(devices)]
+    assert all(info["dir_entries"] == [] for info in infos), [info["dir_entries"] for info in infos]
+    assert os.listdir(ledgers) == []
     mapped = {tuple(m) for info in infos for m in info["mapped"]}
     assert len(mapped) == 1, f"expected one shared ledger mapped by every rank, found {mapped}"
     assert all(len(info["mapped"]) == 1 for info in infos)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 import torch
@@ -71,20 +70,20 @@ def test_geometry_bytes_and_offsets(g: LedgerGeometry) -> None:
     assert 0 <= overhead < n_arrays * (GUARD + PAGE)
 
 
-@pytest.fixture
-def ledger_path():
-    path = os.path.join(shm_dir(), f"pytest-slidedp-ledger-{uuid.uuid4().hex[:12]}")
-    yield path
-    if os.path.exists(path):
-        os.unlink(path)
+def entries(directory: str) -> set[str]:
+    return set(os.listdir(directory))
 
 
-def test_create_attach_share_and_unlink(ledger_path: str) -> None:
+def test_create_open_and_share_without_a_name() -> None:
     g = LedgerGeometry(total=2048, num_units=2, world_size=2, staging_slots=2, staging_elems=1024, staging_itemsize=4)
-    a = HostLedger(ledger_path, g, create=True)
-    assert os.path.exists(ledger_path)
-    assert os.path.getsize(ledger_path) == g.nbytes
-    b = HostLedger(ledger_path, g, create=False)
+    directory = shm_dir()
+    before = entries(directory)
+    a = HostLedger(directory, g, create=True, share=True)
+    assert entries(directory) - before == set(), "the ledger must never have a name in its directory"
+    assert os.fstat(a._fd).st_nlink == 0 and os.fstat(a._fd).st_size == g.nbytes
+    b = HostLedger(a.handle, g, create=False)
+    assert entries(directory) - before == set()
+    assert os.fstat(b._fd).st_ino == os.fstat(a._fd).st_ino
     for led in (a, b):
         assert led.master.dtype == torch.float32 and led.master.numel() == g.total
         assert led.exp_avg.numel() == led.exp_avg_sq.numel() == g.total
@@ -118,35 +117,23 @@ def test_create_attach_share_and_unlink(ledger_path: str) -> None:
     assert a.master[6].item() == 11.0
     assert bf16.dtype.name == "uint16" and bf16[7] == a.bf16[7:8].view(torch.int16).item()
 
-    b.unlink()  # not the owner: keeps the name
-    assert os.path.exists(ledger_path)
-    a.unlink()
-    assert not os.path.exists(ledger_path)
-    a.unlink()  # idempotent
-    # both mappings still work after the name is gone
+    a.stop_sharing()
+    a.stop_sharing()  # idempotent
+    # both mappings still work after the creator stopped sharing it
     a.exp_avg_sq[10] = 5.0
     b.master[11] = 6.0
     assert b.exp_avg_sq[10].item() == 5.0
     assert a.master[11].item() == 6.0
+    assert a.allocated_bytes() > 0
     a.close()
     b.close()
     assert a.master is None and b.master is None
+    assert entries(directory) - before == set()
 
 
-def test_create_refuses_existing_file(ledger_path: str) -> None:
+def test_no_staging_for_gpu_reduce() -> None:
     g = LedgerGeometry(total=1024, num_units=1, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
-    a = HostLedger(ledger_path, g, create=True)
-    try:
-        with pytest.raises(FileExistsError):
-            HostLedger(ledger_path, g, create=True)
-    finally:
-        a.close()
-    assert not os.path.exists(ledger_path)
-
-
-def test_no_staging_for_gpu_reduce(ledger_path: str) -> None:
-    g = LedgerGeometry(total=1024, num_units=1, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
-    led = HostLedger(ledger_path, g, create=True)
+    led = HostLedger(shm_dir(), g, create=True)
     try:
         assert led.staging is None
         assert g.staging_bytes == 0
@@ -177,30 +164,3 @@ def test_check_host_memory_mentions_staging() -> None:
 def test_check_host_memory_small_passes() -> None:
     g = LedgerGeometry(total=4096, num_units=2, world_size=1, staging_slots=2, staging_elems=2048, staging_itemsize=4)
     check_host_memory(g, num_params=4000)
-
-
-@pytest.mark.slow  # a child interpreter imports the package
-def test_stale_ledgers_of_dead_jobs_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
-    import subprocess
-    import sys
-
-    from slidedp_lightning.runtime.host_state import SHM_ENV, ledger_path, remove_stale_ledgers
-
-    monkeypatch.setenv(SHM_ENV, str(tmp_path))
-    live = ledger_path("job1")  # this process created it and still runs
-    code = "from slidedp_lightning.runtime.host_state import ledger_path; print(ledger_path('job2'))"
-    dead = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, SHM_ENV: str(tmp_path)},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()  # its creator has exited
-    reused = os.path.join(str(tmp_path), f"slidedp-job3-{os.getpid()}-1-abcdef12-ledger")  # our pid, other start
-    other = tmp_path / "slidedp-notes.txt"
-    for path in (live, dead, reused, str(other)):
-        open(path, "w").close()
-    assert "job1" in live and f"-{os.getpid()}-" in live
-    removed = remove_stale_ledgers()
-    assert sorted(removed) == sorted([dead, reused])
-    assert os.path.exists(live) and other.exists()

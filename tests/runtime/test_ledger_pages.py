@@ -16,7 +16,7 @@ N = 1 << 20  # elements: 4 MiB of FP32 master
 
 def _ledger(tmp_path) -> HostLedger:
     geometry = LedgerGeometry(total=N, num_units=2, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
-    return HostLedger(str(tmp_path / "ledger"), geometry, create=True)
+    return HostLedger(str(tmp_path), geometry, create=True)
 
 
 def _views(ledger: HostLedger, lo: int, n: int) -> list[torch.Tensor]:
@@ -26,18 +26,15 @@ def _views(ledger: HostLedger, lo: int, n: int) -> list[torch.Tensor]:
 
 def _resident(ledger: HostLedger, name: str, lo: int, hi: int, size: int) -> list[bool]:
     """Per page of ``name``'s elements [lo, hi): whether the file holds it (SEEK_DATA/SEEK_HOLE)."""
-    fd = os.open(ledger.path, os.O_RDONLY)
-    try:
-        start = ledger.geometry.offsets[name]
-        out = []
-        for page in range(start + lo * size, start + hi * size, PAGE):
-            try:
-                out.append(os.lseek(fd, page, os.SEEK_DATA) == page)
-            except OSError:  # no data after it
-                out.append(False)
-        return out
-    finally:
-        os.close(fd)
+    fd = ledger.file.fd  # the unnamed file's own descriptor (only its offset moves)
+    start = ledger.geometry.offsets[name]
+    out = []
+    for page in range(start + lo * size, start + hi * size, PAGE):
+        try:
+            out.append(os.lseek(fd, page, os.SEEK_DATA) == page)
+        except OSError:  # no data after it
+            out.append(False)
+    return out
 
 
 def test_the_pieces_pages_are_allocated_whole_pages_only_and_their_contents_kept(tmp_path) -> None:
@@ -59,13 +56,12 @@ def test_the_pieces_pages_are_allocated_whole_pages_only_and_their_contents_kept
         ledger.close()
 
 
-def test_an_unlinked_ledger_is_mapped_without_fallocate_and_a_full_one_says_so(tmp_path, monkeypatch) -> None:
+def test_the_pages_are_allocated_and_a_full_host_says_so(tmp_path, monkeypatch) -> None:
     ledger = _ledger(tmp_path)
     try:
-        ledger.unlink()
         before = ledger.allocated_bytes()
         assert prepare_pages(ledger, ledger_spans(ledger, _views(ledger, 0, N)), threads=1)
-        assert ledger.allocated_bytes() - before >= 6 * N - 2 * PAGE  # MADV_POPULATE_WRITE allocated them
+        assert ledger.allocated_bytes() - before >= 6 * N - 2 * PAGE  # fallocate + MADV_POPULATE_WRITE
         assert torch.count_nonzero(ledger.master) == 0
     finally:
         ledger.close()

@@ -160,7 +160,7 @@ def _expected_flat(layout, expected: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def _ledger(tmp_path: Path, layout, topology: Topology) -> HostLedger:
     geometry = ledger_geometry(layout, EngineConfig(), topology, torch.float32)
-    return HostLedger(str(tmp_path / "slidedp-test-ledger"), geometry, create=True)
+    return HostLedger(str(tmp_path), geometry, create=True)
 
 
 def test_each_local_rank_fills_its_share_and_a_host_sharded_ledger_only_its_ranges(tmp_path) -> None:
