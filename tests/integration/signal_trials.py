@@ -91,7 +91,7 @@ def run_trial(
     time.sleep(delay)
     pid: int | None = proc.pid if target == "launcher" else None
     while pid is None and proc.poll() is None:
-        found = children(proc.pid)
+        found = [c for c in children(proc.pid) if _is_job(c)]  # not a helper the launcher started
         pid = found[0] if found else None
         if pid is None:
             time.sleep(0.01)
@@ -145,3 +145,11 @@ def baseline(
         code = proc.wait()
     total = time.monotonic() - started
     return code, first if first is not None else total, total, (out / "output.txt").read_text(errors="replace")
+
+
+def _is_job(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return JOB.name.encode() in f.read()
+    except OSError:
+        return False
