@@ -339,15 +339,20 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     if reason is not None:
         kind = CheckpointContentError if reason[0] else RuntimeError
         raise kind(f"SlideDP checkpoint {path} not written: {reason[1]}") from failed
-    dcp.save(
-        {piece_key(k, a, b): v for k, a, b, v in _pieces(_held(engine))},
-        checkpoint_id=tmp,
-        process_group=_job_group(engine),
-    )
-    if files is not None:
-        (tmp / META).write_bytes(files[0])
-        (tmp / TENSORS).write_bytes(files[1])
-    _barrier(engine)
+    try:
+        dcp.save(
+            {piece_key(k, a, b): v for k, a, b, v in _pieces(_held(engine))},
+            checkpoint_id=tmp,
+            process_group=_job_group(engine),
+        )
+        if files is not None:
+            (tmp / META).write_bytes(files[0])
+            (tmp / TENSORS).write_bytes(files[1])
+        _barrier(engine)
+    except BaseException:  # a failed or signalled save: its hidden directory goes (a SIGKILLed one: at the next save)
+        if engine.topology.global_rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if engine.topology.global_rank == 0:
         _swap_in(tmp, path)
         log.info("SlideDP checkpoint (step %d, %d ranks) written to %s", engine.step, _job_size(engine), path)

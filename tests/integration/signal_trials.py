@@ -1,0 +1,155 @@
+"""Random-moment signal trials on 2-rank jobs (tests/integration/reliability_job.py): start a job in a session of
+its own, send a signal to one of its processes after a chosen delay, and follow every process of the session to
+its end. Used by tests/integration/test_signal_trials.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+JOB = Path(__file__).with_name("reliability_job.py")
+LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live (not zombie) processes of session ``sid``."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(name))
+    return pids
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+@dataclass
+class Trial:
+    """One job and what happened to it."""
+
+    code: int | None = None  # the launcher's exit status (negative: killed by that signal)
+    output: str = ""
+    signalled: int | None = None  # pid that got the signal (None: the job ended before the moment)
+    phase: str = ""  # "setup" (no training step yet), "training", "save" (a checkpoint being written) or "ended"
+    exit_s: float | None = None  # from the signal until every process of the session had ended
+    leftover: list[int] = field(default_factory=list)  # processes still alive at the deadline (then killed)
+
+
+def phase_of(out: Path) -> str:
+    if any((out / "ckpt").glob(".*")):  # a save's hidden directory
+        return "save"
+    return "training" if (out / "step_rank0").exists() else "setup"
+
+
+def run_trial(
+    out: Path,
+    delay: float,
+    signum: int,
+    target: str,
+    env: dict[str, str] | None = None,
+    deadline_s: float = 30.0,
+    in_save: bool = False,
+    **cfg,
+) -> Trial:
+    """Run one job; ``delay`` seconds after its start send ``signum`` to ``target`` ("launcher": the process the
+    job started as, local rank 0; "rank1": the rank it launched, as soon as it exists after the moment);
+    ``in_save``: the delay counts from the moment a checkpoint save has begun."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({"out": str(out), **cfg}))
+    base = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "MASTER_PORT")}
+    base.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
+    log = open(out / "output.txt", "w")
+    proc = subprocess.Popen(
+        [sys.executable, str(JOB), str(out / "config.json")],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=base,
+        start_new_session=True,
+    )
+    trial = Trial()
+    if in_save:  # ``delay`` after a save has begun (its hidden directory appeared)
+        while proc.poll() is None and not any((out / "ckpt").glob(".*")):
+            time.sleep(0.005)
+    time.sleep(delay)
+    pid: int | None = proc.pid if target == "launcher" else None
+    while pid is None and proc.poll() is None:
+        found = [c for c in children(proc.pid) if _is_job(c)]  # not a helper the launcher started
+        pid = found[0] if found else None
+        if pid is None:
+            time.sleep(0.01)
+    trial.phase = phase_of(out) if proc.poll() is None else "ended"
+    if pid is not None and proc.poll() is None:
+        try:
+            os.kill(pid, signum)
+            trial.signalled = pid
+        except ProcessLookupError:
+            trial.phase = "ended"
+    sent = time.monotonic()
+    while session_pids(proc.pid) and time.monotonic() - sent < deadline_s:
+        time.sleep(0.05)
+    trial.leftover = session_pids(proc.pid)
+    if trial.leftover:
+        for p in trial.leftover:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    else:
+        trial.exit_s = time.monotonic() - sent
+    trial.code = proc.wait(timeout=30)
+    while session_pids(proc.pid):  # killed ones: until the kernel has reaped them (their mappings go then)
+        time.sleep(0.05)
+    log.close()
+    trial.output = (out / "output.txt").read_text(errors="replace")
+    return trial
+
+
+def baseline(
+    out: Path, env: dict[str, str] | None = None, timeout: float = 300, **cfg
+) -> tuple[int, float, float, str]:
+    """Run the job without a signal: (exit status, seconds to its first training step, seconds in all, output)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({"out": str(out), **cfg}))
+    base = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "MASTER_PORT")}
+    base.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
+    started = time.monotonic()
+    first = None
+    with open(out / "output.txt", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(JOB), str(out / "config.json")], stdout=log, stderr=subprocess.STDOUT, env=base
+        )
+        while proc.poll() is None and time.monotonic() - started < timeout:
+            if first is None and (out / "step_rank0").exists():
+                first = time.monotonic() - started
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait()
+    total = time.monotonic() - started
+    return code, first if first is not None else total, total, (out / "output.txt").read_text(errors="replace")
+
+
+def _is_job(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return JOB.name.encode() in f.read()
+    except OSError:
+        return False
