@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from bench.report import Measurement, Ratio
+from bench.test_cpu_adam import aligned
 from cpu_ops import (
     QUANT_BLOCK,
     adam8_shaped_copy,
@@ -36,7 +37,6 @@ from cpu_ops import warmup as kernel_warmup
 from slidedp_lightning.constants import update_bytes_per_param as bpp
 
 SUITE = "adamw8_kernel"
-PAGE = 4096
 THREADS = sorted({1, physical_cores()})
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-5, 0.9, 0.999, 1e-8, 0.01
 # read master 4 + codes 2 + bf16 grad 2, write master 4 + codes 2 + bf16 copy 2 (+ 16 B of scales per block)
@@ -45,15 +45,6 @@ RATIOS = [
     ("8-bit / its ceiling", "8-bit moments", "ceiling 8-bit", 0.9),
     ("8-bit / fp32 moments", "8-bit moments", "fp32 moments", 1.0),
 ]
-
-
-def aligned(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """Page-aligned array padded by a page, so buffers never sit at power-of-two distances."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.empty(nbytes + 2 * PAGE, np.uint8)
-    start = (-raw.ctypes.data) % PAGE
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class Buffers:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from slidedp_lightning.runtime.host_state import process_start_time, process_state
+
 log = logging.getLogger(__name__)
 
 GUARDED = (signal.SIGTERM, signal.SIGINT)
@@ -159,15 +161,6 @@ def end_with_launcher(launched: bool) -> bool:
     return armed
 
 
-def process_start_time(pid: int) -> str | None:
-    """A process's start time in clock ticks since boot (with the pid, an identity that survives pid reuse)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def kill_stopped_at_exit(procs: list[subprocess.Popen]) -> None:
     """At this process's exit, SIGKILL (and reap) the processes of ``procs`` that are stopped (SIGSTOP or a
     job-control stop): they cannot notice that the job ended, and would be left behind forever. Running ones notice
@@ -186,12 +179,3 @@ def _kill_stopped(procs: list[subprocess.Popen]) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-
-
-def process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (R, S, D, T, t, Z, ...), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None

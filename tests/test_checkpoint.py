@@ -134,7 +134,10 @@ class Payload:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A distributed checkpoint after 2 steps of the tiny model, written by Lightning's ModelCheckpoint."""
-    root = tmp_path_factory.mktemp("saved")
+    return _save_after_two_steps(tmp_path_factory.mktemp("saved"))
+
+
+def _save_after_two_steps(root):
     cb = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="ck")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -272,19 +275,13 @@ def test_parameters_are_stored_in_bounded_pieces_and_read_back_alike(saved, tmp_
     from slidedp_lightning import checkpoint
 
     monkeypatch.setattr(checkpoint, "PIECE_ELEMS", 1000)
-    root = tmp_path / "small"
-    cb = ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, filename="ck")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _checkpointing_trainer(max_steps=2, callbacks=[cb]).fit(TinyLM(), data())
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    keys = dcp.FileSystemReader(root / "ck.ckpt").read_metadata().state_dict_metadata
+    small = _save_after_two_steps(tmp_path / "small")
+    keys = dcp.FileSystemReader(small).read_metadata().state_dict_metadata
     embed = sorted(p[1:] for p in map(parse_piece, keys) if p[0] == "model/model.model.embed_tokens.weight")
     assert embed == [(a, min(a + 1000, 64 * 64)) for a in range(0, 64 * 64, 1000)]
     assert all(p[2] - p[1] <= 1000 for p in map(parse_piece, keys))
-    whole, cut = _stored_tensors(saved), _stored_tensors(root / "ck.ckpt")
+    whole, cut = _stored_tensors(saved), _stored_tensors(small)
     assert whole.keys() == cut.keys()
     for key in whole:
         assert torch.equal(whole[key], cut[key]), key
-    _resume(_copy(root / "ck.ckpt", tmp_path))
+    _resume(_copy(small, tmp_path))

@@ -77,13 +77,23 @@ def trim_host_heap() -> bool:
         return False
 
 
-def process_start_time(pid: int) -> str | None:
-    """A process's start time in clock ticks since boot (with the pid, an identity that survives pid reuse)."""
+def _stat_field(pid: int, index: int) -> str | None:
+    """Field ``index`` of /proc/<pid>/stat after the command name (0: the state), None when ``pid`` is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            return f.read().rsplit(")", 1)[1].split()[index]
     except (OSError, IndexError):
         return None
+
+
+def process_start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (with the pid, an identity that survives pid reuse)."""
+    return _stat_field(pid, 19)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, D, T, t, Z, ...), None when it is gone."""
+    return _stat_field(pid, 0)
 
 
 def _where_ledgers_go(err: OSError) -> OSError:
