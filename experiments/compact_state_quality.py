@@ -119,6 +119,10 @@ def drive(args: argparse.Namespace) -> int:
     for task in args.tasks:
         for mode in args.modes:
             path = os.path.join(args.out, f"{task}-{mode}.json")
+            if args.reuse and os.path.exists(path):
+                with open(path) as f:
+                    results[task, mode] = json.load(f)
+                continue
             cmd = [sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--task", task]
             cmd += ["--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed), "--results", path]
             print(f"[{time.strftime('%H:%M:%S')}] {task} / {mode}", flush=True)
@@ -191,6 +195,7 @@ def main() -> int:
     p.add_argument("--results", default="results.json")
     p.add_argument("--out", default="runs/compact_state_quality")
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--reuse", action="store_true", help="keep the results already in --out, run only the missing")
     args = p.parse_args()
     if args.command == "run":
         return run_one(args)
