@@ -88,11 +88,26 @@ class SignalGuard:
         arrived while holding."""
         previous, self._previous = self._previous, {}
         for signum, handler in previous.items():
+            if signum in GUARDED and _is_lightnings(handler):
+                # Lightning's handler only records the signal (its loop has ended) until its own teardown, next,
+                # restores the handlers it found: in that window a signal ends this rank, saying so
+                handler = self._after_run
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         state, pending, self._state, self._pending = self._state, self._pending, "off", None
         self._requeue_signal, self._requests = None, 0
         if state == "holding" and pending is not None:
             raise SignalExit(pending)
+
+    def _after_run(self, signum: int, frame: FrameType | None) -> None:
+        log.error(
+            "SlideDP: %s received %s after its run ended: stopping this rank now.",
+            self._describe(),
+            signal.Signals(signum).name,
+        )
+        for proc in self._children():
+            if proc.poll() is None:
+                proc.send_signal(signum)
+        raise SignalExit(signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == self._requeue_signal:
@@ -179,3 +194,10 @@ def _kill_stopped(procs: list[subprocess.Popen]) -> None:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _is_lightnings(handler: Any) -> bool:
+    """Whether ``handler`` is the one Lightning's signal connector installs for the length of a trainer call."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+
+    return isinstance(handler, _HandlersCompose)

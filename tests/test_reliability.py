@@ -5,6 +5,7 @@ errors that name their cause, and SIGTERM ending a run without a collective."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import subprocess
@@ -453,3 +454,29 @@ def test_a_signal_during_teardown_is_raised_once_teardown_is_done() -> None:
     guard.install()
     guard.release()  # nothing received: nothing raised
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_signal_between_the_strategys_teardown_and_lightnings_ends_the_rank_saying_so(caplog) -> None:
+    """Lightning's handler (installed for the trainer call) only notes a SIGTERM once its loop has ended; the guard
+    gives the signals back to a last handler of its own instead, until Lightning restores the ones it found."""
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
+
+    noted: list[int] = []
+    lightnings = _HandlersCompose([lambda signum, frame: noted.append(signum)])
+    original = signal.signal(signal.SIGTERM, lightnings)
+    try:
+        guard = signals.SignalGuard(lambda: "rank 1", lambda: [])
+        guard.install()
+        guard.release()
+        assert signal.getsignal(signal.SIGTERM) != lightnings
+        with caplog.at_level(logging.ERROR), pytest.raises(signals.SignalExit) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert info.value.code == 128 + signal.SIGTERM and not noted
+        assert any("rank 1 received SIGTERM after its run ended" in r.getMessage() for r in caplog.records)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a handler that is not Lightning's comes back as it was
+        guard.install()
+        guard.release()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, original)

@@ -2,7 +2,7 @@
 rank 0 from process start to the first step leaves no shared memory; SIGTERM to the launcher or to the launched
 rank, from start to end (setup, training, checkpoint saves), ends every rank within 30 s with a message and leaves
 nothing but complete checkpoints. The moments come from a fixed seed and are printed (``pytest -s`` shows them);
-``SLIDEDP_SIGNAL_TRIALS`` sets the number of trials (3 in the suite; 20 for the acceptance run)."""
+``SLIDEDP_SIGNAL_TRIALS`` sets the number of trials (4 in the suite, one of each kind; 20 for the acceptance run)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.shm_usage import private_tmpfs, used_bytes
 # 20 or more multi-process jobs per test: minutes each on a loaded machine, beyond the suite's 600 s timeout
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(3600)]
 
-TRIALS = int(os.environ.get("SLIDEDP_SIGNAL_TRIALS", "3"))  # the acceptance runs: SLIDEDP_SIGNAL_TRIALS=20
+TRIALS = int(os.environ.get("SLIDEDP_SIGNAL_TRIALS", "4"))  # one of each kind; the acceptance run: 20
 SEED = 20261201
 JOB = dict(pg_timeout=60)  # a loaded machine: the rendezvous must not time out on its own
 
