@@ -146,7 +146,7 @@ def drive(args: argparse.Namespace) -> int:
             if mode != "exact":
                 worst_loss, worst_acc = max(worst_loss, rel), max(worst_acc, -pts)
             print(
-                f"| {task} | {mode} | {r['ledger_bytes_per_param']:.2f} | {r['val_loss']:.4f} | {rel:+.2f} % | "
+                f"| {task} | {mode} | {r['ledger_bytes_per_param']:.2f} | {r['val_loss']:.3g} | {rel:+.2f} % | "
                 f"{r['val_acc']:.4f} | {pts:+.2f} | {r['fit_s']:.0f} s |"
             )
     print(f"\nworst compact mode: val loss {worst_loss:+.2f} % vs exact, accuracy {-worst_acc:+.2f} points")
