@@ -201,3 +201,16 @@ def _is_lightnings(handler: Any) -> bool:
     from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose
 
     return isinstance(handler, _HandlersCompose)
+
+
+def ended_children(procs: list[subprocess.Popen]) -> str:
+    """How the processes of ``procs`` that have ended did so, e.g. "the rank process 4242 was ended by SIGTERM";
+    empty when all run."""
+    out = []
+    for proc in procs:
+        code = proc.poll()
+        if code is None:
+            continue
+        how = f"was ended by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        out.append(f"the rank process {proc.pid} {how}")
+    return "; ".join(out)

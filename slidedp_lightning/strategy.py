@@ -460,10 +460,11 @@ class SlideDPStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        peers = self.engine.peer_states() if self.engine is not None else ""
+        stuck = "; ".join(s for s in (peers, signals.ended_children(self._launched())) if s)
+        if stuck:
+            log.error("SlideDP rank %d failed (%s); %s.", self.global_rank, type(exception).__name__, stuck)
         if self.engine is not None:
-            stuck = self.engine.peer_states()
-            if stuck:
-                log.error("SlideDP rank %d failed (%s); %s.", self.global_rank, type(exception).__name__, stuck)
             self.engine.abort()
 
     @override

@@ -480,3 +480,23 @@ def test_a_signal_between_the_strategys_teardown_and_lightnings_ends_the_rank_sa
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, original)
+
+
+def test_a_launched_rank_that_ended_is_named_with_how_it_ended() -> None:
+    import subprocess
+    import sys
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    try:
+        killed.terminate()
+        killed.wait(10)
+        failed.wait(10)
+        said = signals.ended_children([running, killed, failed])
+        assert said == (
+            f"the rank process {killed.pid} was ended by SIGTERM; the rank process {failed.pid} exited with status 3"
+        )
+    finally:
+        running.kill()
+        running.wait(10)

@@ -59,5 +59,7 @@ class ByteProgress:
 
 
 def rate(nbytes: int, seconds: float) -> str:
-    """``"1.15 GiB in 0.45 s (2.54 GiB/s)"``, ``"24.00 KiB in 0.01 s (2.34 MiB/s)"``: sizes in the unit that fits."""
-    return f"{format_bytes(nbytes)} in {seconds:.2f} s ({format_bytes(nbytes / max(seconds, 1e-9))}/s)"
+    """``"1.15 GiB in 0.45 s (2.54 GiB/s)"``, ``"160.75 KiB in 4.21 ms (37.32 MiB/s)"``: sizes in the unit that fits,
+    times under 10 ms in milliseconds."""
+    took = f"{seconds:.2f} s" if seconds >= 0.01 else f"{seconds * 1e3:.2f} ms"
+    return f"{format_bytes(nbytes)} in {took} ({format_bytes(nbytes / max(seconds, 1e-9))}/s)"
