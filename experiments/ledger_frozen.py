@@ -1,8 +1,9 @@
 """Host ledger size of one model under full fine-tuning, LoRA and frozen embeddings, and in each ledger mode
 (``optimizer_state`` x ``bf16_copy``), one CPU process each.
 
-A wholly frozen unit keeps one copy of its weights and no moments; a unit holding a trainable parameter (a LoRA
-adapter inside a block) keeps every region. Prints one row per case and precision (``engine.ledger_stats()``).
+A frozen parameter keeps one copy of its weights and no moments, whether its whole unit is frozen or it sits
+beside trainable ones (a LoRA block's base weights: laid out after the adapters, beyond the unit's moments and,
+under bf16 compute, its FP32 master). Prints one row per case and precision (``engine.ledger_stats()``).
 
 Usage: `python experiments/ledger_frozen.py [--hidden 768] [--layers 12] [--vocab 32000] [--rank 8]`
 """
@@ -71,15 +72,15 @@ def main(argv: list[str] | None = None) -> int:
             base = base or s.nbytes
             rows.append(
                 f"| {str(dtype).split('.')[-1]} | {case} | {s.num_params:,} | "
-                f"{s.trainable_params:,} | {frozen_units}/{len(units)} | "
+                f"{s.trainable_params:,} | {s.frozen_params:,} | {frozen_units}/{len(units)} | "
                 f"{format_bytes(s.nbytes)} | {s.bytes_per_param:.2f} | {s.trainable_bytes_per_param:.2f} | "
                 f"{s.frozen_bytes_per_param:.2f} | {s.nbytes / base:.3f} |"
             )
     print(
-        "| compute | case | params | in units with a trainable param | wholly frozen units | ledger | B/param | "
-        "B/param (those units) | B/param (wholly frozen) | vs full |"
+        "| compute | case | params | trainable | frozen | wholly frozen units | ledger | B/param | "
+        "B/param (trainable) | B/param (frozen) | vs full |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print()
     print("| optimizer_state | bf16_copy | case | ledger | B/param | vs default |")

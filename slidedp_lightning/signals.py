@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -176,12 +177,59 @@ def end_with_launcher(launched: bool) -> bool:
     return armed
 
 
-def kill_stopped_at_exit(procs: list[subprocess.Popen]) -> None:
-    """At this process's exit, SIGKILL (and reap) the processes of ``procs`` that are stopped (SIGSTOP or a
-    job-control stop): they cannot notice that the job ended, and would be left behind forever. Running ones notice
-    this process's exit themselves (and print why)."""
-    if procs:
-        atexit.register(_kill_stopped, list(procs))
+class LaunchedAtExit:
+    """What the script launcher's local rank 0 does with the rank processes it started when it exits (one hook per
+    process, the last teardown's outcome counts). After a failed run it SIGKILLs (and reaps) the stopped ones
+    (SIGSTOP or a job-control stop): they cannot notice that the job ended, and would be left behind forever;
+    running ones notice this process's exit themselves (and print why). After a run that ended well it waits (up to
+    ``wait_s``) for them to end, since they end with it (``PR_SET_PDEATHSIG``), and names any that did not end
+    well, e.g. one ended by a signal after its run; this process then exits with status 1, as a launcher does when
+    a rank it started fails, not 0."""
+
+    def __init__(self, at_exit: bool = True) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.failed, self.wait_s, self._register = False, 0.0, at_exit
+
+    def update(self, procs: list[subprocess.Popen], failed: bool, wait_s: float) -> None:
+        if not procs:
+            return
+        self.procs, self.failed, self.wait_s = list(procs), failed, wait_s
+        if self._register:  # once, at the first run with launched ranks
+            atexit.register(self._at_exit)
+            self._register = False
+
+    def _at_exit(self) -> None:
+        if self.settle():
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # an exit handler cannot change the status otherwise
+
+    def settle(self) -> bool:
+        """Do what the class describes; returns whether a rank ended badly after a run that ended well."""
+        if self.failed:
+            _kill_stopped(self.procs)
+            return False
+        deadline, told = time.monotonic() + self.wait_s, time.monotonic() + 10.0
+        for proc in self.procs:
+            while proc.poll() is None and process_state(proc.pid) not in ("T", "t") and time.monotonic() < deadline:
+                if time.monotonic() > told:
+                    log.warning(
+                        "SlideDP: waiting (up to %.0f s) for the rank process %d to end.", self.wait_s, proc.pid
+                    )
+                    told = deadline
+                time.sleep(0.02)
+        said = ended_children([p for p in self.procs if p.poll() not in (None, 0)])
+        if said:
+            log.error("SlideDP: after the run, %s: this job failed.", said)
+        running = [p.pid for p in self.procs if p.poll() is None]
+        if running:
+            log.warning("SlideDP: the rank process(es) %s have not ended; they end with this one.", running)
+        return bool(said)
+
+
+LAUNCHED_AT_EXIT = LaunchedAtExit()
 
 
 def _kill_stopped(procs: list[subprocess.Popen]) -> None:

@@ -472,8 +472,8 @@ class SlideDPStrategy(ParallelStrategy):
         """Close the engine, then destroy the process groups of the run: the runtime's own groups, and the default
         group when this strategy created it (at the very end), so that no collective backend's thread is left to
         interpreter shutdown. After a failure the groups are left to the process's exit (see
-        :func:`~slidedp_lightning.process_groups.destroy_default_group`), and the rank processes this one launched
-        that are stopped are killed when it exits (they could never notice the failure)."""
+        :func:`~slidedp_lightning.process_groups.destroy_default_group`). What happens to the rank processes this one
+        launched when it exits: :class:`~slidedp_lightning.signals.LaunchedAtExit`."""
         self._signals.hold()
         if self.engine is not None:
             self._released_steps = self.engine.step
@@ -490,6 +490,5 @@ class SlideDPStrategy(ParallelStrategy):
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
         process_groups.destroy_default_group(self._timeout.total_seconds(), peers_alive=not self._failed)
-        if self._failed:
-            signals.kill_stopped_at_exit([p for p in self._launched() if p.poll() is None])
+        signals.LAUNCHED_AT_EXIT.update(self._launched(), self._failed, min(self._timeout.total_seconds(), 300.0))
         self._signals.release()

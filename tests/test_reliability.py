@@ -415,6 +415,37 @@ def test_stopped_launched_ranks_are_killed_and_running_ones_left_alone() -> None
             proc.wait()
 
 
+def test_after_a_run_that_ended_well_the_launcher_waits_for_its_ranks_and_names_one_ended_by_a_signal(caplog) -> None:
+    import sys
+
+    settle = signals.LaunchedAtExit(at_exit=False)
+    late = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])  # still finishing its run
+    killed = subprocess.Popen(["sleep", "60"])
+    stopped = subprocess.Popen(["sleep", "60"])
+    try:
+        killed.terminate()
+        killed.wait(10)
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while signals.process_state(stopped.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        settle.update([late, killed, stopped], failed=False, wait_s=30)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            assert settle.settle(), "a rank ended by a signal fails the job"
+        assert late.returncode == 0, "the launcher did not wait for a rank still finishing"
+        assert time.monotonic() - started < 20, "it waited for a stopped rank, which cannot end on its own"
+        said = [r.getMessage() for r in caplog.records]
+        assert f"SlideDP: after the run, the rank process {killed.pid} was ended by SIGTERM: this job failed." in said
+        assert any(str(stopped.pid) in m and "have not ended" in m for m in said), said
+        settle.update([late], failed=False, wait_s=30)
+        assert not settle.settle(), "every rank ended well"
+    finally:
+        for proc in (late, killed, stopped):
+            proc.kill()
+            proc.wait()
+
+
 # -- D: signals -------------------------------------------------------------------------------------------
 
 

@@ -116,11 +116,14 @@ def resolve_auto_routes(
 
 
 def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dtype: torch.dtype) -> LedgerGeometry:
-    """The ledger of ``layout``: every region for each unit with a trainable parameter; a wholly frozen unit keeps
+    """The ledger of ``layout``: every region for each unit with a trainable parameter, the moments over its
+    trainable prefix only (and the FP32 master too when the device reads the BF16 copy); a wholly frozen unit keeps
     only the copy of its weights the device reads (:func:`unit_regions`)."""
     host_reduce = config.grad_route == "host_reduce"
     mode = (config.optimizer_state, config.bf16_copy)
     regions = tuple(unit_regions(not u.frozen, dtype, *mode) for u in layout.units)
+    extents = tuple(u.trainable_extent for u in layout.units)
+    trimmed = any(0 < e < u.padded for e, u in zip(extents, layout.units))
     return LedgerGeometry(
         total=layout.total,
         num_units=len(layout.units),
@@ -131,6 +134,8 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
         unit_sizes=tuple(u.padded for u in layout.units),
         regions_of_unit=regions if any(u.frozen for u in layout.units) or not config.bf16_copy else (),
         optimizer_state=config.optimizer_state,
+        trainable_sizes=extents if trimmed else (),
+        trim_master=dtype == torch.bfloat16 and config.bf16_copy,
     )
 
 
@@ -262,12 +267,12 @@ class InitialWeights:
             if ranges is None:
                 for unit in self.layout.units:
                     master = ledger.region("master", unit.index)
-                    if master is not None:
+                    if master is not None and master.numel() == unit.padded:
                         self._copy_unit(unit, master)
-                    else:  # a frozen unit keeping only its BF16 copy
+                    else:  # frozen weights that only the BF16 copy keeps
                         flat = torch.zeros(unit.padded)
                         self._copy_unit(unit, flat)
-                        ledger.region("bf16", unit.index).copy_(flat)  # type: ignore[union-attr]
+                        ledger.write_weights(unit.index, 0, flat)
                     bar.update(4 * sum(s.numel for s in unit.slots))
                 if leaders is not None:
                     broadcast_weights(ledger, leaders, src=0)
@@ -278,11 +283,7 @@ class InitialWeights:
                     if leaders is not None:
                         dist.broadcast(flat, src=0, group=leaders)
                     a, b = a - unit.offset, b - unit.offset
-                    master = ledger.region("master", unit.index)
-                    if master is not None:
-                        master[a:b].copy_(flat[a:b])
-                    else:
-                        ledger.region("bf16", unit.index)[a:b].copy_(flat[a:b])  # type: ignore[index]
+                    ledger.write_weights(unit.index, a, flat[a:b])
                     bar.update(4 * sum(s.numel for s in unit.slots))
             ledger.refresh_bf16(ranges)
             ledger.clear_moments(ranges)
@@ -353,13 +354,14 @@ class InitialWeights:
                     whole = ledger.region(region, u)
                     if whole is not None:
                         views += [whole[lo - units[u].offset : lo - units[u].offset + n] for _, _, lo, n in pieces]
-            prepare_pages(ledger, ledger_spans(ledger, views), budget)
+            prepare_pages(ledger, ledger_spans(ledger, [v for v in views if v.numel()]), budget)
             for u, pieces in work:
                 ledger.clear_moments([ranges[i] if i == u else (ranges[i][0], ranges[i][0]) for i in range(len(units))])
                 master, bf16 = ledger.region("master", u), ledger.region("bf16", u)
+                covered = master.numel() if master is not None else 0  # beyond: frozen weights, BF16 copy only
                 for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
                     lo -= units[u].offset
-                    out = master[lo : lo + n] if master is not None else torch.empty(n)
+                    out = master[lo : lo + n] if lo + n <= covered else torch.empty(n)  # type: ignore[index]
                     self.source.read_into(name, out, start, bf16[lo : lo + n] if bf16 is not None else None)
                     bar.update(self.source.nbytes(name, n))
         except Exception as exc:  # raised below, after every rank has reported
@@ -394,14 +396,16 @@ class InitialWeights:
 
 
 def broadcast_weights(ledger: HostLedger, group: Any, **src: int) -> None:
-    """Global rank 0's weights to every rank of ``group``: the whole master and the BF16 copies of the units
-    that have no master (the other BF16 copies are refreshed from the master afterwards)."""
+    """Global rank 0's weights to every rank of ``group``: the whole master and the BF16 copies of what it does
+    not cover (the other BF16 copies are refreshed from the master afterwards)."""
     if ledger.master.numel():
         dist.broadcast(ledger.master, group=group, **src)  # type: ignore[arg-type]
     g = ledger.geometry
     for u in range(g.num_units):
-        if not g.has("master", u):
-            dist.broadcast(ledger.region("bf16", u), group=group, **src)  # type: ignore[arg-type]
+        covered = g.unit_elems("master", u)
+        bf16 = ledger.region("bf16", u)
+        if covered < g.unit_sizes[u] and bf16 is not None:
+            dist.broadcast(bf16[covered:], group=group, **src)  # type: ignore[arg-type]
 
 
 def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology) -> HostLedger:

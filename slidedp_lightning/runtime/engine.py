@@ -59,7 +59,7 @@ def _trainable_note(trainable: int, frozen: int, stats: LedgerStats | None = Non
     note = f"{trainable:,} trainable, {frozen:,} frozen"
     if stats is not None and stats.frozen_params:
         note += (
-            f" (wholly frozen units: {stats.frozen_bytes_per_param:.2f} B/param, the rest "
+            f" (frozen: {stats.frozen_bytes_per_param:.2f} B/param, trainable: "
             f"{stats.trainable_bytes_per_param:.2f} B/param)"
         )
     return note
@@ -292,22 +292,20 @@ class SlideDPEngine:
         }
 
     def ledger_stats(self) -> LedgerStats:
-        """The size of this host's ledger and the memory it holds now, split into the wholly frozen units and the
-        rest."""
+        """The size of this host's ledger and the memory it holds now, split into the trainable parameters (with the
+        units' trainable prefixes) and the frozen ones (with the rest)."""
         g = self.ledger.geometry
-        params = [sum(s.numel for s in u.slots) for u in self.layout.units]
-        frozen = [u.index for u in self.layout.units if u.frozen]
-        trainable = [u.index for u in self.layout.units if not u.frozen]
+        trainable = self.layout.num_trainable
         return LedgerStats(
             nbytes=g.nbytes,
             num_params=self.layout.num_params,
             padded_params=self.layout.total,
             allocated_bytes=self.ledger.allocated_bytes(),
             copies=self.topology.ledger_copies,
-            trainable_params=sum(params[u] for u in trainable),
-            trainable_bytes=sum(g.unit_bytes(u) for u in trainable),
-            frozen_params=sum(params[u] for u in frozen),
-            frozen_bytes=sum(g.unit_bytes(u) for u in frozen),
+            trainable_params=trainable,
+            trainable_bytes=sum(g.unit_bytes(u.index, 0, u.trainable_extent) for u in self.layout.units),
+            frozen_params=self.layout.num_params - trainable,
+            frozen_bytes=sum(g.unit_bytes(u.index, u.trainable_extent) for u in self.layout.units),
         )
 
     # -- state (readers synchronize first; writers also evict every resident unit) ----------------------

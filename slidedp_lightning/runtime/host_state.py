@@ -225,7 +225,12 @@ class HostLedger:
         if start is None:
             return None
         whole = getattr(self, name)
-        return whole[start : start + self.geometry.unit_sizes[unit] // self.geometry.specs[name][1]]
+        return whole[start : start + self.geometry.unit_elems(name, unit) // self.geometry.specs[name][1]]
+
+    def extent(self, name: str, unit: int) -> int:
+        """Unit-relative elements ``[0, extent)`` that ``unit``'s range in region ``name`` covers (0: none; less than
+        the unit where its frozen parameters keep no moments or master, see ``LedgerGeometry.trainable_sizes``)."""
+        return self.geometry.unit_elems(name, unit)
 
     def np_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The four whole regions as numpy views (BF16 as raw uint16 bits); every unit must have every region."""
@@ -260,16 +265,33 @@ class HostLedger:
             for name in MOMENTS:
                 codes = self.region(name, u)
                 if codes is not None:
-                    codes[a:b].fill_(zero[name])
+                    codes[a : min(b, codes.numel())].fill_(zero[name])
 
     def weights(self, unit: int) -> torch.Tensor:
-        """The unit's weights in FP32: its master, or (no master) a copy converted from its BF16 copy."""
+        """The unit's weights in FP32: its master, or a copy of it with what the master does not cover (a frozen
+        unit or frozen tail keeping only its BF16 copy) converted from the BF16 copy."""
         master = self.region("master", unit)
-        if master is not None:
+        if master is not None and master.numel() == self.geometry.unit_sizes[unit]:
             return master
         bf16 = self.region("bf16", unit)
         assert bf16 is not None, "every unit keeps its master or its BF16 copy"
-        return bf16.float()
+        out = bf16.float()
+        if master is not None:
+            out[: master.numel()] = master
+        return out
+
+    def write_weights(self, unit: int, start: int, values: torch.Tensor) -> None:
+        """Write FP32 ``values`` at unit-relative ``start`` of ``unit``'s weights: into the master where it covers
+        them, into the BF16 copy (rounded) where it does not. The master's BF16 copy is not refreshed here."""
+        end = start + values.numel()
+        master = self.region("master", unit)
+        cut = min(max(master.numel() if master is not None else 0, start), end)
+        if cut > start:
+            master[start:cut].copy_(values[: cut - start])  # type: ignore[index]
+        if end > cut:
+            bf16 = self.region("bf16", unit)
+            assert bf16 is not None, "every unit keeps its master or its BF16 copy"
+            bf16[cut:end].copy_(values[cut - start :])
 
     def pin(self) -> bool:
         """Page-lock this process's mapping (``cudaHostRegister``) so H2D/D2H copies to and from it are async
@@ -294,9 +316,12 @@ class HostLedger:
         """Rewrite the BF16 transfer copy from the master (torch's conversion: round-to-nearest-even, the same
         bits as the update kernel's; runs on the calling thread with torch's threads, no Numba), everywhere or
         in ``ranges`` only: one ``[a, b)`` per unit in layout elements (``Unit.offset`` based; a host-sharded
-        ledger never touches the pages it does not own). Units without a master or a BF16 copy are skipped."""
+        ledger never touches the pages it does not own). Units without a master or a BF16 copy are skipped, and so
+        are the elements the master does not cover (their BF16 copy is their only one)."""
         g = self.geometry
-        whole = not g.regions_of_unit or all(g.has("master", u) and g.has("bf16", u) for u in range(g.num_units))
+        whole = not g.trainable_sizes and (
+            not g.regions_of_unit or all(g.has("master", u) and g.has("bf16", u) for u in range(g.num_units))
+        )
         if ranges is None and whole:
             self.bf16.copy_(self.master)
             return
@@ -309,7 +334,9 @@ class HostLedger:
         for u, ((a, b), start) in enumerate(zip(ranges, g.layout_offsets())):
             master, bf16 = self.region("master", u), self.region("bf16", u)
             if master is not None and bf16 is not None:
-                bf16[a - start : b - start].copy_(master[a - start : b - start])
+                lo, hi = a - start, min(b - start, master.numel())
+                if lo < hi:
+                    bf16[lo:hi].copy_(master[lo:hi])
 
     def mapping_address(self) -> int:
         """The address of the mapping's first byte (file offset 0)."""

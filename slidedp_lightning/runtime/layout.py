@@ -59,6 +59,19 @@ class Unit:
         return not self.trainable_slots
 
     @property
+    def trainable_extent(self) -> int:
+        """Unit-relative ``[0, E)`` that holds every trainable parameter: the ledger keeps moments (and, where the
+        device reads the BF16 copy, an FP32 master) for this range only. ``padded`` without frozen parameters, 0
+        when every parameter is frozen; with both, :func:`build_layout` lays the trainable ones out first and the
+        frozen ones from a ``SHARD_ALIGN`` boundary on, which is ``E`` (else ``padded``: nothing is left out)."""
+        if self.frozen:
+            return 0
+        if not self.has_frozen:
+            return self.padded
+        end = _round_up(max(s.end for s in self.slots if s.trainable), SHARD_ALIGN)
+        return end if all(s.trainable or s.offset >= end for s in self.slots) else self.padded
+
+    @property
     def shard_numel(self) -> int:
         return self.padded // self.world_size
 
@@ -124,7 +137,8 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
     memory geometry).
 
     Frozen parameters (``requires_grad=False``) keep their slot (the ledger holds their weights, see
-    ``host_state.unit_regions``) with ``trainable=False``. Raises :class:`UnsupportedModelError` for parameters outside
+    ``host_state.unit_regions``) with ``trainable=False``; in a unit with both kinds they come after the trainable
+    ones (:attr:`Unit.trainable_extent`). Raises :class:`UnsupportedModelError` for parameters outside
     every unit.
     """
     names = {id(p): n for n, p in root.named_parameters()}
@@ -133,18 +147,26 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
     units: list[Unit] = []
     offset = 0
     for spec in specs:
-        slots: list[ParamSlot] = []
-        pos = 0
+        params: list[nn.Parameter] = []
         for module in spec.modules:
             for p in module.parameters():
                 if id(p) in owner or id(p) not in names:
                     continue
                 owner[id(p)] = len(units)
-                pos = _round_up(pos, PARAM_ALIGN)
-                slots.append(
-                    ParamSlot(names[id(p)], tuple(p.shape), pos, p.numel(), tuple(locations[id(p)]), p.requires_grad)
-                )
-                pos += p.numel()
+                params.append(p)
+        # trainable parameters first; frozen ones (if any, beside trainable ones) from a shard boundary on
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        slots: list[ParamSlot] = []
+        pos = 0
+        for i, p in enumerate(trainable + frozen):
+            if i == len(trainable) > 0:  # the first frozen one after trainable ones
+                pos = _round_up(pos, SHARD_ALIGN)
+            pos = _round_up(pos, PARAM_ALIGN)
+            slots.append(
+                ParamSlot(names[id(p)], tuple(p.shape), pos, p.numel(), tuple(locations[id(p)]), p.requires_grad)
+            )
+            pos += p.numel()
         if not slots:
             continue
         padded = _round_up(max(pos, 1), world_size * SHARD_ALIGN)

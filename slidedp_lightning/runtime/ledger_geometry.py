@@ -68,6 +68,11 @@ class LedgerGeometry:
     unit_sizes: tuple[int, ...] = ()  # padded elements of each unit
     regions_of_unit: tuple[tuple[str, ...], ...] = ()  # the regions each unit has (empty: all of them)
     optimizer_state: str = "fp32"  # the moments' form: "fp32" or "int8" (codes + per-block scales)
+    # elements of each unit's trainable prefix (``Unit.trainable_extent``; empty: every unit whole): the moments
+    # cover only that prefix, and so does the master when ``trim_master`` (the device reads the BF16 copy, which
+    # alone keeps the frozen parameters' weights)
+    trainable_sizes: tuple[int, ...] = ()
+    trim_master: bool = False
 
     @property
     def specs(self) -> dict[str, tuple[torch.dtype, int]]:
@@ -87,6 +92,19 @@ class LedgerGeometry:
             )
         if self.regions_of_unit and len(self.regions_of_unit) != len(self.unit_sizes):
             raise ValueError("regions_of_unit needs one entry per unit of unit_sizes")
+        if self.trainable_sizes and (
+            len(self.trainable_sizes) != len(self.unit_sizes)
+            or any(t > n or t % QUANT_BLOCK for t, n in zip(self.trainable_sizes, self.unit_sizes))
+        ):
+            raise ValueError("trainable_sizes needs one QUANT_BLOCK multiple per unit, none above the unit's size")
+
+    def unit_elems(self, name: str, unit: int) -> int:
+        """Unit-relative elements that ``unit``'s range in region ``name`` covers, from the unit's start (0: none)."""
+        if not self.has(name, unit):
+            return 0
+        if self.trainable_sizes and name != "bf16" and (name != "master" or self.trim_master):
+            return self.trainable_sizes[unit]
+        return self.unit_sizes[unit]
 
     def has(self, name: str, unit: int) -> bool:
         """Whether ``unit`` has a range in region ``name``."""
@@ -98,10 +116,10 @@ class LedgerGeometry:
             raise ValueError("this ledger geometry does not describe its units (no unit_sizes)")
         out: list[int | None] = []
         pos = 0
-        for u, size in enumerate(self.unit_sizes):
+        for u in range(self.num_units):
             if self.has(name, u):
                 out.append(pos)
-                pos += self._elems(name, size)
+                pos += self._elems(name, self.unit_elems(name, u))
             else:
                 out.append(None)
         return tuple(out)
@@ -120,15 +138,18 @@ class LedgerGeometry:
             return 0
         if not self.unit_sizes:
             return self._elems(name, self.total)
-        return sum(self._elems(name, size) for u, size in enumerate(self.unit_sizes) if self.has(name, u))
+        return sum(self._elems(name, self.unit_elems(name, u)) for u in range(self.num_units))
 
     def itemsize(self, name: str) -> int:
         return torch.empty(0, dtype=self.dtype(name)).element_size()
 
-    def unit_bytes(self, unit: int) -> int:
-        """Bytes of every region range of ``unit`` (padding included, guards not)."""
-        size = self.unit_sizes[unit]
-        return sum(self._elems(r, size) * self.itemsize(r) for r in self.specs if self.has(r, unit))
+    def unit_bytes(self, unit: int, lo: int = 0, hi: int | None = None) -> int:
+        """Bytes of every region range of ``unit`` (padding included, guards not), of unit-relative ``[lo, hi)``
+        only when given (a QUANT_BLOCK multiple each)."""
+        hi = self.unit_sizes[unit] if hi is None else hi
+        return sum(
+            self._elems(r, max(0, min(hi, self.unit_elems(r, unit)) - lo)) * self.itemsize(r) for r in self.specs
+        )
 
     def _stamp_elems(self) -> int:
         r, u, k = self.world_size, self.num_units, self.staging_slots
@@ -159,9 +180,9 @@ class LedgerGeometry:
 class LedgerStats:
     """What one host's ledger holds, for reports and benchmarks (the public read interface of its size).
 
-    ``trainable_*`` counts the units with at least one trainable parameter (a partially frozen unit's frozen
-    parameters keep their moments, so they count here), ``frozen_*`` the wholly frozen units; their bytes are the
-    region ranges of those units, padding included (stamps, guards and staging are in ``nbytes`` only)."""
+    ``trainable_*`` counts the trainable parameters and the region ranges of the units' trainable prefixes
+    (``Unit.trainable_extent``), ``frozen_*`` the frozen parameters and the rest of the units' ranges, padding
+    included (stamps, guards and staging are in ``nbytes`` only)."""
 
     nbytes: int  # the file's size: every region, padding and guards included
     num_params: int  # model parameters it holds (each tied parameter once)

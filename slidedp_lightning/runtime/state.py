@@ -54,17 +54,21 @@ class LedgerState:
         """The ledger slot of a parameter of the streamed model (None for buffers and other tensors)."""
         return self._slot_of.get(id(tensor))
 
+    def _covered(self, where: Slot, region: str) -> bool:
+        """Whether the parameter's unit range in ``region`` holds it (not a frozen parameter left out of it)."""
+        return self.layout.units[where[0]].slots[where[1]].end <= self.ledger.extent(region, where[0])
+
     def _view(self, where: Slot, region: str) -> torch.Tensor | None:
-        """The parameter's elements in ``region`` (None when its unit has no range there)."""
+        """The parameter's elements in ``region`` (None when the region does not hold them: a wholly frozen unit, or
+        a frozen parameter beside trainable ones, keeps no moments, nor a master where the device reads BF16)."""
         slot = self.layout.units[where[0]].slots[where[1]]
         flat = self.ledger.region(region, where[0])
-        return None if flat is None else flat[slot.offset : slot.end].view(slot.shape)
-
-    def has_master(self, unit_index: int) -> bool:
-        return self.ledger.geometry.has("master", unit_index)
+        return (
+            None if flat is None or not self._covered(where, region) else flat[slot.offset : slot.end].view(slot.shape)
+        )
 
     def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
-        """The parameter's FP32 weights: a view of the master, or (a wholly frozen unit under bf16 compute, which
+        """The parameter's FP32 weights: a view of the master, or (a frozen parameter under bf16 compute, which
         keeps only its BF16 copy) an FP32 copy of its BF16 copy."""
         view = self._view((unit_index, slot_index), "master")
         if view is None:
@@ -79,10 +83,10 @@ class LedgerState:
 
     def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The parameter's Adam moments in FP32: views of the ledger, or with int8 moments dequantized copies;
-        None for a wholly frozen unit (it keeps none)."""
+        None for a frozen parameter (it keeps none)."""
         where = (unit_index, slot_index)
         if self.int8:
-            if self.ledger.region("exp_avg", unit_index) is None:
+            if not self._covered(where, "exp_avg"):
                 return None
             return self._dequantized(where, "exp_avg"), self._dequantized(where, "exp_avg_sq")
         m, v = self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
@@ -134,7 +138,7 @@ class LedgerState:
         for name in names:
             where = slots[name]
             out[f"model/{name}"] = self.master_view(*where)
-            if writing and not self.has_master(where[0]):
+            if writing and self._view(where, "master") is None:
                 self._pending.append((out[f"model/{name}"], self._view(where, "bf16")))  # type: ignore[arg-type]
             # what the ledger holds (int8: the 8-bit codes; their scales are in scale_tensors); none when frozen
             m, v = self._view(where, "exp_avg"), self._view(where, "exp_avg_sq")
@@ -147,9 +151,11 @@ class LedgerState:
         blocks up to its last parameter (keyed ``exp_avg_absmax/<unit name>``; the blocks start at the unit's start,
         so they are the same for every number of ranks). Empty under fp32 or for a wholly frozen unit."""
         unit = self.layout.units[unit_index]
-        if not self.int8 or self.ledger.region("exp_avg", unit_index) is None:
+        covered = self.ledger.extent("exp_avg", unit_index)
+        ends = [s.end for s in unit.slots if s.end <= covered]
+        if not self.int8 or not ends:
             return {}
-        blocks = -(-unit.slots[-1].end // QUANT_BLOCK)
+        blocks = -(-max(ends) // QUANT_BLOCK)
         lo, hi = 0, blocks
         if self.topology.host_sharded:
             per_host = self.topology.ranks_per_host * unit.shard_numel // QUANT_BLOCK
@@ -227,13 +233,13 @@ class LedgerState:
         if tuple(value.shape) != slot.shape:
             raise ValueError(f"{slot.name}: checkpoint shape {tuple(value.shape)} != model shape {slot.shape}.")
         if self.int8 and region in MOMENTS:
-            if self.ledger.region(region, where[0]) is not None:
+            if self._covered(where, region):
                 self._quantize_into(where, region, value)
             return
         view = self._view(where, region)
-        if view is None and region == "master":  # a unit keeping only its BF16 copy
+        if view is None and region == "master":  # a frozen parameter keeping only its BF16 copy
             view = self._view(where, "bf16")
-        if view is not None:  # no moments in a wholly frozen unit: nothing to restore there
+        if view is not None:  # no moments for a frozen parameter: nothing to restore there
             view.copy_(value.reshape(slot.shape))
 
     def _barrier(self) -> None:

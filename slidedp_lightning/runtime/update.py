@@ -340,7 +340,11 @@ class UpdateLane:
 
     def _kernels8(self, task: UpdateTask, arrays: dict, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """int8 moments: one fused call over unit-relative [c0, c1) (c0 on a QUANT_BLOCK boundary) with its
-        param-group runs as segments; frozen runs are left out (their weights stay, their zero moments too)."""
+        param-group runs as segments; frozen runs are left out (their weights stay, their zero moments too), and so
+        is a frozen tail that keeps no moments (``Unit.trainable_extent``)."""
+        covered = arrays["exp_avg"].shape[0] if arrays["exp_avg"] is not None else 0
+        if c1 > covered:
+            grad, c1 = grad[..., : max(covered - c0, 0)], max(covered, c0)
         segments = [
             (max(sa, c0) - c0, min(sb, c1) - c0, g)
             for sa, sb, g in self.segments[task.unit]

@@ -95,6 +95,11 @@ CASES = {
     "tied-freeze-embeddings-host_reduce": (True, {"freeze": ["model.embed_tokens."], "grad_route": "host_reduce"}),
     "untied-freeze-embeddings-sharded": (False, {"freeze": ["model.embed_tokens."], "param_route": "sharded"}),
     "untied-freeze-middle-block": (False, {"freeze": ["model.layers.1."], "layers": 3}),
+    # a frozen part of a block beside trainable parameters: laid out last in the unit, no moments kept for it
+    "untied-freeze-attention-of-block0-sharded": (
+        False,
+        {"freeze": ["model.layers.0.self_attn."], "param_route": "sharded"},
+    ),
     "untied-freeze-middle-block-sharded-host_reduce": (
         False,
         {"freeze": ["model.layers.1."], "layers": 3, "param_route": "sharded", "grad_route": "host_reduce"},

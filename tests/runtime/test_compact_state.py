@@ -188,8 +188,9 @@ def test_options_reach_the_engine_config() -> None:
 
 @pytest.mark.parametrize("bf16_copy", [True, False])
 def test_int8_with_frozen_parameters(bf16_copy: bool) -> None:
-    """A wholly frozen block (no moments, no scales) and frozen parameters inside trained units (their codes and
-    scales kept, their runs left out of the 8-bit kernel's segments): frozen weights stay, the rest trains."""
+    """A wholly frozen block (no moments, no scales) and a frozen parameter inside a trained unit (laid out after the
+    trainable ones, beyond the unit's codes and scales; its BF16 copy is its only copy when kept): frozen weights
+    stay, the rest trains."""
     model = tiny_model(False, layers=3)
     model.model.layers[1].requires_grad_(False)
     model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
@@ -202,6 +203,11 @@ def test_int8_with_frozen_parameters(bf16_copy: bool) -> None:
         for region in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
             assert engine.ledger.region(region, unit.index) is None, region
         assert (engine.ledger.region("bf16", unit.index) is not None) == bf16_copy
+        block0 = next(u for u in engine.layout.units if u.has_frozen and not u.frozen)
+        assert block0.slots[-1].name.endswith("q_proj.weight") and block0.trainable_extent < block0.padded
+        for region in ("exp_avg", "exp_avg_sq"):
+            assert engine.ledger.extent(region, block0.index) == block0.trainable_extent
+        assert engine.ledger.extent("master", block0.index) == (block0.trainable_extent if bf16_copy else block0.padded)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
         engine.attach_optimizer(opt)
         losses = []
@@ -215,11 +221,7 @@ def test_int8_with_frozen_parameters(bf16_copy: bool) -> None:
         weights = engine.state_dict()
         for name in initial:
             if name in frozen:
-                want = (
-                    initial[name].to(torch.bfloat16).float()
-                    if name.startswith("model.layers.1.") and bf16_copy
-                    else initial[name]
-                )
+                want = initial[name].to(torch.bfloat16).float() if bf16_copy else initial[name]
                 assert torch.equal(weights[name], want), name
             elif name.endswith("proj.weight"):
                 assert not torch.equal(weights[name], initial[name]), f"{name} did not train"

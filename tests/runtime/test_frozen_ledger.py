@@ -1,6 +1,7 @@
-"""The ledger of frozen parameters: a wholly frozen unit keeps no Adam moments and a single copy of its weights
-(the BF16 copy under bf16 compute, the FP32 master under FP32), reported apart in ``engine.ledger_stats()``; its
-weights still reach state dicts, checkpoints and exports."""
+"""The ledger of frozen parameters: no Adam moments for them, and a wholly frozen unit keeps a single copy of its
+weights (the BF16 copy under bf16 compute, the FP32 master under FP32), as do frozen parameters beside trainable
+ones under bf16 compute; reported apart in ``engine.ledger_stats()``; their weights still reach state dicts,
+checkpoints and exports."""
 
 from __future__ import annotations
 
@@ -75,6 +76,46 @@ def test_a_wholly_frozen_unit_keeps_one_copy_of_its_weights(dtype: torch.dtype, 
         engine.close(restore=False)
 
 
+@pytest.mark.parametrize(("dtype", "per_param"), [(torch.bfloat16, 2), (torch.float32, 6)])
+def test_frozen_parameters_beside_trainable_ones_keep_no_moments(dtype: torch.dtype, per_param: int) -> None:
+    """A block whose MLP is frozen (as a LoRA block's base weights are): the trainable parameters come first in the
+    unit, and its moments (and, under bf16 compute, its FP32 master) end where they do; the frozen MLP keeps its BF16
+    copy only under bf16 compute (its master and the BF16 copy under FP32, where the device reads the master)."""
+    model = aligned_model()
+    model.model.layers[1].mlp.requires_grad_(False)
+    weights = {n: t.clone() for n, t in model.state_dict().items()}
+    engine = engine_of(model, dtype)
+    try:
+        unit = next(u for u in engine.layout.units if u.has_frozen)
+        assert not unit.frozen and [s.trainable for s in unit.slots] == sorted(
+            (s.trainable for s in unit.slots), reverse=True
+        ), "trainable parameters first"
+        extent = unit.trainable_extent
+        frozen = [s for s in unit.slots if not s.trainable]
+        assert extent == frozen[0].offset and extent % 1024 == 0 and extent < unit.padded
+        assert frozen[-1].end == unit.padded, "the test model is meant to have no padding"
+        for region in ("exp_avg", "exp_avg_sq"):
+            assert engine.ledger.extent(region, unit.index) == extent
+        assert engine.ledger.extent("master", unit.index) == (extent if dtype == torch.bfloat16 else unit.padded)
+        assert engine.ledger.extent("bf16", unit.index) == unit.padded
+        stats = engine.ledger_stats()
+        assert stats.frozen_params == sum(s.numel for s in frozen)
+        assert stats.frozen_bytes == per_param * (unit.padded - extent)
+        assert stats.trainable_bytes == 14 * (stats.padded_params - (unit.padded - extent))
+        opt = adamw(model)
+        engine.attach_optimizer(opt)
+        _train(engine, model, opt, token_batches(2, 2, 16, vocab=256))
+        after = engine.state_dict()
+        for name, value in after.items():
+            if ".layers.1.mlp." in name:  # untouched: the BF16 copy of the initial weights under bf16 compute
+                want = weights[name].to(torch.bfloat16).float() if dtype == torch.bfloat16 else weights[name]
+                assert torch.equal(value, want), name
+            elif name.endswith("proj.weight"):
+                assert not torch.equal(value, weights[name]), f"{name} did not train"
+    finally:
+        engine.close(restore=False)
+
+
 def _train(engine: SlideDPEngine, model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> list[float]:
     losses = []
     for x in batches:
@@ -87,13 +128,15 @@ def _train(engine: SlideDPEngine, model: torch.nn.Module, opt: torch.optim.Optim
 
 
 def test_frozen_weights_without_a_master_reach_checkpoints_and_exports_and_resume(tmp_path) -> None:
-    """bf16 compute, frozen embeddings and a frozen middle block: the checkpoint holds their weights (the BF16 copy
-    in FP32) and no moments for them; a fresh engine loading it continues exactly as the one that saved it."""
+    """bf16 compute, frozen embeddings, a frozen middle block and the frozen MLP of the first block: the checkpoint
+    holds their weights (the BF16 copy in FP32) and no moments for them; a fresh engine loading it continues exactly
+    as the one that saved it."""
 
     def frozen_model(seed: int) -> torch.nn.Module:
         model = aligned_model(seed=seed)
         model.model.embed_tokens.requires_grad_(False)
         model.model.layers[1].requires_grad_(False)
+        model.model.layers[0].mlp.requires_grad_(False)
         return model
 
     model = frozen_model(0)

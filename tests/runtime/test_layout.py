@@ -110,6 +110,15 @@ def test_frozen_parameter_keeps_its_slot_untrainable() -> None:
     unit = next(u for u in layout.units if u.name == "layers.1")
     assert unit.has_frozen and not unit.frozen and unit.trainable_slots == len(unit.slots) - 1
     assert layout.num_trainable == layout.num_params - model.model.layers[1].mlp.up_proj.weight.numel()
+    # laid out after every trainable parameter of its unit, from a shard boundary on: the trainable prefix
+    assert unit.slots[-1].name == "model.layers.1.mlp.up_proj.weight"
+    assert unit.trainable_extent == unit.slots[-1].offset and unit.trainable_extent % SHARD_ALIGN == 0
+    assert all(s.end <= unit.trainable_extent for s in unit.slots[:-1])
+    assert [s.offset for s in unit.slots] == sorted(s.offset for s in unit.slots)
+    others = [u for u in layout.units if u is not unit]
+    assert all(u.trainable_extent == u.padded for u in others)
+    model.model.layers[0].requires_grad_(False)
+    assert next(u for u in layout_of(model).units if u.name == "layers.0").trainable_extent == 0
 
 
 class Wrapper(nn.Module):
