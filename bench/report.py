@@ -112,6 +112,34 @@ class BenchReport:
     def add(self, m: Measurement) -> None:
         self.measurements.append(m)
 
+    def interleaved_medians(
+        self, benchmark, suite: str, size_m: int, threads: int, cases: dict, rounds: int
+    ) -> dict[str, float]:
+        """Time every case of ``cases`` (name -> (call, bytes per param)) once per round, in an order that rotates
+        by one each round, for ``rounds`` rounds after one warm-up round (pytest-benchmark's ``pedantic``); records
+        each case's median and returns the medians (seconds) by name."""
+        import time
+
+        import numpy as np
+
+        order = list(cases)
+        times: dict[str, list[float]] = defaultdict(list)
+
+        def one_round() -> None:
+            for name in order:
+                t0 = time.perf_counter()
+                cases[name][0]()
+                times[name].append(time.perf_counter() - t0)
+            order.append(order.pop(0))
+
+        benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=1, iterations=1)
+        medians = {}
+        for name, (_, nbytes) in cases.items():
+            measured = times[name][1:]  # the first call was the warm-up round
+            medians[name] = float(np.median(measured))
+            self.add(Measurement(suite, name, size_m, threads, medians[name], nbytes, len(measured)))
+        return medians
+
     def ratio(self, r: Ratio) -> None:
         self.ratios.append(r)
 

@@ -14,14 +14,12 @@ recorded: 8-bit >= 0.9x its ceiling and faster than FP32, in parameters per seco
 from __future__ import annotations
 
 import gc
-import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from bench.report import Measurement, Ratio
+from bench.report import Ratio
 from bench.test_cpu_adam import aligned
 from cpu_ops import (
     QUANT_BLOCK,
@@ -107,23 +105,8 @@ def test_adamw8_kernel(benchmark, bench_report, bench_rounds, size_m, threads):
     kernel_warmup(sum_rows=(2,), adam8=True)
     buffers = Buffers(n)
     cases = build_cases(buffers)
-    order = list(cases)
-    times: dict[str, list[float]] = defaultdict(list)
-
-    def one_round(cases: dict = cases) -> None:
-        for name in order:
-            t0 = time.perf_counter()
-            cases[name][0]()
-            times[name].append(time.perf_counter() - t0)
-        order.append(order.pop(0))
-
     benchmark.group = f"{SUITE} {size_m}M x{threads}T"
-    benchmark.pedantic(one_round, rounds=bench_rounds, warmup_rounds=1, iterations=1)
-    medians = {}
-    for name, (_, nbytes) in cases.items():
-        measured = times[name][1:]  # the first call was the warm-up round
-        medians[name] = float(np.median(measured))
-        bench_report.add(Measurement(SUITE, name, size_m, threads, medians[name], nbytes, len(measured)))
+    medians = bench_report.interleaved_medians(benchmark, SUITE, size_m, threads, cases, bench_rounds)
     missed = []
     for label, num, den, target in RATIOS:
         value = medians[den] / medians[num]  # throughput ratio = time ratio inverted

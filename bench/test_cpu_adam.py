@@ -10,8 +10,6 @@ Needs threadpoolctl (the suite is skipped without it) and, for the DeepSpeedCPUA
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 import torch
 
 from bench.baselines.runner import BENCH_EXTRA
-from bench.report import Measurement, Ratio
+from bench.report import Ratio
 from cpu_ops import adam_shaped_copy, adamw_update, adamw_update_sum, physical_cores, set_kernel_threads
 from cpu_ops import warmup as kernel_warmup
 from slidedp_lightning.constants import update_bytes_per_param as bpp
@@ -199,24 +197,8 @@ def test_cpu_adam(benchmark, bench_report, bench_rounds, size_m, threads):
         kernel_warmup(sum_rows=(2, 4))
         buffers = Buffers(n)
         cases = build_cases(buffers)
-        order = list(cases)
-        times: dict[str, list[float]] = defaultdict(list)
-
-        def one_round(cases: dict = cases) -> None:
-            for name in order:
-                fn = cases[name][0]
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-            order.append(order.pop(0))
-
         benchmark.group = f"cpu_adam {size_m}M x{threads}T"
-        benchmark.pedantic(one_round, rounds=bench_rounds, warmup_rounds=1, iterations=1)
-    medians = {}
-    for name, (_, nbytes) in cases.items():
-        measured = times[name][1:]  # the first call was the warm-up round
-        medians[name] = float(np.median(measured))
-        bench_report.add(Measurement(SUITE, name, size_m, threads, medians[name], nbytes, len(measured)))
+        medians = bench_report.interleaved_medians(benchmark, SUITE, size_m, threads, cases, bench_rounds)
     for label, num, den, target, sizes, thread_counts in RATIOS:
         if num in medians and den in medians:
             applies = (sizes is None or size_m in sizes) and (thread_counts is None or threads in thread_counts)
