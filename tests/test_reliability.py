@@ -51,6 +51,20 @@ def collective_threads() -> list[str]:
     return sorted(names)
 
 
+def settled_threads(timeout_s: float = 10.0) -> list[str]:
+    """:func:`collective_threads` once it stops changing: a gloo group starts some of its threads after its first
+    collective has returned, and a destroyed one's end shortly after."""
+    deadline = time.monotonic() + timeout_s
+    last = collective_threads()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = collective_threads()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 # -- A: process groups ---------------------------------------------------------------------------------------
 
 
@@ -94,16 +108,16 @@ def test_destroy_groups_ends_the_threads_of_the_runtimes_groups(monkeypatch) -> 
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     dist.all_reduce(torch.ones(2))  # the default group's threads start with its first collectives
-    with_world = collective_threads()
+    with_world = settled_threads()
     group = dist.new_group([0])
     dist.all_reduce(torch.ones(2), group=group)
     topo = Topology(param_group=group, created=(group,))
     del group
-    assert len(collective_threads()) > len(with_world)
+    assert len(settled_threads()) > len(with_world)
     released = topo.destroy_groups()
     del topo
     assert released.param_group is None and released.created == ()
-    assert collective_threads() == with_world
+    assert settled_threads() == with_world
     released.destroy_groups()  # nothing left to destroy: no error
 
 
