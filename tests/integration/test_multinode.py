@@ -15,10 +15,20 @@ pytestmark = pytest.mark.slow  # multi-process jobs
 
 
 @pytest.fixture(scope="module")
-def reference(job_runner):
-    ref = job_runner("ref_ddp_4ranks", strategy="ddp", devices=4, tied=True, steps=STEPS, batch=BATCH)
-    assert ref.returncode == 0, ref.output[-3000:]
-    return ref
+def references(job_runner):
+    """DDP over 4 ranks, one job per set of frozen parameters (run when first asked for)."""
+    done: dict[tuple[str, ...], object] = {}
+
+    def get(freeze: tuple[str, ...] = ()):
+        if freeze not in done:
+            extra = {"freeze": list(freeze)} if freeze else {}
+            name = "ref_ddp_4ranks" + ("_frozen" if freeze else "")
+            ref = job_runner(name, strategy="ddp", devices=4, tied=True, steps=STEPS, batch=BATCH, **extra)
+            assert ref.returncode == 0, ref.output[-3000:]
+            done[freeze] = ref
+        return done[freeze]
+
+    return get
 
 
 LAYOUTS = {
@@ -26,14 +36,20 @@ LAYOUTS = {
     "replicated-full": ({"param_route": "full"}, 1.0),
     "replicated-sharded-chunks": ({"param_route": "sharded", "chunk_bytes": 4096}, 1.0),
     "host-sharded": ({"param_route": "sharded", "host_layout": "sharded"}, 0.5),
+    # a frozen part of a block: its unit's moments cover the trainable prefix, which lies on the first host only
+    "host-sharded-frozen-attention": (
+        {"param_route": "sharded", "host_layout": "sharded", "freeze": ["model.layers.0.self_attn."]},
+        0.5,
+    ),
 }
 
 
 @pytest.mark.integration
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the test reads the checkpoint in one process
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_nodes_of_two_ranks_equal_ddp_on_four(tmp_path, reference, layout):
+def test_two_nodes_of_two_ranks_equal_ddp_on_four(tmp_path, references, layout):
     knobs, share = LAYOUTS[layout]
+    reference = references(tuple(knobs.get("freeze", ())))
     host_sharded = knobs.get("host_layout") == "sharded"
     if host_sharded:  # no host holds whole weights to restore: a checkpoint after the last step has them
         knobs = {**knobs, "save_at": STEPS}
