@@ -85,7 +85,12 @@ class LedgerFile:
         file = cls(fd, kind, nbytes)
         if share:
             file._serve()
-        log.info("SlideDP ledger file: an unnamed %s of %d bytes, never linked to a name", kind, nbytes)
+        log.info(
+            "SlideDP ledger file: an unnamed %s of %d bytes, never linked to a name; %s",
+            kind,
+            nbytes,
+            pages_note(huge_page_policy(fd)),
+        )
         return file
 
     def handle(self) -> LedgerHandle:
@@ -197,3 +202,46 @@ def _receive(handle: LedgerHandle) -> int:
         os.close(fds[0])
         raise ConnectionRefusedError(errno.ECONNREFUSED, "the descriptor received is not the ledger file")
     return fds[0]
+
+
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def huge_page_policy(fd: int) -> str | None:
+    """The transparent-huge-page policy of the shared-memory file ``fd``: its tmpfs mount's ``huge=`` option
+    (``never`` when absent), or for a memfd the host's ``shmem_enabled``; the host's ``force`` or ``deny`` wins over
+    either. None where the file is not on tmpfs or the kernel does not say."""
+    try:
+        with open(SHMEM_ENABLED) as f:
+            host = next((w.strip("[]") for w in f.read().split() if w.startswith("[")), None)
+    except OSError:
+        host = None
+    if host in ("force", "deny"):
+        return host
+    st = os.fstat(fd)
+    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    for fields in mounts:
+        if fields[2] != device or "-" not in fields:
+            continue
+        fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        if fstype != "tmpfs":
+            return None
+        return next((o.split("=", 1)[1] for o in options if o.startswith("huge=")), "never")
+    return host  # not among this process's mounts: the kernel's internal one (a memfd)
+
+
+def pages_note(policy: str | None) -> str:
+    """The log's words on the ledger's pages: with 4 KiB pages a large fill is bound by page faults."""
+    if policy in ("always", "within_size", "force"):
+        return f"huge pages ({policy})"
+    if policy is None:
+        return "page size unknown"
+    return (
+        f"4 KiB pages (huge={policy}): a tmpfs mounted with huge=within_size, named by SLIDEDP_SHM_DIR, fills a "
+        "large ledger faster (docs/PERFORMANCE.md, loading a pretrained checkpoint)"
+    )

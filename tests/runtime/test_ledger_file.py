@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -181,3 +182,30 @@ def test_a_killed_creator_leaves_nothing() -> None:
         proc.kill()
         proc.wait(timeout=30)
         assert used_bytes(directory) == base and os.listdir(directory) == []
+
+
+@pytest.mark.parametrize("huge", [None, "within_size"])
+def test_the_log_says_whether_the_ledger_gets_huge_pages(caplog, huge: str | None) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a private tmpfs needs root")
+    directory = tempfile.mkdtemp(prefix="slidedp-huge-")
+    options = "size=64m" + (f",huge={huge}" if huge else "")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "none", directory], capture_output=True).returncode:
+        os.rmdir(directory)
+        pytest.skip("cannot mount a private tmpfs")
+    try:
+        with caplog.at_level(logging.INFO, logger=ledger_file.__name__):
+            file = LedgerFile.create(directory, 4 << 20, "slidedp-test", share=False)
+        try:
+            policy = ledger_file.huge_page_policy(file.fd)  # type: ignore[arg-type]
+        finally:
+            file.close()
+        host = open(ledger_file.SHMEM_ENABLED).read() if os.path.exists(ledger_file.SHMEM_ENABLED) else ""
+        if "[force]" in host or "[deny]" in host:
+            pytest.skip(f"the host's shmem_enabled decides: {host.strip()}")
+        assert policy == (huge or "never")
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert ("huge pages (within_size)" if huge else "4 KiB pages (huge=never)") in said, said
+    finally:
+        subprocess.run(["umount", "-l", directory], check=False)
+        os.rmdir(directory)
