@@ -89,7 +89,7 @@ class LedgerFile:
             "SlideDP ledger file: an unnamed %s of %d bytes, never linked to a name; %s",
             kind,
             nbytes,
-            pages_note(huge_page_policy(fd)),
+            pages_note(huge_page_policy(fd), nbytes),
         )
         return file
 
@@ -235,13 +235,19 @@ def huge_page_policy(fd: int) -> str | None:
     return host  # not among this process's mounts: the kernel's internal one (a memfd)
 
 
-def pages_note(policy: str | None) -> str:
-    """The log's words on the ledger's pages: with 4 KiB pages a large fill is bound by page faults."""
+HINT_BYTES = 1 << 30  # from this ledger size on, the log says how to get huge pages
+
+
+def pages_note(policy: str | None, nbytes: int) -> str:
+    """The log's words on the ledger's pages: with 4 KiB pages the fill of a large ledger is bound by page faults."""
     if policy in ("always", "within_size", "force"):
         return f"huge pages ({policy})"
     if policy is None:
         return "page size unknown"
-    return (
-        f"4 KiB pages (huge={policy}): a tmpfs mounted with huge=within_size, named by SLIDEDP_SHM_DIR, fills a "
-        "large ledger faster (docs/PERFORMANCE.md, loading a pretrained checkpoint)"
-    )
+    note = f"4 KiB pages (huge={policy})"
+    if nbytes >= HINT_BYTES:
+        note += (
+            ": a tmpfs mounted with huge=within_size, named by SLIDEDP_SHM_DIR, fills a large ledger faster "
+            "(docs/PERFORMANCE.md, loading a pretrained checkpoint)"
+        )
+    return note

@@ -206,6 +206,8 @@ def test_the_log_says_whether_the_ledger_gets_huge_pages(caplog, huge: str | Non
         assert policy == (huge or "never")
         said = " ".join(r.getMessage() for r in caplog.records)
         assert ("huge pages (within_size)" if huge else "4 KiB pages (huge=never)") in said, said
+        assert "SLIDEDP_SHM_DIR" not in said, "a small ledger gets no advice"
+        assert "SLIDEDP_SHM_DIR" in ledger_file.pages_note("never", ledger_file.HINT_BYTES)
     finally:
         subprocess.run(["umount", "-l", directory], check=False)
         os.rmdir(directory)
