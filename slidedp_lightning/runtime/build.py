@@ -267,7 +267,7 @@ class InitialWeights:
             if ranges is None:
                 for unit in self.layout.units:
                     master = ledger.region("master", unit.index)
-                    if master is not None and master.numel() == unit.padded:
+                    if master is not None and ledger.extent("master", unit.index) == unit.padded:
                         self._copy_unit(unit, master)
                     else:  # frozen weights that only the BF16 copy keeps
                         flat = torch.zeros(unit.padded)
@@ -358,7 +358,7 @@ class InitialWeights:
             for u, pieces in work:
                 ledger.clear_moments([ranges[i] if i == u else (ranges[i][0], ranges[i][0]) for i in range(len(units))])
                 master, bf16 = ledger.region("master", u), ledger.region("bf16", u)
-                covered = master.numel() if master is not None else 0  # beyond: frozen weights, BF16 copy only
+                covered = ledger.extent("master", u)  # beyond: frozen weights, BF16 copy only
                 for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
                     lo -= units[u].offset
                     out = master[lo : lo + n] if lo + n <= covered else torch.empty(n)  # type: ignore[index]
