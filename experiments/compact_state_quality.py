@@ -10,6 +10,7 @@ and task, with the same seed, data order and schedule:
 Tasks: the main job's ``reverse`` (12 of 60 symbols) and a harder ``sort`` (24 of 60 symbols).
 
     python experiments/compact_state_quality.py --steps 600 --out /tmp/compact   # all runs, table, plot
+    python experiments/compact_state_quality.py --tasks sort --modes exact int8 --seeds 1234 1 2  # seed spread
     python experiments/compact_state_quality.py run --mode int8 --task sort ...   # one run (re-run per rank)
 
 The driver prints a markdown table (final val loss and answer accuracy, relative to ``exact``) and writes
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ MODES: dict[str, dict[str, Any]] = {
     "int8": {"optimizer_state": "int8", "bf16_copy": True},
     "int8-nocopy": {"optimizer_state": "int8", "bf16_copy": False},
 }
+DEFAULT_SEED = 1234
 TASKS: dict[str, dict[str, int | str]] = {
     "reverse": {"task": "reverse", "num_symbols": 60, "length": 12},
     "sort": {"task": "sort", "num_symbols": 60, "length": 24},
@@ -112,49 +115,76 @@ def run_one(args: argparse.Namespace) -> int:
     return 0
 
 
+def _result_path(out: str, task: str, mode: str, seed: int) -> str:
+    return os.path.join(out, f"{task}-{mode}.json" if seed == DEFAULT_SEED else f"{task}-{mode}-seed{seed}.json")
+
+
 def drive(args: argparse.Namespace) -> int:
-    """Every (task, mode) job in a subprocess, then the table and the plot."""
+    """Every (task, mode, seed) job in a subprocess, then the table and the plot."""
     os.makedirs(args.out, exist_ok=True)
-    results: dict[tuple[str, str], dict[str, Any]] = {}
-    for task in args.tasks:
-        for mode in args.modes:
-            path = os.path.join(args.out, f"{task}-{mode}.json")
-            if args.reuse and os.path.exists(path):
+    results: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for seed in args.seeds:
+        for task in args.tasks:
+            for mode in args.modes:
+                path = _result_path(args.out, task, mode, seed)
+                if args.reuse and os.path.exists(path):
+                    with open(path) as f:
+                        results[task, mode, seed] = json.load(f)
+                    continue
+                cmd = [sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--task", task]
+                cmd += ["--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(seed), "--results", path]
+                print(f"[{time.strftime('%H:%M:%S')}] {task} / {mode} / seed {seed}", flush=True)
+                with open(path[: -len(".json")] + ".log", "w") as log:
+                    code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                if code != 0:
+                    print(f"{task} / {mode} / seed {seed} failed (exit {code}); see {log.name}", file=sys.stderr)
+                    return 1
                 with open(path) as f:
-                    results[task, mode] = json.load(f)
-                continue
-            cmd = [sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--task", task]
-            cmd += ["--steps", str(args.steps), "--lr", str(args.lr), "--seed", str(args.seed), "--results", path]
-            print(f"[{time.strftime('%H:%M:%S')}] {task} / {mode}", flush=True)
-            with open(os.path.join(args.out, f"{task}-{mode}.log"), "w") as log:
-                code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-            if code != 0:
-                print(f"{task} / {mode} failed (exit {code}); see {log.name}", file=sys.stderr)
-                return 1
-            with open(path) as f:
-                results[task, mode] = json.load(f)
-    print()
-    print("| task | mode | ledger B/param | final val loss | vs exact | answer accuracy | vs exact (points) | fit |")
-    print("|---|---|---|---|---|---|---|---|")
-    worst_loss, worst_acc = 0.0, 0.0
-    for task in args.tasks:
-        ref = results[task, "exact"] if (task, "exact") in results else None
-        for mode in args.modes:
-            r = results[task, mode]
-            rel = (r["val_loss"] / ref["val_loss"] - 1) * 100 if ref else float("nan")
-            pts = (r["val_acc"] - ref["val_acc"]) * 100 if ref else float("nan")
-            if mode != "exact":
-                worst_loss, worst_acc = max(worst_loss, rel), max(worst_acc, -pts)
-            print(
-                f"| {task} | {mode} | {r['ledger_bytes_per_param']:.2f} | {r['val_loss']:.3g} | {rel:+.2f} % | "
-                f"{r['val_acc']:.4f} | {pts:+.2f} | {r['fit_s']:.0f} s |"
-            )
-    print(f"\nworst compact mode: val loss {worst_loss:+.2f} % vs exact, accuracy {-worst_acc:+.2f} points")
+                    results[task, mode, seed] = json.load(f)
+    _table(results, args)
     _plot(results, args)
     return 0
 
 
-def _plot(results: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespace) -> None:
+def _table(results: dict[tuple[str, str, int], dict[str, Any]], args: argparse.Namespace) -> None:
+    """Per seed: each mode against exact AdamW of the same seed; then the means over the seeds."""
+    print()
+    print(
+        "| task | mode | seed | ledger B/param | final val loss | vs exact | answer accuracy | vs exact (points) | fit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for task in args.tasks:
+        for mode in args.modes:
+            for seed in args.seeds:
+                r, ref = results[task, mode, seed], results[task, "exact", seed]
+                rel = (r["val_loss"] / ref["val_loss"] - 1) * 100
+                pts = (r["val_acc"] - ref["val_acc"]) * 100
+                print(
+                    f"| {task} | {mode} | {seed} | {r['ledger_bytes_per_param']:.2f} | {r['val_loss']:.3g} | "
+                    f"{rel:+.2f} % | {r['val_acc']:.4f} | {pts:+.2f} | {r['fit_s']:.0f} s |"
+                )
+    if len(args.seeds) < 2:
+        return
+    print(f"\nmeans over seeds {', '.join(map(str, args.seeds))}:\n")
+    print(
+        "| task | mode | mean val loss | vs exact | spread over seeds (max/min - 1) | mean accuracy | vs exact (points) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for task in args.tasks:
+        ref_loss = statistics.fmean(results[task, "exact", s]["val_loss"] for s in args.seeds)
+        ref_acc = statistics.fmean(results[task, "exact", s]["val_acc"] for s in args.seeds)
+        for mode in args.modes:
+            losses = [results[task, mode, s]["val_loss"] for s in args.seeds]
+            acc = statistics.fmean(results[task, mode, s]["val_acc"] for s in args.seeds)
+            loss = statistics.fmean(losses)
+            print(
+                f"| {task} | {mode} | {loss:.3g} | {(loss / ref_loss - 1) * 100:+.2f} % | "
+                f"{(max(losses) / min(losses) - 1) * 100:.1f} % | {acc:.4f} | {(acc - ref_acc) * 100:+.2f} |"
+            )
+
+
+def _plot(results: dict[tuple[str, str, int], dict[str, Any]], args: argparse.Namespace) -> None:
+    """Loss curves of the first seed, every mode, one panel per task."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,14 +193,16 @@ def _plot(results: dict[tuple[str, str], dict[str, Any]], args: argparse.Namespa
     fig, axes = plt.subplots(1, len(args.tasks), figsize=(6 * len(args.tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], args.tasks):
         for mode in args.modes:
-            r = results[task, mode]
+            r = results[task, mode, args.seeds[0]]
             steps, losses = zip(*r["train"])
             (line,) = ax.plot(steps, losses, lw=0.8, alpha=0.8, label=f"{mode} (train)")
             if r["val"]:
                 vs, vl, _ = zip(*r["val"])
                 ax.plot(vs, vl, "o--", color=line.get_color(), ms=4, label=f"{mode} (val)")
         spec = TASKS[task]
-        ax.set_title(f"{spec['task']} {spec['length']} of {spec['num_symbols']} symbols, 2 ranks, bf16-mixed")
+        ax.set_title(
+            f"{spec['task']} {spec['length']} of {spec['num_symbols']} symbols, 2 ranks, bf16-mixed, seed {args.seeds[0]}"
+        )
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (answer tokens)")
         ax.set_yscale("log")
@@ -191,7 +223,10 @@ def main() -> int:
     p.add_argument("--tasks", nargs="+", choices=tuple(TASKS), default=list(TASKS))
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="the seed of one run")
+    p.add_argument(
+        "--seeds", nargs="+", type=int, default=[DEFAULT_SEED], help="the driver's seeds, every job per seed"
+    )
     p.add_argument("--results", default="results.json")
     p.add_argument("--out", default="runs/compact_state_quality")
     p.add_argument("--timeout", type=float, default=1800)

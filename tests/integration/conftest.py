@@ -79,6 +79,15 @@ def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, 
     return JobResult(proc.returncode, output, tmp, config.devices)
 
 
+def variant_result(job: JobResult, name: str) -> JobResult:
+    """One variant's outputs inside a variants job, as a job result of its own (a variant that failed wrote its
+    traceback to ``error.txt`` and the job ran the others on)."""
+    out = job.out / name
+    error = out / "error.txt"
+    ok = not error.exists() and (out / "final_state.pt").exists()
+    return JobResult(0 if ok else 1, error.read_text() if error.exists() else job.output, out, job.ranks)
+
+
 def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
     """One job over ``nodes`` "hosts" on this machine: a launcher per node (its own NODE_RANK, so its own ledger),
     ``cfg["devices"]`` ranks each, one rendezvous."""
@@ -129,3 +138,9 @@ def job_runner(tmp_path_factory):
         return cache[name]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def trace_dir(tmp_path_factory) -> str:
+    """Where the traced case of the equivalence suite writes its lane trace (one folder per session)."""
+    return str(tmp_path_factory.mktemp("trace"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.conftest import JobResult, shm_files
+from tests.integration.conftest import shm_files, variant_result
 from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
 
 pytestmark = [
@@ -28,15 +28,6 @@ VARIANTS = {
     "auto": {"param_route": "auto", "grad_route": "auto", "chunk_bytes": "auto", "activation_policy": "auto"},
 }
 COMMON = dict(accelerator="cuda", devices=1, tied=True, steps=STEPS, batch=BATCH, distributed_sampler=False)
-
-
-def variant_result(job: JobResult, name: str) -> JobResult:
-    """One variant's outputs inside a variants job, as a job result of its own (a variant that failed wrote its
-    traceback to ``error.txt`` and the job ran the others on)."""
-    out = job.out / name
-    error = out / "error.txt"
-    ok = not error.exists() and (out / "final_state.pt").exists()
-    return JobResult(0 if ok else 1, error.read_text() if error.exists() else job.output, out, job.ranks)
 
 
 @pytest.fixture(scope="module")

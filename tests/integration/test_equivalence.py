@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from tests.integration.conftest import shm_files
+from tests.integration.conftest import JobResult, shm_files, variant_result
 
 STEPS = 20
 BATCH = 4
@@ -41,9 +41,8 @@ def reference(job_runner, tied: bool, devices: int = 2, **model_knobs):
     # one process: no DistributedSampler on either side, so both see the loader's own order
     extra = {} if devices > 1 else {"distributed_sampler": False}
     extra.update(model_knobs)
-    suffix = re.sub(r"[^\w.-]", "", "".join(f"_{k}{v}" for k, v in sorted(model_knobs.items())))
     ref = job_runner(
-        f"ref_{strategy}_tied{int(tied)}{suffix}",
+        f"ref_{strategy}_{_ref_name(tied, **model_knobs)}",
         strategy=strategy,
         devices=devices,
         tied=tied,
@@ -113,19 +112,72 @@ FROZEN = tuple(c for c in CASES if "freeze" in CASES[c][1])
 
 # the one case of the fast tier (pytest -m "not slow"): sharded parameters, host reduction, window 3, tied weights
 FAST_CASE = "tied-sharded-host_reduce-window3"
+# the other cases are fitted one after the other in one 2-rank job (a variant each, as run_matrix does: the start
+# of a job, two interpreters and their imports, is most of a 20-step case's time), and so are their DDP references;
+# these run as jobs of their own: the fast tier's case, and tied-auto, whose log a test reads
+STANDALONE = (FAST_CASE, "tied-auto")
+
+
+def _ref_name(tied: bool, **model_knobs) -> str:
+    return f"tied{int(tied)}" + re.sub(r"[^\w.-]", "", "".join(f"_{k}{v}" for k, v in sorted(model_knobs.items())))
+
+
+def _model_knobs(case: str) -> dict:
+    return {k: v for k, v in CASES[case][1].items() if k in MODEL_KNOBS}
+
+
+def _case_knobs(case: str, trace_dir: str) -> dict:
+    """The job knobs of ``case``: tied or not, its strategy and model knobs (tracing into ``trace_dir``)."""
+    tied, knobs = CASES[case]
+    knobs = dict(knobs)
+    if knobs.pop("trace", False):  # tracing on must not change a single number
+        knobs["trace_dir"] = trace_dir
+    return {"tied": tied, **knobs}
+
+
+def case_result(job_runner, case: str, trace_dir: str) -> JobResult:
+    """SlideDP's 2-rank job of ``case``: its own job (STANDALONE), or its variant of the job of all the others."""
+    common = dict(strategy="slidedp", devices=2, steps=STEPS, batch=BATCH)
+    if case in STANDALONE:
+        return job_runner(f"slidedp_{case}", **common, **_case_knobs(case, trace_dir))
+    variants = {c: _case_knobs(c, trace_dir) for c in sorted(CASES) if c not in STANDALONE}
+    job = job_runner("slidedp_cases", **common, tied=True, variants=variants, keep_going=True, timeout=1800)
+    return variant_result(job, case)
+
+
+def case_reference(job_runner, case: str) -> JobResult:
+    """DDP + AdamW on 2 ranks for ``case``'s model: its own job for a STANDALONE case, else a variant of the job
+    of every distinct reference the other cases need."""
+    tied, model = CASES[case][0], _model_knobs(case)
+    if case in STANDALONE:
+        return reference(job_runner, tied, **model)
+    variants = {
+        _ref_name(CASES[c][0], **_model_knobs(c)): {"tied": CASES[c][0], **_model_knobs(c)}
+        for c in sorted(CASES)
+        if c not in STANDALONE
+    }
+    job = job_runner(
+        "ref_ddp_cases",
+        strategy="ddp",
+        devices=2,
+        tied=True,
+        steps=STEPS,
+        batch=BATCH,
+        variants=variants,
+        keep_going=True,
+        timeout=900,
+    )
+    return variant_result(job, _ref_name(tied, **model))
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "case", [pytest.param(c, marks=() if c == FAST_CASE else pytest.mark.slow) for c in sorted(CASES)]
 )
-def test_two_ranks_equal_ddp_adamw(job_runner, case, tmp_path):
-    tied, knobs = CASES[case]
-    knobs = dict(knobs)
-    if knobs.pop("trace", False):  # tracing on must not change a single number
-        knobs["trace_dir"] = str(tmp_path / "trace")
-    ref = reference(job_runner, tied, **{k: knobs[k] for k in MODEL_KNOBS if k in knobs})
-    got = job_runner(f"slidedp_{case}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
+def test_two_ranks_equal_ddp_adamw(job_runner, case, trace_dir):
+    ref = case_reference(job_runner, case)
+    _assert_ok(ref)
+    got = case_result(job_runner, case, trace_dir)
     _assert_ok(got)
     _compare(ref, got, ranks=2)
     assert not shm_files(), "a shared-memory ledger file was left behind"
@@ -178,12 +230,9 @@ def test_meta_init_equals_ddp_from_the_same_initial_weights(job_runner):
     assert 0.015 < q.std().item() < 0.025, "linear weights must initialize with std ~ initializer_range (0.02)"
 
 
-def _p1_path(job_runner, tied: bool):
+def _p1_path(job_runner, tied: bool, trace_dir: str) -> JobResult:
     """P1's reference path: route full + gpu_reduce, window 2, one chunk per unit."""
-    name = "tied-gpu_reduce" if tied else "untied-gpu_reduce"
-    return job_runner(
-        f"slidedp_{name}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **CASES[name][1]
-    )
+    return case_result(job_runner, "tied-gpu_reduce" if tied else "untied-gpu_reduce", trace_dir)
 
 
 # the chunked loss sums the loss over chunks (a different order of additions): equal to DDP within 1e-5 above,
@@ -196,14 +245,10 @@ ARITHMETIC = ("tied-chunked-loss", "untied-chunked-loss-full-offload")
 @pytest.mark.parametrize(
     "case", sorted(c for c in CASES if c not in ("tied-gpu_reduce", "untied-gpu_reduce") + ARITHMETIC + FROZEN)
 )
-def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner, case, tmp_path):
+def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner, case, trace_dir):
     """Routes, chunking, windows and tracing change where and when the arithmetic runs, never its result."""
-    tied, knobs = CASES[case]
-    knobs = dict(knobs)
-    if knobs.pop("trace", False):
-        knobs["trace_dir"] = str(tmp_path / "trace")
-    base = _p1_path(job_runner, tied)
-    got = job_runner(f"slidedp_{case}", strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
+    base = _p1_path(job_runner, CASES[case][0], trace_dir)
+    got = case_result(job_runner, case, trace_dir)
     _assert_ok(base)
     _assert_ok(got)
     for rank in range(2):
@@ -308,7 +353,7 @@ def test_every_activation_policy_is_bit_identical_to_no_checkpointing(job_runner
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_identically(job_runner):
+def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_identically(job_runner, trace_dir):
     """activation_policy="auto": both ranks measure at the first step, run rank 0's plan (bit-identical to no
     checkpointing), save it; a second job given the plan's path reuses it without measuring."""
     common = dict(strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH)
@@ -320,7 +365,7 @@ def test_autopolicy_plans_once_agrees_across_ranks_and_its_saved_plan_reruns_ide
     assert set(plan["activations"]["units"]) == {"layers.0", "layers.1"}
     assert plan["report"]["retained_bytes"] <= plan["report"]["budget_bytes"]
     assert plan["routes"] == {"param_route": "full", "grad_route": "gpu_reduce", "chunk_bytes": None}
-    base = _p1_path(job_runner, tied=True)
+    base = _p1_path(job_runner, tied=True, trace_dir=trace_dir)
     _assert_ok(base)
     for rank in range(2):
         assert planned.losses(rank) == base.losses(rank)
@@ -352,9 +397,7 @@ def test_qwen3_moe_equals_ddp_adamw(job_runner, knobs):
 @pytest.mark.slow
 @pytest.mark.integration
 def test_auto_routes_are_measured_logged_and_agreed(job_runner):
-    res = job_runner(
-        "slidedp_tied-auto", strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH, **CASES["tied-auto"][1]
-    )
+    res = case_result(job_runner, "tied-auto", "")
     _assert_ok(res)
     lines = [line for line in res.output.splitlines() if "SlideDP auto routes" in line]
     assert len(lines) == 1, "rank 0 logs the probe once"

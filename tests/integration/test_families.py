@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.conftest import variant_result
 from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
 
 pytestmark = pytest.mark.slow  # multi-process jobs
@@ -33,12 +34,28 @@ CASES = [pytest.param(f, *v, id=f) for f, v in FAMILIES.items()] + [
 ]
 
 
+def family_jobs(job_runner, strategy: str):
+    """One 2-rank job fitting every family in turn (a variant each: the start of a job, two interpreters and their
+    imports, is most of a family's time)."""
+    variants = {f: {"model": f, "tied": tied} for f, (tied, _) in {**FAMILIES, **SLOW_FAMILIES}.items()}
+    return job_runner(
+        f"families_{strategy}",
+        strategy=strategy,
+        devices=2,
+        tied=True,
+        steps=STEPS,
+        batch=BATCH,
+        variants=variants,
+        keep_going=True,
+        timeout=1800,
+    )
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize(("family", "tied", "why"), CASES)
 def test_family_matches_ddp(job_runner, family: str, tied: bool, why: str) -> None:
-    common = {"devices": 2, "tied": tied, "steps": STEPS, "batch": BATCH, "model": family}
-    ref = job_runner(f"family_ddp_{family}", strategy="ddp", **common)
+    ref = variant_result(family_jobs(job_runner, "ddp"), family)
     _assert_ok(ref)
-    got = job_runner(f"family_slidedp_{family}", strategy="slidedp", **common)
+    got = variant_result(family_jobs(job_runner, "slidedp"), family)
     _assert_ok(got)
     _compare(ref, got, 2)

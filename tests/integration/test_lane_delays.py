@@ -5,32 +5,43 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.test_equivalence import BATCH, CASES, MATRIX, STEPS, differing, matrix_result, run_matrix
+from tests.integration.conftest import variant_result
+from tests.integration.test_equivalence import (
+    BATCH,
+    MATRIX,
+    STEPS,
+    _case_knobs,
+    case_result,
+    differing,
+    matrix_result,
+    run_matrix,
+)
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 
 DELAYS = {"SLIDEDP_TEST_LANE_DELAY_MS": "3"}
 
 
+CASES = [
+    "tied-sharded-host_reduce-window3",
+    "untied-gpu_reduce",
+    "tied-window1",
+    "untied-sharded-chunk4KiB-window2",
+    "untied-host_reduce-chunk4KiB",
+]
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize(
-    "case",
-    [
-        "tied-sharded-host_reduce-window3",
-        "untied-gpu_reduce",
-        "tied-window1",
-        "untied-sharded-chunk4KiB-window2",
-        "untied-host_reduce-chunk4KiB",
-    ],
-)
-def test_random_lane_delays_leave_results_bit_identical(job_runner, case):
-    tied, knobs = CASES[case]
-    common = dict(strategy="slidedp", devices=2, tied=tied, steps=STEPS, batch=BATCH, **knobs)
-    calm = job_runner(f"slidedp_{case}", **common)
-    delayed = job_runner(f"slidedp_{case}_delayed", env=DELAYS, **common)
+@pytest.mark.parametrize("case", CASES)
+def test_random_lane_delays_leave_results_bit_identical(job_runner, case, trace_dir):
+    calm = case_result(job_runner, case, trace_dir)  # the equivalence suite's run of the case
+    variants = {c: _case_knobs(c, trace_dir) for c in CASES}  # every case delayed, a fit each in one job
+    common = dict(strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH, keep_going=True)
+    job = job_runner("slidedp_cases_delayed", env=DELAYS, variants=variants, timeout=900, **common)
+    delayed = variant_result(job, case)
     assert calm.returncode == 0, calm.output[-3000:]
     assert delayed.returncode == 0, delayed.output[-3000:]
-    assert "fault injection" in delayed.output
+    assert "fault injection" in job.output
     for rank in range(2):
         assert delayed.losses(rank) == calm.losses(rank), f"rank {rank}: losses changed under lane delays"
     a, b = calm.state(), delayed.state()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import run_job, shm_files
+from tests.integration.conftest import run_job, shm_files, variant_result
 
 pytestmark = pytest.mark.slow  # multi-process jobs, 10-30 s each
 
@@ -102,13 +102,16 @@ def test_compact_optimizer_state_trains_on_two_ranks(job_runner):
     """int8 moments, with and without the BF16 copy (bf16-mixed: units converted from the master on the way), on
     2 CPU ranks: the ledger shrinks to about 8 and 6 B/param, the loss falls, and int8 stays near the exact run."""
     common = dict(strategy="slidedp", devices=2, tied=False, steps=20, batch=4, precision="bf16-mixed")
-    exact = job_runner("compact_exact", **common)
+    modes = {
+        "exact": {},
+        "int8": {"optimizer_state": "int8"},
+        "int8_nobf16": {"optimizer_state": "int8", "bf16_copy": False},
+    }
+    job = job_runner("compact_modes", **common, variants=modes, keep_going=True, timeout=600)  # a fit per mode
+    exact = variant_result(job, "exact")
     assert exact.returncode == 0, exact.output[-4000:]
-    for name, knobs, most in (
-        ("int8", {"optimizer_state": "int8"}, 8.0 + 1.4),
-        ("int8_nobf16", {"optimizer_state": "int8", "bf16_copy": False}, 6.0 + 1.4),
-    ):
-        res = job_runner(f"compact_{name}", **common, **knobs)
+    for name, most in (("int8", 8.0 + 1.4), ("int8_nobf16", 6.0 + 1.4)):
+        res = variant_result(job, name)
         assert res.returncode == 0, res.output[-4000:]
         info = res.ledger(0)
         # 14 B/param would be the default; unit padding to R x 4 KiB shards adds < 10 % on this tiny model
