@@ -8,27 +8,10 @@ import json
 import pytest
 import torch
 
-from tests.integration.conftest import run_nodes, shm_files
+from tests.integration.conftest import JobResult, run_nodes, shm_files, variant_result
 from tests.integration.test_equivalence import BATCH, RTOL, STEPS, _compare
 
 pytestmark = pytest.mark.slow  # multi-process jobs
-
-
-@pytest.fixture(scope="module")
-def references(job_runner):
-    """DDP over 4 ranks, one job per set of frozen parameters (run when first asked for)."""
-    done: dict[tuple[str, ...], object] = {}
-
-    def get(freeze: tuple[str, ...] = ()):
-        if freeze not in done:
-            extra = {"freeze": list(freeze)} if freeze else {}
-            name = "ref_ddp_4ranks" + ("_frozen" if freeze else "")
-            ref = job_runner(name, strategy="ddp", devices=4, tied=True, steps=STEPS, batch=BATCH, **extra)
-            assert ref.returncode == 0, ref.output[-3000:]
-            done[freeze] = ref
-        return done[freeze]
-
-    return get
 
 
 LAYOUTS = {
@@ -44,18 +27,67 @@ LAYOUTS = {
 }
 
 
+def _frozen(freeze: tuple[str, ...]) -> str:
+    return "frozen_" + "_".join(freeze) if freeze else "plain"
+
+
+@pytest.fixture(scope="module")
+def references(job_runner):
+    """``references(freeze)``: DDP over 4 ranks with those parameters frozen, a variant of one job fitting every
+    set of frozen parameters the layouts use."""
+    sets = {tuple(knobs.get("freeze", ())) for knobs, _ in LAYOUTS.values()}
+    variants = {_frozen(f): {"freeze": list(f) or None} for f in sorted(sets)}
+    job = job_runner(
+        "ref_ddp_4ranks",
+        strategy="ddp",
+        devices=4,
+        tied=True,
+        steps=STEPS,
+        batch=BATCH,
+        variants=variants,
+        keep_going=True,
+    )
+
+    def get(freeze: tuple[str, ...] = ()) -> JobResult:
+        ref = variant_result(job, _frozen(freeze))
+        assert ref.returncode == 0, ref.output[-3000:]
+        return ref
+
+    return get
+
+
+def _layout_knobs(layout: str) -> dict:
+    knobs = LAYOUTS[layout][0]
+    if knobs.get("host_layout") == "sharded":  # no host holds whole weights to restore: a checkpoint after the last
+        knobs = {**knobs, "save_at": STEPS}  # step has them
+    return knobs
+
+
+@pytest.fixture(scope="module")
+def layouts_job(tmp_path_factory) -> JobResult:
+    """One job over 2 "hosts" fitting every layout in turn (a variant each: a job's start is most of its time)."""
+    return run_nodes(
+        tmp_path_factory.mktemp("layouts"),
+        nodes=2,
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=STEPS,
+        batch=BATCH,
+        variants={layout: _layout_knobs(layout) for layout in sorted(LAYOUTS)},
+        keep_going=True,
+        timeout=900,
+    )
+
+
 @pytest.mark.integration
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the test reads the checkpoint in one process
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_nodes_of_two_ranks_equal_ddp_on_four(tmp_path, references, layout):
-    knobs, share = LAYOUTS[layout]
+def test_two_nodes_of_two_ranks_equal_ddp_on_four(layouts_job, references, layout):
+    knobs, share = _layout_knobs(layout), LAYOUTS[layout][1]
     reference = references(tuple(knobs.get("freeze", ())))
     host_sharded = knobs.get("host_layout") == "sharded"
-    if host_sharded:  # no host holds whole weights to restore: a checkpoint after the last step has them
-        knobs = {**knobs, "save_at": STEPS}
-    res = run_nodes(
-        tmp_path / "job", nodes=2, strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH, **knobs
-    )
+    res = variant_result(layouts_job, layout)
     assert res.returncode == 0, res.output[-5000:]
     if host_sharded:
         for r in range(4):
