@@ -88,6 +88,12 @@ def variant_result(job: JobResult, name: str) -> JobResult:
     return JobResult(0 if ok else 1, error.read_text() if error.exists() else job.output, out, job.ranks)
 
 
+def variants_job(job_runner, name: str, variants: dict[str, dict], timeout: float = 900, **cfg) -> JobResult:
+    """One job (cached by ``name``) fitting every variant in turn in the same processes; a failed variant writes its
+    traceback and the others still run. Read each one with :func:`variant_result`."""
+    return job_runner(name, variants=variants, keep_going=True, timeout=timeout, **cfg)
+
+
 def run_nodes(tmp: Path, nodes: int, timeout: float = 300, **cfg) -> JobResult:
     """One job over ``nodes`` "hosts" on this machine: a launcher per node (its own NODE_RANK, so its own ledger),
     ``cfg["devices"]`` ranks each, one rendezvous."""

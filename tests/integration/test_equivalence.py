@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from tests.integration.conftest import JobResult, shm_files, variant_result
+from tests.integration.conftest import JobResult, shm_files, variant_result, variants_job
 
 STEPS = 20
 BATCH = 4
@@ -141,7 +141,7 @@ def case_result(job_runner, case: str, trace_dir: str) -> JobResult:
     if case in STANDALONE:
         return job_runner(f"slidedp_{case}", **common, **_case_knobs(case, trace_dir))
     variants = {c: _case_knobs(c, trace_dir) for c in sorted(CASES) if c not in STANDALONE}
-    job = job_runner("slidedp_cases", **common, tied=True, variants=variants, keep_going=True, timeout=1800)
+    job = variants_job(job_runner, "slidedp_cases", variants, timeout=1800, **common, tied=True)
     return variant_result(job, case)
 
 
@@ -156,16 +156,8 @@ def case_reference(job_runner, case: str) -> JobResult:
         for c in sorted(CASES)
         if c not in STANDALONE
     }
-    job = job_runner(
-        "ref_ddp_cases",
-        strategy="ddp",
-        devices=2,
-        tied=True,
-        steps=STEPS,
-        batch=BATCH,
-        variants=variants,
-        keep_going=True,
-        timeout=900,
+    job = variants_job(
+        job_runner, "ref_ddp_cases", variants, strategy="ddp", devices=2, tied=True, steps=STEPS, batch=BATCH
     )
     return variant_result(job, _ref_name(tied, **model))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import variant_result
+from tests.integration.conftest import variant_result, variants_job
 from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
 
 pytestmark = pytest.mark.slow  # multi-process jobs
@@ -38,17 +38,8 @@ def family_jobs(job_runner, strategy: str):
     """One 2-rank job fitting every family in turn (a variant each: the start of a job, two interpreters and their
     imports, is most of a family's time)."""
     variants = {f: {"model": f, "tied": tied} for f, (tied, _) in {**FAMILIES, **SLOW_FAMILIES}.items()}
-    return job_runner(
-        f"families_{strategy}",
-        strategy=strategy,
-        devices=2,
-        tied=True,
-        steps=STEPS,
-        batch=BATCH,
-        variants=variants,
-        keep_going=True,
-        timeout=1800,
-    )
+    common = dict(strategy=strategy, devices=2, tied=True, steps=STEPS, batch=BATCH)
+    return variants_job(job_runner, f"families_{strategy}", variants, timeout=1800, **common)
 
 
 @pytest.mark.integration

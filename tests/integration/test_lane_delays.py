@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.conftest import variant_result
+from tests.integration.conftest import variant_result, variants_job
 from tests.integration.test_equivalence import (
     BATCH,
     MATRIX,
@@ -36,8 +36,8 @@ CASES = [
 def test_random_lane_delays_leave_results_bit_identical(job_runner, case, trace_dir):
     calm = case_result(job_runner, case, trace_dir)  # the equivalence suite's run of the case
     variants = {c: _case_knobs(c, trace_dir) for c in CASES}  # every case delayed, a fit each in one job
-    common = dict(strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH, keep_going=True)
-    job = job_runner("slidedp_cases_delayed", env=DELAYS, variants=variants, timeout=900, **common)
+    common = dict(strategy="slidedp", devices=2, tied=True, steps=STEPS, batch=BATCH)
+    job = variants_job(job_runner, "slidedp_cases_delayed", variants, env=DELAYS, **common)
     delayed = variant_result(job, case)
     assert calm.returncode == 0, calm.output[-3000:]
     assert delayed.returncode == 0, delayed.output[-3000:]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import run_job, shm_files, variant_result
+from tests.integration.conftest import run_job, shm_files, variant_result, variants_job
 
 pytestmark = pytest.mark.slow  # multi-process jobs, 10-30 s each
 
@@ -107,7 +107,7 @@ def test_compact_optimizer_state_trains_on_two_ranks(job_runner):
         "int8": {"optimizer_state": "int8"},
         "int8_nobf16": {"optimizer_state": "int8", "bf16_copy": False},
     }
-    job = job_runner("compact_modes", **common, variants=modes, keep_going=True, timeout=600)  # a fit per mode
+    job = variants_job(job_runner, "compact_modes", modes, timeout=600, **common)  # a fit per mode
     exact = variant_result(job, "exact")
     assert exact.returncode == 0, exact.output[-4000:]
     for name, most in (("int8", 8.0 + 1.4), ("int8_nobf16", 6.0 + 1.4)):

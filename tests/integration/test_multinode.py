@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.conftest import JobResult, run_nodes, shm_files, variant_result
+from tests.integration.conftest import JobResult, run_nodes, shm_files, variant_result, variants_job
 from tests.integration.test_equivalence import BATCH, RTOL, STEPS, _compare
 
 pytestmark = pytest.mark.slow  # multi-process jobs
@@ -37,16 +37,8 @@ def references(job_runner):
     set of frozen parameters the layouts use."""
     sets = {tuple(knobs.get("freeze", ())) for knobs, _ in LAYOUTS.values()}
     variants = {_frozen(f): {"freeze": list(f) or None} for f in sorted(sets)}
-    job = job_runner(
-        "ref_ddp_4ranks",
-        strategy="ddp",
-        devices=4,
-        tied=True,
-        steps=STEPS,
-        batch=BATCH,
-        variants=variants,
-        keep_going=True,
-    )
+    common = dict(strategy="ddp", devices=4, tied=True, steps=STEPS, batch=BATCH)
+    job = variants_job(job_runner, "ref_ddp_4ranks", variants, **common)
 
     def get(freeze: tuple[str, ...] = ()) -> JobResult:
         ref = variant_result(job, _frozen(freeze))
