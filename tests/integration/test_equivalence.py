@@ -388,8 +388,8 @@ def test_qwen3_moe_equals_ddp_adamw(job_runner, knobs):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_auto_routes_are_measured_logged_and_agreed(job_runner):
-    res = case_result(job_runner, "tied-auto", "")
+def test_auto_routes_are_measured_logged_and_agreed(job_runner, trace_dir):
+    res = case_result(job_runner, "tied-auto", trace_dir)
     _assert_ok(res)
     lines = [line for line in res.output.splitlines() if "SlideDP auto routes" in line]
     assert len(lines) == 1, "rank 0 logs the probe once"

@@ -49,10 +49,10 @@ def references(job_runner):
 
 
 def _layout_knobs(layout: str) -> dict:
+    """The layout's strategy knobs; host-sharded, a checkpoint after the last step (no host holds whole weights to
+    restore, the checkpoint has them)."""
     knobs = LAYOUTS[layout][0]
-    if knobs.get("host_layout") == "sharded":  # no host holds whole weights to restore: a checkpoint after the last
-        knobs = {**knobs, "save_at": STEPS}  # step has them
-    return knobs
+    return {**knobs, "save_at": STEPS} if knobs.get("host_layout") == "sharded" else knobs
 
 
 @pytest.fixture(scope="module")
