@@ -387,7 +387,7 @@ def test_sizes_are_formatted_with_a_unit_that_fits(n: int, text: str) -> None:
 
 
 def test_a_small_ledger_that_does_not_fit_reports_its_size_in_a_unit_that_fits(monkeypatch) -> None:
-    monkeypatch.setattr(host_state, "available_host_bytes", lambda: (100 << 10, 1 << 30))
+    monkeypatch.setattr(host_state, "available_host_bytes", lambda directory="": (100 << 10, 1 << 30))
     geometry = LedgerGeometry(
         total=1 << 18, num_units=4, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4
     )

@@ -25,7 +25,7 @@ from slidedp_lightning.runtime.host_state import (
     HostLedger,
     LedgerGeometry,
     check_host_memory,
-    shm_dir,
+    ledger_directory,
     trim_host_heap,
     unit_regions,
 )
@@ -410,7 +410,8 @@ def broadcast_weights(ledger: HostLedger, group: Any, **src: int) -> None:
 
 def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology) -> HostLedger:
     """The host's ledger, an unnamed file created by local rank 0 and opened and mapped by every local rank (it stops
-    handing the file out once all have it); with a ledger per rank (replicated route), a private one.
+    handing the file out once all have it); with a ledger per rank (replicated route) or one local rank, a private
+    one (this process's memory, see :func:`ledger_directory`).
 
     From a checkpoint, every rank reads its share of the units into the mapped ledger
     (:meth:`InitialWeights.load`); otherwise local rank 0 copies (or initializes) them while it creates the file,
@@ -421,9 +422,11 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
     by_rank0 = not weights.from_source
     shared = not topology.ledger_per_rank and topology.ranks_per_host > 1
 
+    directory = ledger_directory(shared)
+
     def create() -> HostLedger:
-        check_host_memory(geometry, num_params, copies)
-        ledger = HostLedger(shm_dir(), geometry, create=True, share=shared)
+        check_host_memory(geometry, num_params, copies, directory)
+        ledger = HostLedger(directory, geometry, create=True, share=shared)
         try:
             if by_rank0:
                 weights.fill(ledger)
@@ -433,7 +436,7 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
         return ledger
 
     if topology.ledger_per_rank:
-        on_rank0_for_all(lambda: check_host_memory(geometry, num_params, copies), topology)
+        on_rank0_for_all(lambda: check_host_memory(geometry, num_params, copies, directory), topology)
         ledger = create()
         try:
             if by_rank0:
@@ -449,10 +452,10 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
         return ledger
     created: list[HostLedger] = []
 
-    def create_on_rank0() -> LedgerHandle:
+    def create_on_rank0() -> LedgerHandle | None:
         ledger = create()
         created.append(ledger)
-        return ledger.handle
+        return ledger.handle if shared else None
 
     handle = on_rank0_for_all(create_on_rank0, topology)
     ledger = created[0] if created else HostLedger(handle, geometry, create=False)

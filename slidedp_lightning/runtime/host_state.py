@@ -1,7 +1,9 @@
 """The host ledger: one FP32 master, two Adam moments and a BF16 transfer copy per host, in shared memory.
 
 One process (local rank 0) creates an unnamed file, every local rank opens and maps it (runtime/ledger_file.py):
-the memory lives exactly as long as the processes using it, so a crashed or killed rank can never leak it.
+the memory lives exactly as long as the processes using it, so a crashed or killed rank can never leak it. A
+ledger that only its own process maps (one local rank, or one ledger per rank) is that process's private memory
+instead, unless ``$SLIDEDP_SHM_DIR`` names a directory for it (:func:`ledger_directory`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 import torch
 
 from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM  # noqa: F401  (the default layout, re-exported)
-from slidedp_lightning.runtime.ledger_file import LedgerFile, LedgerHandle
+from slidedp_lightning.runtime.ledger_file import LedgerFile, LedgerHandle, PrivateLedgerMemory
 from slidedp_lightning.runtime.ledger_geometry import (  # noqa: F401  (re-exported)
     ALL_REGIONS,
     GUARD,
@@ -49,6 +51,13 @@ def shm_dir() -> str:
             f"ledgers there. Pick a directory it may create files in, or unset {SHM_ENV}."
         )
     return value
+
+
+def ledger_directory(shared: bool) -> str | None:
+    """Where a new ledger goes: a shared one (other local ranks open it) into :func:`shm_dir`; a private one into
+    this process's own memory (None), which gets transparent huge pages where shared memory mostly does not, unless
+    ``$SLIDEDP_SHM_DIR`` names a directory for every ledger."""
+    return shm_dir() if shared or SHM_ENV in os.environ else None
 
 
 def format_bytes(n: float) -> str:
@@ -108,23 +117,27 @@ class HostMemoryError(MemoryError):
     """The host cannot hold the ledger."""
 
 
-def available_host_bytes() -> tuple[int, int]:
-    """(MemAvailable, free bytes in the ledger directory)."""
+def available_host_bytes(directory: str | None = "") -> tuple[int, int]:
+    """(MemAvailable, free bytes in the ledger ``directory``: by default :func:`shm_dir`; None, a private ledger:
+    MemAvailable again)."""
     mem = 0
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 mem = int(line.split()[1]) * 1024
                 break
-    st = os.statvfs(shm_dir())
+    if directory is None:
+        return mem, mem
+    st = os.statvfs(directory or shm_dir())
     return mem, st.f_bavail * st.f_frsize
 
 
-def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float = 1) -> None:
+def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float = 1, directory: str | None = "") -> None:
     """Fail fast, before anything is allocated, when ``copies`` ledgers (a fraction for a host-sharded ledger,
-    which only ever touches its share of the file) cannot fit in host shared memory."""
+    which only ever touches its share of the file) cannot fit in host memory and in their ``directory`` (see
+    :func:`available_host_bytes`)."""
     need = int(geometry.nbytes * copies)
-    mem, shm = available_host_bytes()
+    mem, shm = available_host_bytes(directory)
     have = min(mem, shm)
     if need > have:
         raise HostMemoryError(
@@ -160,13 +173,18 @@ class HostLedger:
     """
 
     def __init__(
-        self, source: str | LedgerHandle, geometry: LedgerGeometry, *, create: bool, share: bool = False
+        self, source: str | LedgerHandle | None, geometry: LedgerGeometry, *, create: bool, share: bool = False
     ) -> None:
         """``create``: a new file in the directory ``source`` (``share``: other ranks will open it, from
-        :attr:`handle`); else the creator's file, from its ``source`` handle."""
+        :attr:`handle`), or with ``source`` None this process's private memory (never shared); else the creator's
+        file, from its ``source`` handle."""
         self.geometry = geometry
         self.owner = create
-        if create:
+        self.file: LedgerFile | PrivateLedgerMemory
+        if create and source is None:
+            assert not share, "a private ledger cannot be shared"
+            self.file = PrivateLedgerMemory(geometry.nbytes)
+        elif create:
             assert isinstance(source, str), "a new ledger is created in a directory"
             try:
                 self.file = LedgerFile.create(source, geometry.nbytes, "slidedp-ledger", share=share)
@@ -175,8 +193,13 @@ class HostLedger:
         else:
             assert isinstance(source, LedgerHandle), "an existing ledger is opened from its creator's handle"
             self.file = LedgerFile.open(source)
-        self._fd: int | None = self.file.fd
-        self._raw = torch.from_file(self.file.path, shared=True, size=geometry.nbytes, dtype=torch.uint8)
+        self._open = True
+        if isinstance(self.file, PrivateLedgerMemory):
+            assert self.file.memory is not None
+            raw = torch.frombuffer(self.file.memory, dtype=torch.uint8)  # holds the mapping while any view lives
+            self._raw = raw[: geometry.nbytes]
+        else:
+            self._raw = torch.from_file(self.file.path, shared=True, size=geometry.nbytes, dtype=torch.uint8)
         off = geometry.offsets
         g = geometry
 
@@ -348,8 +371,8 @@ class HostLedger:
         return self.file.handle()
 
     def allocated_bytes(self) -> int:
-        """Bytes of memory the ledger file holds now (a page is allocated when first written)."""
-        assert self._fd is not None, "the ledger is closed"
+        """Bytes of memory the ledger holds now (a page is allocated when first written)."""
+        assert self._open, "the ledger is closed"
         return self.file.allocated_bytes()
 
     def stop_sharing(self) -> None:
@@ -361,6 +384,6 @@ class HostLedger:
         file = getattr(self, "file", None)  # absent when __init__ failed before opening it
         if file is not None:
             file.close()
-            self._fd = None
+            self._open = False
         for name in (*ALL_REGIONS, "staging", "_raw"):
             setattr(self, name, None)

@@ -149,6 +149,7 @@ class TinyLM(L.LightningModule):
         st = os.statvfs(shm_dir())
         info = {
             "mapped": sorted(mapped),
+            "kind": engine.ledger.file.kind,  # "private memory of this process" for a ledger no other rank maps
             "nbytes": stats.nbytes,
             "num_params": stats.num_params,
             "dir_entries": sorted(os.listdir(shm_dir())),  # the ledger directory while the ledger is alive
@@ -192,7 +193,8 @@ class SaveAt(L.Callback):
 
 
 class AnonPeak(threading.Thread):
-    """The peak of this process's RssAnon (private memory: the ledger is shared, mapped files are page cache),
+    """The peak of this process's RssAnon (private memory: a ledger of several ranks is shared, mapped files are
+    page cache),
     sampled every 2 ms until stopped."""
 
     def __init__(self) -> None:

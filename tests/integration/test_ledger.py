@@ -41,14 +41,29 @@ def test_one_ledger_per_host_at_14_bytes_per_param(job_runner, devices, tmp_path
 
 
 @pytest.mark.integration
-def test_replicated_mode_holds_one_ledger_per_rank(job_runner):
-    """The SlideFormer-style baseline: R ledgers of the same size (the avoidable amplification), none left."""
+def test_replicated_mode_holds_one_ledger_per_rank(job_runner, tmp_path_factory):
+    """The SlideFormer-style baseline: R ledgers of the same size (the avoidable amplification), none left. No
+    other rank maps a rank's ledger, so each is its own process's private memory (nothing shared is mapped);
+    with ``SLIDEDP_SHM_DIR`` set, each is an unnamed file of its own there."""
     res = job_runner(
         "ledger_replicated", strategy="slidedp", devices=2, tied=True, steps=3, batch=2, param_route="replicated"
     )
     assert res.returncode == 0, res.output[-4000:]
     infos = [res.ledger(r) for r in range(2)]
-    mapped = [tuple(m) for info in infos for m in info["mapped"]]
+    assert [info["kind"] for info in infos] == ["private memory of this process"] * 2
+    assert [info["mapped"] for info in infos] == [[], []], "a private ledger maps no shared file"
+    named = job_runner(
+        "ledger_replicated_dir",
+        env={"SLIDEDP_SHM_DIR": str(tmp_path_factory.mktemp("ledger_dir_replicated"))},
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=1,
+        batch=2,
+        param_route="replicated",
+    )
+    assert named.returncode == 0, named.output[-4000:]
+    mapped = [tuple(m) for r in range(2) for m in named.ledger(r)["mapped"]]
     assert len(mapped) == 2 and len(set(mapped)) == 2, f"expected one distinct ledger per rank, found {mapped}"
     shared = job_runner("ledger_2", strategy="slidedp", devices=2, tied=True, steps=3, batch=2).ledger(0)
     assert infos[0]["nbytes"] == infos[1]["nbytes"]

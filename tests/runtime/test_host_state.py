@@ -80,10 +80,10 @@ def test_create_open_and_share_without_a_name() -> None:
     before = entries(directory)
     a = HostLedger(directory, g, create=True, share=True)
     assert entries(directory) - before == set(), "the ledger must never have a name in its directory"
-    assert os.fstat(a._fd).st_nlink == 0 and os.fstat(a._fd).st_size == g.nbytes
+    assert os.fstat(a.file.fd).st_nlink == 0 and os.fstat(a.file.fd).st_size == g.nbytes
     b = HostLedger(a.handle, g, create=False)
     assert entries(directory) - before == set()
-    assert os.fstat(b._fd).st_ino == os.fstat(a._fd).st_ino
+    assert os.fstat(b.file.fd).st_ino == os.fstat(a.file.fd).st_ino
     for led in (a, b):
         assert led.master.dtype == torch.float32 and led.master.numel() == g.total
         assert led.exp_avg.numel() == led.exp_avg_sq.numel() == g.total
@@ -164,3 +164,39 @@ def test_check_host_memory_mentions_staging() -> None:
 def test_check_host_memory_small_passes() -> None:
     g = LedgerGeometry(total=4096, num_units=2, world_size=1, staging_slots=2, staging_elems=2048, staging_itemsize=4)
     check_host_memory(g, num_params=4000)
+
+
+def test_a_private_ledger_is_process_memory_unless_a_directory_is_named(monkeypatch, tmp_path) -> None:
+    from slidedp_lightning.runtime.host_state import SHM_ENV, ledger_directory
+    from slidedp_lightning.runtime.ledger_file import PrivateLedgerMemory
+
+    monkeypatch.delenv(SHM_ENV, raising=False)
+    assert ledger_directory(shared=False) is None and ledger_directory(shared=True) == "/dev/shm"
+    g = LedgerGeometry(total=4096, num_units=2, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
+    led = HostLedger(None, g, create=True)
+    try:
+        assert isinstance(led.file, PrivateLedgerMemory)
+        assert not led.master.any() and not led.exp_avg_sq.any() and not led.bf16.any()
+        led.master[7] = 2.5
+        assert led.master[7].item() == 2.5 and led.allocated_bytes() > 0
+        with pytest.raises(AssertionError, match="cannot be shared"):
+            HostLedger(None, g, create=True, share=True)
+    finally:
+        led.close()
+    assert led.master is None
+    monkeypatch.setenv(SHM_ENV, str(tmp_path))
+    assert ledger_directory(shared=False) == ledger_directory(shared=True) == str(tmp_path)
+
+
+def test_a_private_ledger_needs_host_memory_not_room_in_the_shm_directory(monkeypatch) -> None:
+    from slidedp_lightning.runtime import host_state
+
+    g = LedgerGeometry(total=1 << 20, num_units=2, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
+
+    class Full:
+        f_bavail, f_frsize = 0, 4096
+
+    monkeypatch.setattr(host_state.os, "statvfs", lambda path: Full())
+    check_host_memory(g, 1 << 20, directory=None)  # its own memory: the full /dev/shm does not matter
+    with pytest.raises(HostMemoryError, match="/dev/shm free 0 B"):
+        check_host_memory(g, 1 << 20)

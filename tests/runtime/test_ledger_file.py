@@ -211,3 +211,40 @@ def test_the_log_says_whether_the_ledger_gets_huge_pages(caplog, huge: str | Non
     finally:
         subprocess.run(["umount", "-l", directory], check=False)
         os.rmdir(directory)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that starts at ``address`` (/proc/self/smaps)."""
+    start = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start = int(head.split("-")[0], 16)
+            elif head == "VmFlags:" and start == address:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+def test_private_memory_is_zero_filled_advised_huge_and_kept_out_of_forks(caplog) -> None:
+    with caplog.at_level(logging.INFO, logger=ledger_file.__name__):
+        memory = ledger_file.PrivateLedgerMemory(8 * MiB)
+    try:
+        assert memory.fd is None and memory.memory is not None
+        assert memory.allocated_bytes() == 0, "nothing is allocated before it is written"
+        view = memoryview(memory.memory)
+        assert bytes(view[: 1 << 16]) == bytes(1 << 16)
+        view[3 * MiB : 5 * MiB] = b"\x01" * (2 * MiB)
+        assert 2 * MiB <= memory.allocated_bytes() <= 6 * MiB  # whole pages, huge ones where the host gives them
+        flags = _vm_flags(memory._address)
+        assert "dc" in flags, "MADV_DONTFORK: a forked child gets no copy-on-write claim on it"
+        if memory.huge:
+            assert "hg" in flags, "MADV_HUGEPAGE"
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "private memory of this process" in said and "pages" in said, said
+        with pytest.raises(RuntimeError, match="no handle"):
+            memory.handle()
+        del view
+    finally:
+        memory.close()
+    assert memory.memory is None
