@@ -545,3 +545,20 @@ def test_a_launched_rank_that_ended_is_named_with_how_it_ended() -> None:
     finally:
         running.kill()
         running.wait(10)
+
+
+def test_forked_data_loader_workers_leave_a_private_ledger_alone() -> None:
+    """One local rank's ledger is private memory kept out of forks (MADV_DONTFORK): workers forked after setup
+    (every epoch) load batches while the rank trains, and the rank's losses are those of loading in-process."""
+    losses = []
+    for workers in (0, 2):
+        torch.manual_seed(0)
+        module = TinyLM()
+        loader = data(16)
+        loader = torch.utils.data.DataLoader(
+            loader.dataset, batch_size=2, num_workers=workers, multiprocessing_context="fork" if workers else None
+        )
+        trainer(max_steps=-1, max_epochs=2).fit(module, loader)
+        assert len(module.losses) == 16
+        losses.append(module.losses)
+    assert losses[0] == losses[1]
