@@ -262,13 +262,18 @@ class PrivateLedgerMemory:
 THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+def _selected(setting: str) -> str | None:
+    """The selected word of a sysfs choice such as ``always [madvise] never``; None where it cannot be read."""
+    try:
+        with open(setting) as f:
+            return next((w.strip("[]") for w in f.read().split() if w.startswith("[")), None)
+    except OSError:
+        return None
+
+
 def private_pages_note(advised: bool) -> str:
     """The log's words on a private ledger's pages: the host's THP setting for process memory."""
-    try:
-        with open(THP_ENABLED) as f:
-            policy = next((w.strip("[]") for w in f.read().split() if w.startswith("[")), None)
-    except OSError:
-        policy = None
+    policy = _selected(THP_ENABLED)
     if policy == "always" or (policy == "madvise" and advised):
         return f"transparent huge pages (enabled={policy})"
     return "page size unknown" if policy is None else f"4 KiB pages (transparent huge pages: enabled={policy})"
@@ -281,11 +286,7 @@ def huge_page_policy(fd: int) -> str | None:
     """The transparent-huge-page policy of the shared-memory file ``fd``: its tmpfs mount's ``huge=`` option
     (``never`` when absent), or for a memfd the host's ``shmem_enabled``; the host's ``force`` or ``deny`` wins over
     either. None where the file is not on tmpfs or the kernel does not say."""
-    try:
-        with open(SHMEM_ENABLED) as f:
-            host = next((w.strip("[]") for w in f.read().split() if w.startswith("[")), None)
-    except OSError:
-        host = None
+    host = _selected(SHMEM_ENABLED)
     if host in ("force", "deny"):
         return host
     st = os.fstat(fd)
