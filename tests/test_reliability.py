@@ -547,9 +547,10 @@ def test_a_launched_rank_that_ended_is_named_with_how_it_ended() -> None:
         running.wait(10)
 
 
-def test_forked_data_loader_workers_leave_a_private_ledger_alone() -> None:
+def test_forked_data_loader_workers_leave_a_private_ledger_alone(monkeypatch) -> None:
     """One local rank's ledger is private memory kept out of forks (MADV_DONTFORK): workers forked after setup
     (every epoch) load batches while the rank trains, and the rank's losses are those of loading in-process."""
+    monkeypatch.delenv(SHM_ENV, raising=False)
     losses = []
     for workers in (0, 2):
         torch.manual_seed(0)

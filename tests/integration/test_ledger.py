@@ -41,10 +41,11 @@ def test_one_ledger_per_host_at_14_bytes_per_param(job_runner, devices, tmp_path
 
 
 @pytest.mark.integration
-def test_replicated_mode_holds_one_ledger_per_rank(job_runner, tmp_path_factory):
+def test_replicated_mode_holds_one_ledger_per_rank(job_runner, tmp_path_factory, monkeypatch):
     """The SlideFormer-style baseline: R ledgers of the same size (the avoidable amplification), none left. No
     other rank maps a rank's ledger, so each is its own process's private memory (nothing shared is mapped);
     with ``SLIDEDP_SHM_DIR`` set, each is an unnamed file of its own there."""
+    monkeypatch.delenv("SLIDEDP_SHM_DIR", raising=False)  # the jobs inherit the environment
     res = job_runner(
         "ledger_replicated", strategy="slidedp", devices=2, tied=True, steps=3, batch=2, param_route="replicated"
     )

@@ -399,7 +399,8 @@ def _slidedp_shm() -> set[str]:
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_close_restores_cpu_parameters(tied: bool) -> None:
+def test_close_restores_cpu_parameters(tied: bool, monkeypatch) -> None:
+    monkeypatch.delenv("SLIDEDP_SHM_DIR", raising=False)  # set, it would put even a private ledger there
     shm_before = _slidedp_shm()
     model = tiny_model(tied)
     engine = make_engine(model)
