@@ -140,8 +140,16 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float =
     mem, shm = available_host_bytes(directory)
     have = min(mem, shm)
     if need > have:
+        private = directory is None  # the process's own memory: only MemAvailable counts
+        where = f"MemAvailable {format_bytes(mem)}" + ("" if private else f", {shm_dir()} free {format_bytes(shm)}")
+        fix = (
+            "Free host memory"
+            if private
+            else f"Free host memory, enlarge {shm_dir()} (mount -o remount,size=...) or point {SHM_ENV} at a local "
+            "directory with room"
+        )
         raise HostMemoryError(
-            f"SlideDP needs {format_bytes(need)} of host shared memory for "
+            f"SlideDP needs {format_bytes(need)} of host {'' if private else 'shared '}memory for "
             + (
                 f"{copies} ledgers (param_route='replicated': one per rank) "
                 if copies > 1
@@ -151,9 +159,7 @@ def check_host_memory(geometry: LedgerGeometry, num_params: int, copies: float =
             )
             + f"({geometry.nbytes / max(num_params, 1):.1f} B/param x {num_params:,} params, padding included"
             + (f" + {format_bytes(geometry.staging_bytes)} host_reduce staging" if geometry.staging_bytes else "")
-            + f"), but only {format_bytes(have)} is available (MemAvailable {format_bytes(mem)}, "
-            f"{shm_dir()} free {format_bytes(shm)}). Free host memory, enlarge {shm_dir()} (mount -o remount,size=...) "
-            f"or point {SHM_ENV} at a local directory with room"
+            + f"), but only {format_bytes(have)} is available ({where}). {fix}"
             + ("; param_route='full' or 'sharded' keeps one ledger per host" if copies > 1 else "")
             + ("; grad_route='gpu_reduce' needs no staging slots" if geometry.staging_bytes else "")
             + "."

@@ -198,5 +198,10 @@ def test_a_private_ledger_needs_host_memory_not_room_in_the_shm_directory(monkey
 
     monkeypatch.setattr(host_state.os, "statvfs", lambda path: Full())
     check_host_memory(g, 1 << 20, directory=None)  # its own memory: the full /dev/shm does not matter
+    monkeypatch.setattr(host_state, "available_host_bytes", lambda directory="": (4096, 4096))
+    with pytest.raises(HostMemoryError, match=r"of host memory .*\(MemAvailable 4\.00 KiB\)\. Free host memory\.$"):
+        check_host_memory(g, 1 << 20, directory=None)  # no advice about /dev/shm, which it does not use
+    monkeypatch.undo()
+    monkeypatch.setattr(host_state.os, "statvfs", lambda path: Full())
     with pytest.raises(HostMemoryError, match="/dev/shm free 0 B"):
         check_host_memory(g, 1 << 20)
