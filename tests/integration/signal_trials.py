@@ -17,18 +17,34 @@ JOB = Path(__file__).with_name("reliability_job.py")
 LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
 
+def _stat(path: str) -> list[str] | None:
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _exiting(pid: int) -> bool:
+    """Some thread of ``pid`` has not ended yet. A killed process's main thread shows as a zombie while its other
+    threads still run their exit, and the last of them unmaps the process's memory: until then it holds its pages."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any((st := _stat(f"/proc/{pid}/task/{tid}/stat")) is not None and st[0] not in "ZX" for tid in tids)
+
+
 def session_pids(sid: int) -> list[int]:
-    """The live (not zombie) processes of session ``sid``."""
+    """The processes of session ``sid`` that have not ended: not zombies, or zombies with a thread still exiting."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        fields = _stat(f"/proc/{name}/stat")
+        if fields is None or int(fields[3]) != sid:
             continue
-        if int(fields[3]) == sid and fields[0] != "Z":
+        if fields[0] not in "ZX" or _exiting(int(name)):
             pids.append(int(name))
     return pids
 
