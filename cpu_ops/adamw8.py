@@ -19,6 +19,9 @@ Scheme:
   grow, so such a step can only be smaller than FP32 Adam's.
 * Each block of :data:`QUANT_BLOCK` elements has one float32 absmax per moment; a value is stored as the
   code nearest to ``x / absmax`` (ties to the lower code) and read back as ``code[q] * absmax``.
+  :func:`quantize_blockwise` finds that code exactly; the fused update finds it without a table (so that its
+  loop vectorizes), which can take the other neighbour where ``x / absmax`` lies within a few float32 ulps of
+  the midpoint of two codes (see :mod:`cpu_ops._kernels8`).
 
 Block size: the paper quantizes in blocks of 2048 and shows that block-wise quantization with that size
 matches 32-bit Adam, because a block's absmax confines an outlier's precision loss to its own block.  The
@@ -97,7 +100,7 @@ def quantize_blockwise(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndar
     q = np.empty(n, CODES)
     absmax = np.empty(num_blocks(n), np.float32)
     if n:
-        _kernels8.quantize_kernel(x, q, absmax, QUANT_BLOCK, _chunks(absmax.shape[0]), signed)
+        _kernels8.quantize_kernel(x, q, absmax, QUANT_BLOCK, _chunks(absmax.shape[0]), signed, False)
     return q, absmax
 
 

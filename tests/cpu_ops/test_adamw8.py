@@ -8,6 +8,7 @@ import torch
 
 from cpu_ops import (
     QUANT_BLOCK,
+    _kernels8,
     adamw8_update,
     adamw_update,
     dequantize_blockwise,
@@ -115,6 +116,53 @@ def test_quantize_every_float32_in_range() -> None:
         if not signed:
             want = np.maximum(want, x > 0)  # the zero guard
         np.testing.assert_array_equal(q, want)
+
+
+def grid_quantize(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Block-wise codes of the fused update's table-free quantizer."""
+    q = np.empty(x.shape[0], np.uint8)
+    absmax = np.empty(-(-x.shape[0] // B), np.float32)
+    _kernels8.quantize_kernel(x, q, absmax, B, 1, signed, True)
+    return q, absmax
+
+
+def sweep(signed: bool) -> np.ndarray:
+    """A dense sweep of float32 bit patterns in [-1, 1] (or [0, 1]), every code and midpoint, and their
+    neighbours one ulp away; absmax 1 in every block, so x / absmax == x."""
+    v = np.arange(0, 2**32, 1013, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    code = signed_map() if signed else unsigned_map()
+    v = np.concatenate([v, code, midpoints(code), np.float32([0.0, -0.0])])
+    v = np.concatenate([v, np.nextafter(v, np.float32(2)), np.nextafter(v, np.float32(-2))])
+    v = v[np.isfinite(v) & (np.abs(v) <= 1) & ((v >= 0) | signed)]
+    v[::B] = 1.0
+    return v
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_the_table_free_codes_are_the_nearest_but_within_float32_ulps_of_a_midpoint(signed: bool) -> None:
+    """The fused update's quantizer against the exact one: one code off at most, only where y is within 4 ulps
+    of the midpoint between the two codes, and rarely: under 1e-5 of uniform random values."""
+    code = signed_map() if signed else unsigned_map()
+    mid = midpoints(code)
+    x = sweep(signed)
+    exact, _ = quantize_blockwise(x, signed)
+    grid, absmax = grid_quantize(x, signed)
+    assert np.all(absmax == 1.0)
+    diff = grid.astype(np.int64) - exact.astype(np.int64)
+    assert np.abs(diff).max() <= 1
+    off = np.nonzero(diff)[0]
+    between = mid[np.minimum(grid[off], exact[off])]
+    assert np.all(np.abs(x[off] - between) <= 4 * np.spacing(np.abs(between))), x[off][:5]
+    # the codes themselves, zeros (both signs) and +-1 are exact
+    for value in (*code, 0.0, -0.0):
+        y = np.full(B, value, np.float32)
+        y[0] = 1.0
+        assert grid_quantize(y, signed)[0][1] == quantize_blockwise(y, signed)[0][1], value
+    rng = np.random.default_rng(3)
+    u = rng.uniform(-1 if signed else 0, 1, 2_000_000).astype(np.float32)
+    u[::B] = 1.0
+    rate = np.mean(grid_quantize(u, signed)[0] != quantize_blockwise(u, signed)[0])
+    assert rate < 1e-5, rate
 
 
 def torch_reference(p, m, v, g, step, hyper):
