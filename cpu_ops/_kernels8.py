@@ -10,8 +10,9 @@ has one float32 absmax per moment.  The parallel loop runs over chunks of whole 
 owns two float32 scratch rows of one block (L1-resident), so a block is read once and written once.
 
 The maps and lookup tables are module constants here (not arguments): Numba freezes them into the
-machine code, which lets LLVM vectorize the table lookups as gathers (it cannot bound the aliasing of an
-argument array that is indexed by data), and ties the cache to this file, which defines them.
+machine code, which lets LLVM vectorize the table lookups as gathers where its cost model for the CPU takes
+them (it cannot bound the aliasing of an argument array that is indexed by data; for AMD Zen it scalarizes
+them), and ties the cache to this file, which defines them.
 
 Two quantizers of ``y = x / absmax``, both "nearest code, ties to the lower code":
 
