@@ -1,0 +1,126 @@
+"""The vector loops of the fused update kernels as compiled on this host: instructions per element.
+
+A kernel that moves fewer bytes is faster only while its math fits in the time those bytes take. This reads
+the machine code Numba/LLVM produced for the 8-bit-moment kernel and for the FP32 one (the benchmark's route:
+bf16 gradient in, bf16 copy out) and lists each innermost loop that holds packed vector instructions: its
+static instructions (both sides of a branch inside the loop count), the elements one iteration handles and
+their quotient. Compiles into a temporary cache directory, since Numba does not disassemble cached code
+(a cold compile of one signature each: seconds)::
+
+    python -m bench.kernel_asm
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+
+FUNCTION = re.compile(r"^([^\s.][^:]*):\s*$")
+LABEL = re.compile(r"^(\.LBB\d+_\d+):")
+JUMP = re.compile(r"^\s+j\w+\s+(\.LBB\d+_\d+)\s*$")
+STEP = re.compile(r"^\s+addq\s+\$(\d+), %(\w+)\s*$")
+PACKED = re.compile(r"\bv\w+p[sd]\b.*%ymm|\bvp\w+\b.*%ymm")
+MARKERS = ("vsqrtps", "vdivps", "vroundps", "vinsertps", "vblendvps")
+
+
+@dataclass(frozen=True)
+class Loop:
+    label: str
+    instructions: int
+    elements: int  # the index step of one iteration (0: not found)
+    markers: dict[str, int]
+
+    @property
+    def per_element(self) -> float:
+        return self.instructions / self.elements if self.elements else float("nan")
+
+
+def is_instruction(line: str) -> bool:
+    return line.startswith("\t") and not line.lstrip().startswith(".")
+
+
+def parallel_bodies(asm: str) -> str:
+    """The functions of ``asm`` that hold a ``prange`` body (Numba's parfor gufuncs, not their wrappers)."""
+    keep, out = False, []
+    for line in asm.splitlines():
+        if m := FUNCTION.match(line):
+            keep = "numba_parfor_gufunc" in m.group(1) and not m.group(1).startswith("__gufunc__")
+        if keep:
+            out.append(line)
+    return "\n".join(out)
+
+
+def vector_loops(asm: str) -> list[Loop]:
+    """Innermost backward-branch ranges of ``asm`` holding packed ymm instructions."""
+    lines = asm.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line))}
+    spans = []
+    for i, line in enumerate(lines):
+        m = JUMP.match(line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            spans.append((labels[m.group(1)], i))
+    # one span per label (its last backward jump), and only innermost ones: no other span inside
+    last = {s: e for s, e in spans}
+    spans = sorted(last.items())
+    inner = [(s, e) for s, e in spans if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in spans)]
+    loops = []
+    for s, e in inner:
+        body = [line for line in lines[s : e + 1] if is_instruction(line)]
+        if not any(PACKED.search(line) for line in body):
+            continue
+        steps = [int(m.group(1)) for line in body if (m := STEP.match(line)) and _indexes(body, m.group(2))]
+        markers = {k: sum(1 for line in body if re.search(rf"\b{k}\b", line)) for k in MARKERS}
+        loops.append(Loop(LABEL.match(lines[s]).group(1), len(body), max(steps, default=0), markers))  # type: ignore[union-attr]
+    return loops
+
+
+def _indexes(body: list[str], reg: str) -> bool:
+    """``reg`` is the index of a memory operand in ``body`` (so its step counts elements, not bytes)."""
+    return any(re.search(rf"\(%\w+,%{reg}(,\d)?\)", line) for line in body)
+
+
+def kernel_asm() -> dict[str, str]:
+    """Run each kernel once on small buffers and return its machine code (first signature)."""
+    from bench.test_adamw8_kernel import Buffers, build_cases
+    from cpu_ops import _kernels, _kernels8
+
+    cases = build_cases(Buffers(1 << 16))
+    cases["8-bit moments"][0]()
+    cases["fp32 moments"][0]()
+    kernels = {"8-bit moments": _kernels8.adamw8_kernel, "fp32 moments": _kernels.adamw_bf16_out_kernel}
+    return {name: k.inspect_asm(k.signatures[0]) for name, k in kernels.items()}
+
+
+def main() -> int:
+    if "numba" in sys.modules:
+        raise RuntimeError("bench.kernel_asm must set NUMBA_CACHE_DIR before numba is imported")
+    with tempfile.TemporaryDirectory(prefix="slidedp-asm-") as cache:
+        os.environ["NUMBA_CACHE_DIR"] = cache
+        import numba
+
+        print(f"host CPU as LLVM sees it: {numba.config.CPU_NAME or 'host'} / {_llvm_cpu()}")
+        print(
+            "| kernel | loop | instructions | elements/iteration | instructions/element | " + " | ".join(MARKERS) + " |"
+        )
+        print("|---|---|---|---|---|" + "---|" * len(MARKERS))
+        for name, asm in kernel_asm().items():
+            for loop in vector_loops(parallel_bodies(asm)):
+                marks = " | ".join(str(loop.markers[k]) for k in MARKERS)
+                print(
+                    f"| {name} | {loop.label} | {loop.instructions} | {loop.elements} | "
+                    f"{loop.per_element:.1f} | {marks} |"
+                )
+    return 0
+
+
+def _llvm_cpu() -> str:
+    import llvmlite.binding as llvm
+
+    return llvm.get_host_cpu_name()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""bench.kernel_asm's loop finder on hand-written assembly: innermost vector loops of prange bodies only."""
+
+from __future__ import annotations
+
+from bench.kernel_asm import parallel_bodies, vector_loops
+
+ASM = """\
+__gufunc__._ZN13_3cdynamic_3e36__numba_parfor_gufunc_0xabc:
+.LBB0_1:
+\tvaddps\t%ymm0, %ymm1, %ymm1
+\taddq\t$8, %rax
+\tjne\t.LBB0_1
+_ZN13_3cdynamic_3e36__numba_parfor_gufunc_0xabc:
+.LBB4_1:
+\tmovq\t8(%rsp), %rcx
+.LBB4_2:
+\tvmovups\t(%rdx,%rsi,4), %ymm2
+\tvsqrtps\t%ymm2, %ymm2
+\t.p2align\t4
+\tvmovups\t%ymm2, (%rdx,%rsi,4)
+\taddq\t$8, %rsi
+\tcmpq\t%rsi, %r8
+\tjne\t.LBB4_2
+.LBB4_3:
+\tmovss\t(%rdx,%rsi,4), %xmm2
+\tincq\t%rsi
+\tjne\t.LBB4_3
+\tdecq\t%rcx
+\tjne\t.LBB4_1
+NRT_incref:
+.LBB9_1:
+\tvaddps\t%ymm0, %ymm1, %ymm1
+\tjne\t.LBB9_1
+"""
+
+
+def test_only_the_innermost_packed_loops_of_prange_bodies_count() -> None:
+    loops = vector_loops(parallel_bodies(ASM))
+    assert [loop.label for loop in loops] == [".LBB4_2"]  # not the outer loop, the scalar one, nor other functions
+    (loop,) = loops
+    assert loop.instructions == 6  # the directive does not count
+    assert loop.elements == 8 and loop.per_element == 6 / 8
+    assert loop.markers["vsqrtps"] == 1 and loop.markers["vdivps"] == 0
+
+
+def test_a_loop_without_an_element_index_has_no_elements() -> None:
+    asm = "_ZN_numba_parfor_gufunc_1:\n.LBB1_1:\n\tvaddps\t%ymm0, %ymm1, %ymm1\n\taddq\t$32, %rax\n\tjne\t.LBB1_1\n"
+    (loop,) = vector_loops(parallel_bodies(asm))
+    assert loop.elements == 0  # %rax is a pointer bump, not an index: bytes, not elements
