@@ -138,3 +138,16 @@ def backend_for(device: torch.device, requested: str | None = None) -> str:
             combined,
         )
     return combined
+
+
+def check_host_backend() -> None:
+    """A default process group made before SlideDP's setup (by the user) must also reduce host tensors, as
+    :func:`backend_for`'s do: the runtime all-reduces CPU tensors (deferred-update norms and flags, route and
+    AutoPolicy probes, multi-host ledgers). Raises, naming the fix, when it has no CPU backend (NCCL alone)."""
+    config = dist.get_backend_config()
+    if "cpu:" not in config:
+        raise ValueError(
+            f"SlideDP: the process group initialized before the strategy's setup has backend {config!r}, which "
+            "cannot reduce the host tensors the runtime also reduces. Initialize it with "
+            "torch.distributed.init_process_group(backend='cpu:gloo,cuda:nccl'), or leave it to SlideDPStrategy."
+        )

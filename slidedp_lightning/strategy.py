@@ -231,6 +231,8 @@ class SlideDPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if dist.is_initialized():  # the user's group: refused before anything is set up if it lacks a CPU backend
+            process_groups.check_host_backend()
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None

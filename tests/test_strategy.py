@@ -518,3 +518,23 @@ def test_validate_without_fit() -> None:
     for n, p in module.named_parameters():
         assert torch.equal(p.detach(), values[n]), n
     assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+
+
+def test_a_users_process_group_without_a_host_backend_is_refused_with_the_fix(monkeypatch, tmp_path) -> None:
+    """A group the user made before fit (NCCL alone: no CPU mapping) could not reduce the runtime's host tensors;
+    setup says so and how to make one that can. A gloo group (CPU mapped) is accepted."""
+    import torch.distributed as dist
+
+    from slidedp_lightning import process_groups
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        process_groups.check_host_backend()  # 'cpu:gloo,cuda:gloo'
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "cuda:nccl")
+        with pytest.raises(ValueError, match=r"cpu:gloo,cuda:nccl"):
+            process_groups.check_host_backend()
+        strategy = L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, logger=False).strategy
+        with pytest.raises(ValueError, match="cannot reduce the host tensors"):
+            strategy.setup_environment()
+    finally:
+        dist.destroy_process_group()

@@ -31,7 +31,7 @@ from slidedp_lightning.runtime.build import InitialWeights, ledger_geometry, ope
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.grads import GradRoute
 from slidedp_lightning.runtime.host_state import LedgerStats, available_host_bytes, format_bytes, trim_host_heap
-from slidedp_lightning.runtime.lanes import make_lanes
+from slidedp_lightning.runtime.lanes import check_stream_concurrency, make_lanes
 from slidedp_lightning.runtime.layout import build_layout
 from slidedp_lightning.runtime.params import UnitResidency
 from slidedp_lightning.runtime.state import LedgerState, UnsupportedLayoutError
@@ -44,6 +44,8 @@ from slidedp_lightning.runtime.update import UpdateLane, validate_optimizer
 __all__ = ["EngineConfig", "SlideDPEngine", "UnsupportedLayoutError", "find_streamed_model"]
 
 log = logging.getLogger(__name__)
+
+ABORT_DRAIN_S = 10.0  # after an error: how long closing waits for the device copies still running
 
 
 def find_streamed_model(root: nn.Module) -> nn.Module:
@@ -86,6 +88,7 @@ class SlideDPEngine:
         self.root, self.device, self.compute_dtype = root, device, compute_dtype
         self.topology = topology = topology or Topology()
         self._closed = self._aborted = False
+        self._copies_done = True  # False: device copies were still running when the lanes closed
         self._restore: bool | str = "auto"
         self.model = model = find_streamed_model(root)
         self.adapter = adapter_for(model)
@@ -95,14 +98,13 @@ class SlideDPEngine:
         if self.config.h2d_convert == "auto":  # CUDA: half the link bytes; a CPU device: no link, no staging pass
             self.config = replace(self.config, h2d_convert="host" if device.type == "cuda" else "device")
         config = self.config
+        check_stream_concurrency(device, config.param_route == "sharded" and topology.shard_world > 1)
         self.adapter.materialize_buffers(model)
         geometry = ledger_geometry(layout, config, topology, compute_dtype)
         weights = InitialWeights(model, self.adapter, layout, topology)
         with ExitStack() as stack:
             self.ledger = ledger = open_ledger(geometry, layout.num_params, weights, topology)
-            stack.callback(ledger.close)
-            if device.type == "cuda":
-                ledger.pin()
+            stack.callback(lambda: ledger.close(copies_done=self._copies_done))
             self.liveness = Liveness(  # the pids of the ranks that map this ledger, by rank, 0 for this one
                 pids=lambda: [0 if p == os.getpid() else int(p) for p in ledger.pids],
                 timeout_s=config.timeout_s,
@@ -157,6 +159,8 @@ class SlideDPEngine:
                 reduce_world=topology.reduce_world,
             )
             stack.callback(self.routes.close)
+            if device.type == "cuda":  # before the first copy; ledger.close() unpins
+                ledger.pin(self.dma_views())
             threads = cpu_ops.thread_budget(topology.ranks_per_host, config.update_threads)
             torch_threads = torch.get_num_threads()
             # Numba kernels run on the update lane thread only: its OpenMP runtime is torch's, and a kernel
@@ -215,8 +219,9 @@ class SlideDPEngine:
 
     def _close_lanes(self) -> None:
         self.lanes.close(wait=not self._aborted)
-        if not self._aborted:
-            self.lanes.drain()  # no copy may still read the ledger when it is unpinned and unmapped
+        # no copy may still read or write the ledger when it is unpinned and unmapped; after an error, a copy or
+        # collective that does not end soon keeps the ledger mapped until the process exits
+        self._copies_done = self.lanes.drain(timeout_s=ABORT_DRAIN_S if self._aborted else None)
 
     # -- the step -------------------------------------------------------------------------------------
     @property
@@ -290,6 +295,14 @@ class SlideDPEngine:
             "retained_activation_bytes": self.activations.last_step.get("retained_bytes", 0),
             "offloaded_activation_bytes": self.activations.last_step.get("offloaded_bytes", 0),
         }
+
+    def dma_views(self) -> list[torch.Tensor]:
+        """The ledger memory this rank's device copies read or write: the fill sources and, under host_reduce,
+        its staging row (what :meth:`HostLedger.pin` page-locks on CUDA)."""
+        views = self.residency.dma_sources()
+        if self.routes.route == "host_reduce" and self.ledger.staging is not None:
+            views.append(self.ledger.staging[self.topology.shard_rank])
+        return views
 
     def ledger_stats(self) -> LedgerStats:
         """The size of this host's ledger and the memory it holds now, split into the trainable parameters (with the

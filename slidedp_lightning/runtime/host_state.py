@@ -28,6 +28,9 @@ from slidedp_lightning.runtime.ledger_geometry import (  # noqa: F401  (re-expor
 
 log = logging.getLogger(__name__)
 
+# ledger mappings that device copies may still use (closed after an error): referenced until the process exits
+_HELD_UNTIL_EXIT: list[torch.Tensor] = []
+
 SHM_ENV = "SLIDEDP_SHM_DIR"  # where ledgers are created (default /dev/shm); any local directory shared by the ranks
 
 
@@ -186,6 +189,7 @@ class HostLedger:
         file, from its ``source`` handle."""
         self.geometry = geometry
         self.owner = create
+        self._pinned_at: list[int] = []  # the page-locked ranges' addresses (pin())
         self.file: LedgerFile | PrivateLedgerMemory
         if create and source is None:
             assert not share, "a private ledger cannot be shared"
@@ -322,24 +326,64 @@ class HostLedger:
             assert bf16 is not None, "every unit keeps its master or its BF16 copy"
             bf16[cut:end].copy_(values[cut - start :])
 
-    def pin(self) -> bool:
-        """Page-lock this process's mapping (``cudaHostRegister``) so H2D/D2H copies to and from it are async
-        DMA. Returns False (and logs why) when CUDA refuses; copies then stage through pageable memory."""
-        err = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), self.geometry.nbytes, 0)
-        code = getattr(err, "value", err)
-        self._pinned = code == 0
-        if not self._pinned:
-            log.warning(
-                "cudaHostRegister of the %s ledger failed (cudaError %s); copies will be synchronous",
-                format_bytes(self.geometry.nbytes),
-                code,
-            )
-        return self._pinned
+    def page_ranges(self, views: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """Byte ranges ``[a, b)`` of this mapping covering ``views`` (views into it), widened to whole pages and
+        merged where they touch."""
+        base, size = self._raw.data_ptr(), self.geometry.nbytes
+        spans = []
+        for v in views:
+            if v.numel() == 0:
+                continue
+            a = v.data_ptr() - base
+            b = a + v.numel() * v.element_size()
+            if a < 0 or b > size:
+                raise ValueError(f"a view of {b - a} bytes at offset {a} is not inside this {size}-byte ledger")
+            spans.append((a // PAGE * PAGE, min(-(-b // PAGE) * PAGE, -(-size // PAGE) * PAGE)))
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
+    def pin(self, views: list[torch.Tensor]) -> bool:
+        """Page-lock the parts of this process's mapping that device copies read or write (``views``: the fill
+        sources, the staging rows), so those copies are async DMA. Only those: page-locking faults every page in,
+        so locking the whole mapping would hold the moments locked and, in a host-sharded ledger, allocate the
+        pages this host never holds. Returns False (and logs why) when CUDA refuses; copies then stage through
+        pageable memory."""
+        cudart = torch.cuda.cudart()
+        base = self._raw.data_ptr()
+        ranges = self.page_ranges(views)
+        self._pinned_at = []
+        for a, b in ranges:
+            err = cudart.cudaHostRegister(base + a, b - a, 0)
+            code = getattr(err, "value", err)
+            if code != 0:
+                log.warning(
+                    "cudaHostRegister of %s of the %s ledger failed (cudaError %s); copies will be synchronous",
+                    format_bytes(b - a),
+                    format_bytes(self.geometry.nbytes),
+                    code,
+                )
+                self.unpin()
+                return False
+            self._pinned_at.append(base + a)
+        log.info(
+            "page-locked %s of the %s ledger in %d range(s) for device copies",
+            format_bytes(sum(b - a for a, b in ranges)),
+            format_bytes(self.geometry.nbytes),
+            len(ranges),
+        )
+        return True
 
     def unpin(self) -> None:
-        if getattr(self, "_pinned", False):
-            torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr())
-            self._pinned = False
+        held, self._pinned_at = self._pinned_at, []
+        if held:
+            cudart = torch.cuda.cudart()
+            for ptr in held:
+                cudart.cudaHostUnregister(ptr)
 
     def refresh_bf16(self, ranges: list[tuple[int, int]] | None = None) -> None:
         """Rewrite the BF16 transfer copy from the master (torch's conversion: round-to-nearest-even, the same
@@ -385,8 +429,20 @@ class HostLedger:
         """Every rank of the host has the file now: stop handing its descriptor out."""
         self.file.stop_sharing()
 
-    def close(self) -> None:
-        self.unpin()
+    def close(self, copies_done: bool = True) -> None:
+        """Unpin and let go of the mapping. ``copies_done`` False (device copies into or out of it may still be
+        running, after an error): a page-locked mapping stays locked and mapped until the process exits, since
+        DMA into pages that were given back would write into memory that is someone else's by then."""
+        if copies_done or not self._pinned_at:
+            self.unpin()
+        else:
+            _HELD_UNTIL_EXIT.append(self._raw)
+            self._pinned_at = []
+            log.warning(
+                "SlideDP: device copies of the %s ledger were still running at close; it stays mapped and "
+                "page-locked until this process exits",
+                format_bytes(self.geometry.nbytes),
+            )
         file = getattr(self, "file", None)  # absent when __init__ failed before opening it
         if file is not None:
             file.close()

@@ -24,6 +24,7 @@ overlap and ordering come from the worker threads, so ordering bugs surface in C
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -80,9 +81,11 @@ class Lanes:
     def hand_over(self, tensor: torch.Tensor, lane: str) -> None:
         pass
 
-    def drain(self) -> None:
+    def drain(self, timeout_s: float | None = None) -> bool:
         """Block until every device operation issued so far on any lane has completed (before host memory that
-        copies read or write is rewritten, unpinned or unmapped)."""
+        copies read or write is rewritten, unpinned or unmapped); with ``timeout_s``, for at most that long (after
+        an error a collective may wait for a dead peer forever). Returns whether everything completed."""
+        return True
 
     def to_host(
         self, piece: torch.Tensor, work: CollectiveHandle | None
@@ -167,8 +170,21 @@ class CudaLanes(Lanes):
     def hand_over(self, tensor: torch.Tensor, lane: str) -> None:
         tensor.record_stream(self._stream(lane))
 
-    def drain(self) -> None:
-        torch.cuda.synchronize(self.device)
+    def drain(self, timeout_s: float | None = None) -> bool:
+        if timeout_s is None:
+            torch.cuda.synchronize(self.device)
+            return True
+        events = []
+        for stream in (self.compute, *self.streams.values()):
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        deadline = time.monotonic() + timeout_s
+        while not all(e.query() for e in events):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
 
     def to_host(
         self, piece: torch.Tensor, work: CollectiveHandle | None
@@ -196,6 +212,19 @@ class CudaLanes(Lanes):
         event = torch.cuda.Event(enable_timing=True)
         event.record(self._stream(lane))
         return event
+
+
+def check_stream_concurrency(device: torch.device, threads_issue_collectives: bool) -> None:
+    """Refuse ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when collectives of several groups are issued from several threads
+    (the sharded route's all-gathers come from the H2D lane while backward reduce-scatters gradients): with one
+    hardware queue every stream's kernels run in launch order, and two ranks that launched the same two
+    collectives in a different order would each wait on a kernel queued behind the other's."""
+    if device.type == "cuda" and threads_issue_collectives and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError(
+            "SlideDP: CUDA_DEVICE_MAX_CONNECTIONS=1 serializes the CUDA streams, and the sharded param_route issues "
+            "its all-gathers from another thread than the gradient collectives: ranks could deadlock. Unset "
+            "CUDA_DEVICE_MAX_CONNECTIONS, or use param_route='full'."
+        )
 
 
 def make_lanes(device: torch.device, tracer: Tracer | None = None) -> Lanes:

@@ -47,7 +47,7 @@ class UnitResidency:
         self.layout = layout
         self.ledger = ledger
         self.lanes = lanes
-        device = self.device = lanes.device
+        self.device = lanes.device
         self.dtype = dtype
         self.window = window
         self._alive = liveness
@@ -55,7 +55,7 @@ class UnitResidency:
         self.rank = rank
         self.group = group
         self.tracer = lanes.tracer
-        self.buffers = [torch.empty(u.padded, dtype=dtype, device=device) for u in layout.units]
+        self.buffers: list[torch.Tensor] = []  # one flat buffer per unit, made by bind(), empty unless resident
         self.refs = [0] * len(layout.units)
         self.held_for_backward = [False] * len(layout.units)
         self.pending: dict[int, Future] = {}
@@ -84,16 +84,41 @@ class UnitResidency:
         # unit (norm, then lm_head) and the first backward module reuse it instead of copying it again
         self._parked: int | None = None
 
+    def dma_sources(self) -> list[torch.Tensor]:
+        """The ledger memory that fills copy to the device: each unit's source (its shard of it under the sharded
+        route), except where the host converts into the staging buffer first (that buffer is pinned already)."""
+        out = []
+        for unit, src in zip(self.layout.units, self._sources):
+            if src.dtype != self.dtype and self.h2d_convert == "host":
+                continue
+            if self.route == "full":
+                out.append(src)
+            else:
+                s0, s1 = unit.shard(self.rank)
+                out.append(src[s0:s1])
+        return out
+
     # -- binding the model to the flat buffers -------------------------------------------------------
     def bind(self) -> None:
-        """Replace every parameter of the model by a view into its unit's device buffer."""
-        for unit, buf in zip(self.layout.units, self.buffers):
+        """Replace every parameter of the model by a view into its unit's device buffer.
+
+        One unit at a time: a view needs its storage at full size when it is made, so each buffer is allocated,
+        viewed and emptied before the next, and the device never holds more than one unit here (all units at
+        once would be the whole model, which is what this system exists not to need)."""
+        if self.buffers:
+            raise RuntimeError("the model is already bound to this residency")
+        for unit in self.layout.units:
+            buf = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
             for slot in unit.slots:
                 view = buf[slot.offset : slot.end].view(slot.shape)
                 param = nn.Parameter(view, requires_grad=slot.trainable)
                 for module, attr in slot.locations:
                     setattr(module, attr, param)
             buf.untyped_storage().resize_(0)  # views keep their geometry; the memory goes until acquire
+            self.buffers.append(buf)
+        if self.device.type == "cuda":
+            # the emptied blocks are cached for the current stream, which fills (on the h2d stream) cannot reuse
+            torch.cuda.empty_cache()
 
     def unbind(self, restore: bool) -> None:
         """Give the model ordinary parameters again: FP32 copies of the master (of the BF16 copy for a unit

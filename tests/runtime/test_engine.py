@@ -17,6 +17,7 @@ from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.models import UnsupportedModelError
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.host_state import PAGE
 from slidedp_lightning.runtime.ledger_file import PrivateLedgerMemory
 from slidedp_lightning.runtime.update import UnsupportedOptimizerError
 from tests.helpers import (
@@ -757,5 +758,37 @@ def test_load_state_dict_between_steps_is_what_the_next_forward_sees(window: int
             p.data = p.data.to(torch.bfloat16)
         with torch.no_grad():
             assert loss_of(model, x).item() == loss_of(other, x).item()
+    finally:
+        engine.close()
+
+
+def _region_pages(engine: SlideDPEngine, name: str) -> set[int]:
+    whole = getattr(engine.ledger, name)
+    a = whole.data_ptr() - engine.ledger._raw.data_ptr()
+    return set(range(a // PAGE, -(-(a + whole.numel() * whole.element_size()) // PAGE)))
+
+
+@pytest.mark.parametrize(
+    "dtype, cfg, region",
+    [
+        (torch.bfloat16, {}, "bf16"),  # fills read the BF16 copy
+        (torch.float32, {}, "master"),  # FP32 compute reads the master
+        (torch.bfloat16, {"bf16_copy": False, "h2d_convert": "device"}, "master"),  # FP32 over the link
+        (torch.bfloat16, {"bf16_copy": False, "h2d_convert": "host"}, None),  # via the (pinned) staging buffer
+        (torch.bfloat16, {"grad_route": "host_reduce"}, "bf16"),  # + this rank's staging row
+    ],
+)
+def test_the_ledger_memory_device_copies_use_is_what_gets_page_locked(dtype, cfg, region) -> None:
+    """On CUDA the engine page-locks engine.dma_views(): the fill sources (and the staging row), never the moments,
+    so pinning faults in no page the device does not copy (a host-sharded ledger would otherwise fill up)."""
+    engine = SlideDPEngine(tiny_model(False), EngineConfig(**cfg), device=CPU, compute_dtype=dtype)
+    try:
+        ranges = engine.ledger.page_ranges(engine.dma_views())
+        pages = {p for a, b in ranges for p in range(a // PAGE, b // PAGE)}
+        staging = _region_pages(engine, "staging") if cfg.get("grad_route") == "host_reduce" else set()
+        want = (_region_pages(engine, region) if region else set()) | staging
+        assert pages == want
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert not pages & _region_pages(engine, moment)
     finally:
         engine.close()

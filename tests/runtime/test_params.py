@@ -56,3 +56,32 @@ def test_each_unit_visits_the_device_once_per_pass(tied, window):
         assert res.peak_resident_bytes <= bound
     finally:
         engine.close()
+
+
+def test_binding_holds_one_unit_on_the_device_at_a_time(monkeypatch):
+    """On a GPU every byte torch.empty returns is real: making all units' buffers before emptying them would need
+    the whole model on the device at setup. Each buffer made by the residency is empty before the next is made."""
+    import sys
+
+    from slidedp_lightning.runtime import params
+
+    made: list[torch.Tensor] = []
+    held_at_each: list[int] = []
+    empty = torch.empty
+
+    def tracked(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        if sys._getframe(1).f_code.co_filename == params.__file__:
+            held_at_each.append(sum(t.untyped_storage().nbytes() > 0 for t in made))
+            made.append(out)
+        return out
+
+    monkeypatch.setattr(params.torch, "empty", tracked)
+    _, engine = _engine(tied=False, window=1)
+    monkeypatch.undo()
+    try:
+        assert len(made) == len(engine.layout.units) >= 4
+        assert held_at_each == [0] * len(made), held_at_each
+        assert all(t.untyped_storage().nbytes() == 0 for t in engine.residency.buffers)
+    finally:
+        engine.close()
