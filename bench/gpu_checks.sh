@@ -18,7 +18,8 @@ $PY -c "import torch, lightning, transformers, numba, pulp; print('torch', torch
 lightning.__version__, '| transformers', transformers.__version__, '| numba', numba.__version__, '| pulp',
 pulp.__version__, '|', torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT/machine.txt"
 
-timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider -m gpu -rfE \
+# SIGINT at the limit: pytest stops the running test and still prints what passed and failed so far
+timeout -s INT -k 20 "${TEST_TIMEOUT:-270}" $PY -m pytest -q -p no:cacheprovider -m gpu -rfE \
   tests/runtime/test_lanes.py tests/integration/test_cuda.py >"$OUT/pytest_gpu.log" 2>&1
 tests_rc=$?
 timeout "${CHECK_TIMEOUT:-300}" $PY bench/gpu_check.py --out "$OUT" ${CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
