@@ -105,55 +105,55 @@ def test_device_timing_events_are_placed_on_the_host_clock_when_a_step_is_writte
     tracer.close()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_backend_orders_copies_and_collective_results_through_events():
-    device = torch.device("cuda", 0)
-    lanes = make_lanes(device)
-    try:
-        assert isinstance(lanes, CudaLanes)
-        src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
-        with lanes.on("h2d"):
-            buf = torch.empty_like(src, device=device)
-            buf.copy_(src, non_blocking=True)
-        lanes.wait("compute", lanes.mark("h2d"))
-        doubled = buf * 2  # on the compute stream, after the copy
-        host, marker, work = lanes.to_host(doubled, None)
-        assert work is None and host.is_pinned()
-        lanes.host_wait(marker)
-        assert lanes.done(marker)
-        assert torch.equal(host, src * 2)
-    finally:
-        lanes.close()
+@pytest.fixture
+def cuda_lanes():
+    """CUDA lanes on GPU 0 (a ``gpu`` test: skipped without one), closed after the test."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    lanes = make_lanes(torch.device("cuda", 0))
+    yield lanes
+    lanes.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_copies_issued_on_another_lane_wait_for_the_compute_stream():
+def test_cuda_backend_orders_copies_and_collective_results_through_events(cuda_lanes):
+    lanes = cuda_lanes
+    assert isinstance(lanes, CudaLanes)
+    src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    with lanes.on("h2d"):
+        buf = torch.empty_like(src, device=lanes.device)
+        buf.copy_(src, non_blocking=True)
+    lanes.wait("compute", lanes.mark("h2d"))
+    doubled = buf * 2  # on the compute stream, after the copy
+    host, marker, work = lanes.to_host(doubled, None)
+    assert work is None and host.is_pinned()
+    lanes.host_wait(marker)
+    assert lanes.done(marker)
+    assert torch.equal(host, src * 2)
+
+
+@pytest.mark.gpu
+def test_cuda_copies_issued_on_another_lane_wait_for_the_compute_stream(cuda_lanes):
     """A gradient's return without a collective (one rank) and an activation offload are issued inside another
     lane's stream context while the compute stream may still be writing their source: "after compute" must mean
     the compute stream, not the stream current at that moment."""
-    device = torch.device("cuda", 0)
-    lanes = make_lanes(device)
-    try:
-        x = torch.randn(1 << 22, device=device)
-        expected = (x * 2).cpu()
-        for route in ("to_host", "offload"):
-            torch.cuda.synchronize(device)
-            torch.cuda._sleep(100_000_000)  # the compute stream is busy for tens of milliseconds
-            y = x * 2  # queued behind the sleep
-            if route == "to_host":
-                host, marker, _ = lanes.to_host(y, None)
-            else:  # runtime.activations' offload: ordered after compute, from inside the offload lane
-                host = lanes.pinned(y.numel(), y.dtype)
-                with lanes.on("offload"):
-                    lanes.wait("offload", lanes.mark("compute"))
-                    host.copy_(y, non_blocking=True)
-                    marker = lanes.mark("offload")
-            lanes.host_wait(marker)
-            assert torch.equal(host, expected), f"{route}: the copy ran before the compute stream wrote its source"
-    finally:
-        lanes.close()
+    lanes = cuda_lanes
+    x = torch.randn(1 << 22, device=lanes.device)
+    expected = (x * 2).cpu()
+    for route in ("to_host", "offload"):
+        torch.cuda.synchronize(lanes.device)
+        torch.cuda._sleep(100_000_000)  # the compute stream is busy for tens of milliseconds
+        y = x * 2  # queued behind the sleep
+        if route == "to_host":
+            host, marker, _ = lanes.to_host(y, None)
+        else:  # runtime.activations' offload: ordered after compute, from inside the offload lane
+            host = lanes.pinned(y.numel(), y.dtype)
+            with lanes.on("offload"):
+                lanes.wait("offload", lanes.mark("compute"))
+                host.copy_(y, non_blocking=True)
+                marker = lanes.mark("offload")
+        lanes.host_wait(marker)
+        assert torch.equal(host, expected), f"{route}: the copy ran before the compute stream wrote its source"
 
 
 def test_one_cuda_connection_is_refused_only_where_threads_issue_collectives(monkeypatch) -> None:
@@ -170,15 +170,10 @@ def test_one_cuda_connection_is_refused_only_where_threads_issue_collectives(mon
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_bounded_drain_reports_work_still_running_and_a_full_one_waits():
-    device = torch.device("cuda", 0)
-    lanes = make_lanes(device)
-    try:
-        assert lanes.drain(timeout_s=1.0)  # idle
-        with lanes.on("h2d"):
-            torch.cuda._sleep(2_000_000_000)  # about a second of device time on one lane's stream
-        assert not lanes.drain(timeout_s=0.01)
-        assert lanes.drain() and lanes.drain(timeout_s=0.01)
-    finally:
-        lanes.close()
+def test_a_bounded_drain_reports_work_still_running_and_a_full_one_waits(cuda_lanes):
+    lanes = cuda_lanes
+    assert lanes.drain(timeout_s=1.0)  # idle
+    with lanes.on("h2d"):
+        torch.cuda._sleep(2_000_000_000)  # about a second of device time on one lane's stream
+    assert not lanes.drain(timeout_s=0.01)
+    assert lanes.drain() and lanes.drain(timeout_s=0.01)
