@@ -89,7 +89,7 @@ class UnitResidency:
         route), except where the host converts into the staging buffer first (that buffer is pinned already)."""
         out = []
         for unit, src in zip(self.layout.units, self._sources):
-            if src.dtype != self.dtype and self.h2d_convert == "host":
+            if self._stages_on_host(src):
                 continue
             if self.route == "full":
                 out.append(src)
@@ -188,7 +188,7 @@ class UnitResidency:
         """Host ledger -> device buffer, on the H2D lane. Without a BF16 copy in the ledger the FP32 master is
         converted on the way: on the host into a reused (pinned) staging buffer, then copied (2 B/param over the
         link), or (``h2d_convert="device"``) copied as FP32 and converted by the device (4 B/param)."""
-        if src.dtype == dst.dtype or self.h2d_convert == "device":
+        if not self._stages_on_host(src):
             dst.copy_(src, non_blocking=True)
             return
         if self._staging is None:  # pinned on CUDA: the copy out of it is async DMA
@@ -199,6 +199,10 @@ class UnitResidency:
         stage.copy_(src)  # round-to-nearest-even, the bits the update kernel writes into a BF16 copy
         dst.copy_(stage, non_blocking=True)
         self._staging_copied = self.lanes.mark("h2d")
+
+    def _stages_on_host(self, src: torch.Tensor) -> bool:
+        """A fill from ``src`` converts it on the host into the staging buffer first (then copies that)."""
+        return src.dtype != self.dtype and self.h2d_convert == "host"
 
     def _start(self, u: int, step: int) -> None:
         if self.resident[u] and self.filled_step[u] < step and self.refs[u] == 0 and not self.held_for_backward[u]:
