@@ -33,6 +33,7 @@ from slidedp_lightning.runtime.grads import GradRoute
 from slidedp_lightning.runtime.host_state import LedgerStats, available_host_bytes, format_bytes, trim_host_heap
 from slidedp_lightning.runtime.lanes import check_stream_concurrency, make_lanes
 from slidedp_lightning.runtime.layout import build_layout
+from slidedp_lightning.runtime.ledger_pages import lock_ranges
 from slidedp_lightning.runtime.params import UnitResidency
 from slidedp_lightning.runtime.state import LedgerState, UnsupportedLayoutError
 from slidedp_lightning.runtime.step import StepDriver
@@ -160,7 +161,7 @@ class SlideDPEngine:
             )
             stack.callback(self.routes.close)
             if device.type == "cuda":  # before the first copy; ledger.close() unpins
-                ledger.pin(self.dma_views())
+                ledger.pin(lock_ranges(ledger, self.dma_views()))
             threads = cpu_ops.thread_budget(topology.ranks_per_host, config.update_threads)
             torch_threads = torch.get_num_threads()
             # Numba kernels run on the update lane thread only: its OpenMP runtime is torch's, and a kernel
@@ -298,7 +299,7 @@ class SlideDPEngine:
 
     def dma_views(self) -> list[torch.Tensor]:
         """The ledger memory this rank's device copies read or write: the fill sources and, under host_reduce,
-        its staging row (what :meth:`HostLedger.pin` page-locks on CUDA)."""
+        its staging row (what :meth:`HostLedger.pin` page-locks on CUDA, in :func:`ledger_pages.lock_ranges`)."""
         views = self.residency.dma_sources()
         if self.routes.route == "host_reduce" and self.ledger.staging is not None:
             views.append(self.ledger.staging[self.topology.shard_rank])

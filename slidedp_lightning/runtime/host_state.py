@@ -326,37 +326,16 @@ class HostLedger:
             assert bf16 is not None, "every unit keeps its master or its BF16 copy"
             bf16[cut:end].copy_(values[cut - start :])
 
-    def page_ranges(self, views: list[torch.Tensor]) -> list[tuple[int, int]]:
-        """Byte ranges ``[a, b)`` of this mapping covering ``views`` (views into it), widened to whole pages and
-        merged where they touch."""
-        base, size = self._raw.data_ptr(), self.geometry.nbytes
-        spans = []
-        for v in views:
-            if v.numel() == 0:
-                continue
-            a = v.data_ptr() - base
-            b = a + v.numel() * v.element_size()
-            if a < 0 or b > size:
-                raise ValueError(f"a view of {b - a} bytes at offset {a} is not inside this {size}-byte ledger")
-            spans.append((a // PAGE * PAGE, min(-(-b // PAGE) * PAGE, -(-size // PAGE) * PAGE)))
-        merged: list[tuple[int, int]] = []
-        for a, b in sorted(spans):
-            if merged and a <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        return merged
-
-    def pin(self, views: list[torch.Tensor]) -> bool:
-        """Page-lock the parts of this process's mapping that device copies read or write (``views``: the fill
-        sources, the staging rows), so those copies are async DMA. Only those: page-locking faults every page in,
-        so locking the whole mapping would hold the moments locked and, in a host-sharded ledger, allocate the
-        pages this host never holds. Returns False (and logs why) when CUDA refuses; copies then stage through
-        pageable memory."""
+    def pin(self, ranges: list[tuple[int, int]]) -> bool:
+        """Page-lock the byte ``ranges`` of this process's mapping (whole pages, not overlapping: see
+        :func:`ledger_pages.lock_ranges`), the parts device copies read or write, so those copies are async DMA.
+        Only those: page-locking faults every page in, so locking the whole mapping would hold the moments locked
+        and, in a host-sharded ledger, allocate the pages this host never holds. Returns False (and logs why) when
+        CUDA refuses; copies then stage through pageable memory."""
+        if self._pinned_at:
+            raise RuntimeError("this ledger is page-locked already")
         cudart = torch.cuda.cudart()
         base = self._raw.data_ptr()
-        ranges = self.page_ranges(views)
-        self._pinned_at = []
         for a, b in ranges:
             err = cudart.cudaHostRegister(base + a, b - a, 0)
             code = getattr(err, "value", err)

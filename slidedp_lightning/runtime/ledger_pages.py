@@ -23,7 +23,7 @@ import torch
 
 from slidedp_lightning.runtime.host_state import HostLedger, HostMemoryError, format_bytes, shm_dir
 
-__all__ = ["ledger_spans", "prepare_pages"]
+__all__ = ["ledger_spans", "lock_ranges", "prepare_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,22 @@ def ledger_spans(ledger: HostLedger, views: Iterable[torch.Tensor]) -> list[tupl
     """Byte spans ``[a, b)`` of the ledger's mapping that the 1-D ``views`` of it (region ranges) cover."""
     base = ledger.mapping_address()
     return [(v.data_ptr() - base, v.data_ptr() - base + v.numel() * v.element_size()) for v in views if v.numel()]
+
+
+def lock_ranges(ledger: HostLedger, views: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
+    """Byte ranges ``[a, b)`` of the ledger's mapping to page-lock for device copies of the 1-D ``views``: their
+    spans widened to whole pages (a page partly covered is locked whole) and merged where they touch."""
+    size = ledger.geometry.nbytes
+    merged: list[list[int]] = []
+    for a, b in sorted(ledger_spans(ledger, views)):
+        if a < 0 or b > size:
+            raise ValueError(f"a view of {b - a} bytes at offset {a} is not inside this {size}-byte ledger")
+        a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
 
 
 def prepare_pages(ledger: HostLedger, spans: list[tuple[int, int]], threads: int) -> bool:

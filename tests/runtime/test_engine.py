@@ -17,8 +17,8 @@ from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.models import UnsupportedModelError
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
-from slidedp_lightning.runtime.host_state import PAGE
 from slidedp_lightning.runtime.ledger_file import PrivateLedgerMemory
+from slidedp_lightning.runtime.ledger_pages import PAGE, lock_ranges
 from slidedp_lightning.runtime.update import UnsupportedOptimizerError
 from tests.helpers import (
     VOCAB,  # noqa: F401  (test_activations.py imports it from here)
@@ -764,7 +764,7 @@ def test_load_state_dict_between_steps_is_what_the_next_forward_sees(window: int
 
 def _region_pages(engine: SlideDPEngine, name: str) -> set[int]:
     whole = getattr(engine.ledger, name)
-    a = whole.data_ptr() - engine.ledger._raw.data_ptr()
+    a = whole.data_ptr() - engine.ledger.mapping_address()
     return set(range(a // PAGE, -(-(a + whole.numel() * whole.element_size()) // PAGE)))
 
 
@@ -783,7 +783,7 @@ def test_the_ledger_memory_device_copies_use_is_what_gets_page_locked(dtype, cfg
     so pinning faults in no page the device does not copy (a host-sharded ledger would otherwise fill up)."""
     engine = SlideDPEngine(tiny_model(False), EngineConfig(**cfg), device=CPU, compute_dtype=dtype)
     try:
-        ranges = engine.ledger.page_ranges(engine.dma_views())
+        ranges = lock_ranges(engine.ledger, engine.dma_views())
         pages = {p for a, b in ranges for p in range(a // PAGE, b // PAGE)}
         staging = _region_pages(engine, "staging") if cfg.get("grad_route") == "host_reduce" else set()
         want = (_region_pages(engine, region) if region else set()) | staging

@@ -207,26 +207,6 @@ def test_a_private_ledger_needs_host_memory_not_room_in_the_shm_directory(monkey
         check_host_memory(g, 1 << 20)
 
 
-def test_page_ranges_widen_to_pages_merge_and_refuse_outside_views() -> None:
-    g = LedgerGeometry(total=4 * 2048, num_units=4, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
-    led = HostLedger(None, g, create=True)
-    try:
-        base = led.master.data_ptr() - led._raw.data_ptr()
-        assert base % PAGE == 0
-        # two pieces of the master inside one page and the next: one range, whole pages
-        assert led.page_ranges([led.master[1:10], led.master[1000:1100]]) == [(base, base + 2 * PAGE)]
-        # pieces pages apart stay apart; an empty view adds nothing; order does not matter
-        far = led.master[4 * 1024 : 4 * 1024 + 1]
-        assert led.page_ranges([far, led.master[:0], led.master[:1]]) == [
-            (base, base + PAGE),
-            (base + 4 * PAGE, base + 5 * PAGE),
-        ]
-        with pytest.raises(ValueError, match="not inside"):
-            led.page_ranges([torch.zeros(4)])
-    finally:
-        led.close()
-
-
 def test_a_ledger_closed_while_device_copies_may_run_stays_mapped_until_exit(monkeypatch) -> None:
     """After an error the engine cannot always wait for its device copies; a page-locked ledger closed then is
     neither unpinned nor unmapped (a late DMA must land in pages that are still this ledger's)."""

@@ -9,7 +9,7 @@ import torch
 
 from slidedp_lightning.runtime import ledger_pages
 from slidedp_lightning.runtime.host_state import HostLedger, HostMemoryError, LedgerGeometry
-from slidedp_lightning.runtime.ledger_pages import PAGE, ledger_spans, prepare_pages
+from slidedp_lightning.runtime.ledger_pages import PAGE, ledger_spans, lock_ranges, prepare_pages
 
 N = 1 << 20  # elements: 4 MiB of FP32 master
 
@@ -83,3 +83,23 @@ def test_the_pages_are_allocated_and_a_full_host_says_so(tmp_path, monkeypatch) 
         assert prepare_pages(ledger, ledger_spans(ledger, _views(ledger, 0, N)), threads=1)
     finally:
         ledger.close()
+
+
+def test_lock_ranges_widen_to_pages_merge_and_refuse_outside_views() -> None:
+    g = LedgerGeometry(total=4 * 2048, num_units=4, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
+    led = HostLedger(None, g, create=True)
+    try:
+        base = led.master.data_ptr() - led.mapping_address()
+        assert base % PAGE == 0
+        # two pieces of the master inside one page and the next: one range, whole pages
+        assert lock_ranges(led, [led.master[1:10], led.master[1000:1100]]) == [(base, base + 2 * PAGE)]
+        # pieces pages apart stay apart; an empty view adds nothing; order does not matter
+        far = led.master[4 * 1024 : 4 * 1024 + 1]
+        assert lock_ranges(led, [far, led.master[:0], led.master[:1]]) == [
+            (base, base + PAGE),
+            (base + 4 * PAGE, base + 5 * PAGE),
+        ]
+        with pytest.raises(ValueError, match="not inside"):
+            lock_ranges(led, [torch.zeros(4)])
+    finally:
+        led.close()
