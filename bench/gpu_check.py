@@ -29,7 +29,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine
-from slidedp_lightning.runtime.activations import ActivationPolicy
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy
 
 
 def qwen3_config(tiny: bool) -> Qwen3Config:

@@ -20,7 +20,7 @@ pulp.__version__, '|', torch.cuda.get_device_name(0))" 2>&1 | tee -a "$OUT/machi
 
 # SIGINT at the limit: pytest stops the running test and still prints what passed and failed so far
 timeout -s INT -k 20 "${TEST_TIMEOUT:-270}" $PY -m pytest -q -p no:cacheprovider -m gpu -rfE \
-  tests/runtime/test_lanes.py tests/integration/test_cuda.py >"$OUT/pytest_gpu.log" 2>&1
+  tests/runtime/lanes/test_streams.py tests/integration/test_cuda.py >"$OUT/pytest_gpu.log" 2>&1
 tests_rc=$?
 timeout "${CHECK_TIMEOUT:-300}" $PY bench/gpu_check.py --out "$OUT" ${CHECK_ARGS:-} >"$OUT/gpu_check.log" 2>&1
 check_rc=$?

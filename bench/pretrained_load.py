@@ -117,7 +117,7 @@ class HostPeak(threading.Thread):
 
 def _checkpoint_tensors(directory: Path) -> list[tuple[str, str, int]]:
     """(file, key, bytes) of every tensor of the checkpoint."""
-    from slidedp_lightning.runtime.weights import scan_safetensors
+    from slidedp_lightning.runtime.ledger.weight_source import scan_safetensors
 
     return [(t.file, t.key, t.numel * t.itemsize) for t in scan_safetensors(str(directory)).values()]
 
@@ -129,7 +129,7 @@ def _reference_read(tensors: list[tuple[str, str, int]], mine: list[int], keep: 
     (else they reuse the pages the previous iteration's tensors left in the heap)."""
     from safetensors import safe_open
 
-    from slidedp_lightning.runtime.host_state import trim_host_heap
+    from slidedp_lightning.runtime.host_os import trim_host_heap
 
     if trim:
         trim_host_heap()
@@ -161,10 +161,12 @@ def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     import slidedp_lightning
     from slidedp_lightning.models import adapter_for
     from slidedp_lightning.pretrained import loading_into_ledger
-    from slidedp_lightning.runtime import EngineConfig, Topology, build
-    from slidedp_lightning.runtime.build import InitialWeights, balanced_shares, ledger_geometry, open_ledger
+    from slidedp_lightning.runtime import EngineConfig, Topology
     from slidedp_lightning.runtime.layout import build_layout
-    from slidedp_lightning.runtime.weights import SafetensorsWeights
+    from slidedp_lightning.runtime.ledger import initial_weights
+    from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights, balanced_shares
+    from slidedp_lightning.runtime.ledger.opening import ledger_geometry, open_ledger
+    from slidedp_lightning.runtime.ledger.weight_source import SafetensorsWeights
 
     with loading_into_ledger():
         model = slidedp_lightning.from_pretrained(args.dir)
@@ -175,7 +177,7 @@ def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     weights = InitialWeights(model, adapter, layout, topology)
     tensors = _checkpoint_tensors(args.dir)
     mine = balanced_shares([n for _, _, n in tensors], ranks)[rank]
-    mapped, prepare = SafetensorsWeights._mapped, build.prepare_pages
+    mapped, prepare = SafetensorsWeights._mapped, initial_weights.prepare_pages
     cases = ("fill", "fill_unprepared", "fill_sliced", "read_new", "read_kept", "read_dropped")
     times: dict[str, list[float]] = {name: [] for c in cases for name in (c, f"{c}_cpu")}
     for i in range(args.iterations):
@@ -187,9 +189,9 @@ def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
                 if case == "fill_sliced":  # the earlier path: safe_open slices, torch's conversions
                     SafetensorsWeights._mapped = lambda self, t: None  # type: ignore[method-assign]
                 if case != "fill":  # the pages left to the writes
-                    build.prepare_pages = lambda *a: False
+                    initial_weights.prepare_pages = lambda *a: False
                 ledger = open_ledger(geometry, layout.num_params, weights, topology)
-                SafetensorsWeights._mapped, build.prepare_pages = mapped, prepare  # type: ignore[method-assign]
+                SafetensorsWeights._mapped, initial_weights.prepare_pages = mapped, prepare  # type: ignore[method-assign]
                 assert weights.report is not None
                 times[case].append(weights.report.seconds)
                 ledger.close()
@@ -227,8 +229,8 @@ def worker(args: argparse.Namespace) -> None:
     elif args.command == "read":
         from safetensors import safe_open
 
-        from slidedp_lightning.runtime.build import balanced_shares
-        from slidedp_lightning.runtime.weights import scan_safetensors
+        from slidedp_lightning.runtime.ledger.initial_weights import balanced_shares
+        from slidedp_lightning.runtime.ledger.weight_source import scan_safetensors
 
         tensors = _checkpoint_tensors(args.dir)
         numel = [t.numel for t in scan_safetensors(str(args.dir)).values()]
@@ -256,7 +258,7 @@ def worker(args: argparse.Namespace) -> None:
         import slidedp_lightning
         from slidedp_lightning.pretrained import loading_into_ledger
         from slidedp_lightning.runtime import EngineConfig, SlideDPEngine, Topology
-        from slidedp_lightning.runtime.build import InitialWeights
+        from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights
 
         reports: list = []
         for name in ("load", "fill"):

@@ -15,7 +15,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from slidedp_lightning.runtime.engine import EngineConfig
     from tests.helpers import tiny_model
-    from tests.runtime.test_compact_state import run
+    from tests.runtime.ledger.test_compact_state import run
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)

@@ -18,7 +18,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
-from slidedp_lightning.runtime.host_state import format_bytes
+from slidedp_lightning.runtime.host_os import format_bytes
 
 log = logging.getLogger("ledger_frozen")
 

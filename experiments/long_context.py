@@ -30,7 +30,7 @@ def measure(config, policy: str, seq: int, batch: int) -> int:
     """Activation bytes all blocks retain in one step at ``seq`` (one process, CPU)."""
     from transformers import AutoModelForCausalLM
 
-    from slidedp_lightning.runtime.activations import ActivationPolicy
+    from slidedp_lightning.runtime.activation_policy import ActivationPolicy
     from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 
     torch.manual_seed(0)

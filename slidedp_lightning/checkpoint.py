@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
 from slidedp_lightning.runtime.compat import CheckedFileSystemReader
-from slidedp_lightning.runtime.host_state import format_bytes, process_start_time
+from slidedp_lightning.runtime.host_os import format_bytes, process_start_time
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from slidedp_lightning.constants import (
     ParamRoute,
     UpdateMode,
 )
-from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy, UnitPolicy
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.topology import Topology
 

@@ -30,9 +30,8 @@ from torch import nn
 
 from slidedp_lightning.models.adapter import UnsupportedModelError
 from slidedp_lightning.runtime.engine import find_streamed_model
-from slidedp_lightning.runtime.host_state import format_bytes
-from slidedp_lightning.runtime.topology import Topology
-from slidedp_lightning.runtime.weights import (
+from slidedp_lightning.runtime.host_os import format_bytes
+from slidedp_lightning.runtime.ledger.weight_source import (
     WEIGHT_SOURCE_ATTR,
     CheckpointError,
     SafetensorsWeights,
@@ -40,6 +39,7 @@ from slidedp_lightning.runtime.weights import (
     checkpoint_files,
     scan_safetensors,
 )
+from slidedp_lightning.runtime.topology import Topology
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

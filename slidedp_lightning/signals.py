@@ -29,7 +29,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from slidedp_lightning.runtime.host_state import process_start_time, process_state
+from slidedp_lightning.runtime.host_os import process_start_time, process_state
 
 log = logging.getLogger(__name__)
 

@@ -81,7 +81,7 @@ class SlideDPStrategy(ParallelStrategy):
             internal boundaries of the block, recompute the segments between them), ``"selective"`` (PyTorch's
             selective checkpointing, matmul outputs saved), each with an optional offload ratio ``"@0.5"`` (that
             fraction of the retained bytes waits in host memory between forward and backward); an
-            :class:`~slidedp_lightning.runtime.activations.ActivationPolicy` with per-block overrides; ``"auto"`` or
+            :class:`~slidedp_lightning.runtime.lanes.activations.ActivationPolicy` with per-block overrides; ``"auto"`` or
             an :class:`~slidedp_lightning.autopolicy.AutoPolicy` (with its ``memory_budget``): measure every mode
             on a real block at the first training step and solve an integer program for the fastest plan, saved as
             ``<default_root_dir>/slidedp_policy.json``; or the path of a saved plan (reused without measuring; its

@@ -32,7 +32,12 @@ from slidedp_lightning.checkpoint import (
 )
 from slidedp_lightning.export import export_checkpoint
 from slidedp_lightning.runtime.compat import DCP_METADATA, UnsafeCheckpointError
-from tests.test_strategy import TinyLM, _quiet_and_clean, data, trainer  # noqa: F401
+from tests.trainers import (
+    TinyLM,
+    data,
+    quiet_and_clean,  # noqa: F401
+    trainer,
+)
 
 
 def test_share_balances_elements_and_is_deterministic():

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slidedp_lightning import SaveHuggingFace
-from tests.test_strategy import VOCAB, TinyLM, _quiet_and_clean, data, tiny_model, trainer  # noqa: F401
+from tests.helpers import VOCAB, tiny_model
+from tests.trainers import TinyLM, data, trainer  # noqa: F401
 
 X = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
 

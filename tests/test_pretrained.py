@@ -24,10 +24,10 @@ from slidedp_lightning import SlideDPStrategy
 from slidedp_lightning.models import adapter_for
 from slidedp_lightning.pretrained import CheckpointError, loading_into_ledger, warn_if_materialized
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine, Topology
-from slidedp_lightning.runtime.build import InitialWeights
-from slidedp_lightning.runtime.host_state import format_bytes
+from slidedp_lightning.runtime.host_os import format_bytes
 from slidedp_lightning.runtime.layout import build_layout
-from slidedp_lightning.runtime.weights import WEIGHT_SOURCE_ATTR
+from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights
+from slidedp_lightning.runtime.ledger.weight_source import WEIGHT_SOURCE_ATTR
 from tests.helpers import tiny_config
 
 VOCAB = 64

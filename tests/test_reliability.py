@@ -20,19 +20,22 @@ import torch.distributed as dist
 
 from slidedp_lightning import SlideDPStrategy, process_groups, signals
 from slidedp_lightning.checkpoint import is_sharded, remove_stale_saves
-from slidedp_lightning.runtime import host_state, topology
-from slidedp_lightning.runtime.host_state import (
-    SHM_ENV,
-    HostMemoryError,
-    LedgerGeometry,
-    check_host_memory,
-    format_bytes,
-    process_start_time,
-    shm_dir,
-)
-from slidedp_lightning.runtime.sync import Liveness, PeerFailure, wait_until
+from slidedp_lightning.runtime import topology
+from slidedp_lightning.runtime.host_os import format_bytes, process_start_time
+from slidedp_lightning.runtime.lanes.liveness import Liveness, PeerFailure, wait_until
+from slidedp_lightning.runtime.ledger import preflight
+from slidedp_lightning.runtime.ledger.geometry import LedgerGeometry
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.ledger.preflight import SHM_ENV, HostMemoryError, check_host_memory, shm_dir
 from slidedp_lightning.runtime.topology import Topology
-from tests.test_strategy import TinyLM, _quiet_and_clean, adamw, data, slidedp_shm, trainer  # noqa: F401
+from tests.trainers import (
+    TinyLM,
+    adamw,
+    data,
+    quiet_and_clean,  # noqa: F401
+    slidedp_shm,
+    trainer,
+)
 
 COLLECTIVE_THREADS = ("gloo", "tcpstore", "nccl")  # pt_gloo_runloop, gloo_tcp_loop, pt_tcpstore_uv, pt_nccl_*
 
@@ -357,7 +360,7 @@ def test_a_bad_shm_dir_is_refused_naming_the_variable(tmp_path, monkeypatch, val
 
 def test_an_unwritable_shm_dir_is_refused_naming_the_variable(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(SHM_ENV, str(tmp_path))
-    monkeypatch.setattr(host_state.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: False)
     with pytest.raises(PermissionError, match=f"{SHM_ENV}=.*not writable"):
         shm_dir()
 
@@ -368,7 +371,7 @@ def test_a_ledger_that_cannot_be_created_names_where_the_directory_came_from(tmp
         total=1024, num_units=2, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4
     )
     with pytest.raises(FileNotFoundError, match=f"{SHM_ENV}=.*No such file"):
-        host_state.HostLedger(str(tmp_path / "removed"), geometry, create=True)  # the directory went away
+        HostLedger(str(tmp_path / "removed"), geometry, create=True)  # the directory went away
 
 
 @pytest.mark.parametrize(
@@ -387,7 +390,7 @@ def test_sizes_are_formatted_with_a_unit_that_fits(n: int, text: str) -> None:
 
 
 def test_a_small_ledger_that_does_not_fit_reports_its_size_in_a_unit_that_fits(monkeypatch) -> None:
-    monkeypatch.setattr(host_state, "available_host_bytes", lambda directory="": (100 << 10, 1 << 30))
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda directory="": (100 << 10, 1 << 30))
     geometry = LedgerGeometry(
         total=1 << 18, num_units=4, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4
     )

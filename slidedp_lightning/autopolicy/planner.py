@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from slidedp_lightning.autopolicy.solve import Fixed, InfeasibleBudget, Option, predict, solve
-from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy, UnitPolicy
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ rather than as a wrong result in training:
 - :class:`CheckedFileSystemReader`: the name and the pickled contents of the ``.metadata`` file of
   ``torch.distributed.checkpoint``'s file system format, which its reader unpickles without restriction.
 
-Public names that differ between releases (collectives) are in :mod:`slidedp_lightning.runtime.comm`.
+Public names that differ between releases (the collectives' tensor forms) are at the end.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -226,3 +227,8 @@ class CheckedFileSystemReader(dcp.FileSystemReader):
         rank = kwargs.get("rank")
         check_dcp_metadata(Path(self.checkpoint_id) / (DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"))
         return super().read_metadata(*args, **kwargs)
+
+
+# collectives under the names of this torch release (2.13 renamed the tensor forms; older ones have the old)
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from slidedp_lightning.constants import GRAD_ROUTES, OPTIMIZER_STATES, PARAM_ROUTES, QUANT_BLOCK, UPDATE_MODES
-from slidedp_lightning.runtime.activations import ActivationPolicy
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy
 
 
 def _lane_delay_from_env() -> float:

@@ -26,21 +26,25 @@ from torch import nn
 import cpu_ops
 from slidedp_lightning import models
 from slidedp_lightning.models import adapter_for
-from slidedp_lightning.runtime.activations import ActivationManager
-from slidedp_lightning.runtime.build import InitialWeights, ledger_geometry, open_ledger, resolve_auto_routes
 from slidedp_lightning.runtime.config import EngineConfig
-from slidedp_lightning.runtime.grads import GradRoute
-from slidedp_lightning.runtime.host_state import LedgerStats, available_host_bytes, format_bytes, trim_host_heap
-from slidedp_lightning.runtime.lanes import check_stream_concurrency, make_lanes
+from slidedp_lightning.runtime.host_os import format_bytes, trim_host_heap
+from slidedp_lightning.runtime.lanes.activations import ActivationManager
+from slidedp_lightning.runtime.lanes.grad_route import GradRoute
+from slidedp_lightning.runtime.lanes.liveness import Liveness, peer_states, set_lane_delay, wait_until
+from slidedp_lightning.runtime.lanes.residency import UnitResidency
+from slidedp_lightning.runtime.lanes.streams import check_stream_concurrency, make_lanes
+from slidedp_lightning.runtime.lanes.update import UpdateLane, validate_optimizer
 from slidedp_lightning.runtime.layout import build_layout
-from slidedp_lightning.runtime.ledger_pages import lock_ranges
-from slidedp_lightning.runtime.params import UnitResidency
-from slidedp_lightning.runtime.state import LedgerState, UnsupportedLayoutError
+from slidedp_lightning.runtime.ledger.geometry import LedgerStats
+from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights
+from slidedp_lightning.runtime.ledger.opening import ledger_geometry, open_ledger
+from slidedp_lightning.runtime.ledger.pages import lock_ranges
+from slidedp_lightning.runtime.ledger.preflight import available_host_bytes
+from slidedp_lightning.runtime.ledger.state import LedgerState, UnsupportedLayoutError
+from slidedp_lightning.runtime.route_probe import resolve_auto_routes
 from slidedp_lightning.runtime.step import StepDriver
-from slidedp_lightning.runtime.sync import Liveness, peer_states, set_lane_delay, wait_until
 from slidedp_lightning.runtime.topology import Topology
 from slidedp_lightning.runtime.trace import Tracer
-from slidedp_lightning.runtime.update import UpdateLane, validate_optimizer
 
 __all__ = ["EngineConfig", "SlideDPEngine", "UnsupportedLayoutError", "find_streamed_model"]
 

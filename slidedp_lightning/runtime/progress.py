@@ -9,7 +9,7 @@ from types import TracebackType
 
 from tqdm.auto import tqdm
 
-from slidedp_lightning.runtime.host_state import format_bytes
+from slidedp_lightning.runtime.host_os import format_bytes
 
 log = logging.getLogger(__name__)
 

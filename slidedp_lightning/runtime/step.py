@@ -22,18 +22,18 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import cpu_ops
-from slidedp_lightning.runtime.activations import ActivationManager
 from slidedp_lightning.runtime.compat import queue_backward_callback
 from slidedp_lightning.runtime.config import EngineConfig
-from slidedp_lightning.runtime.grads import GradRoute
-from slidedp_lightning.runtime.host_state import trim_host_heap
-from slidedp_lightning.runtime.lanes import Lanes
+from slidedp_lightning.runtime.host_os import trim_host_heap
+from slidedp_lightning.runtime.lanes.activations import ActivationManager
+from slidedp_lightning.runtime.lanes.grad_route import GradRoute
+from slidedp_lightning.runtime.lanes.liveness import Liveness, lane_delay
+from slidedp_lightning.runtime.lanes.residency import UnitResidency
+from slidedp_lightning.runtime.lanes.streams import Lanes
+from slidedp_lightning.runtime.lanes.update import AdamHyper, UpdateLane, UpdateTask, read_hyper
 from slidedp_lightning.runtime.layout import Layout
-from slidedp_lightning.runtime.params import UnitResidency
-from slidedp_lightning.runtime.sync import Liveness, lane_delay
 from slidedp_lightning.runtime.topology import Topology
 from slidedp_lightning.runtime.trace import Tracer
-from slidedp_lightning.runtime.update import AdamHyper, UpdateLane, UpdateTask, read_hyper
 
 log = logging.getLogger(__name__)
 

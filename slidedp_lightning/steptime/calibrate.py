@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 
 import cpu_ops
 from slidedp_lightning.constants import update_bytes_per_param
-from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
-from slidedp_lightning.runtime.probe import probe_routes
+from slidedp_lightning.runtime.compat import all_gather_into, reduce_scatter_into
+from slidedp_lightning.runtime.route_probe import probe_routes
 from slidedp_lightning.steptime.profiles import LOOP_KEY, LOSS_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
 

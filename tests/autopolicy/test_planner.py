@@ -10,10 +10,10 @@ import torch
 
 from slidedp_lightning.autopolicy import AutoPolicy
 from slidedp_lightning.autopolicy.solve import Fixed, Option, predict
-from slidedp_lightning.runtime.activations import ActivationPolicy
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
-from tests.runtime.test_activations import train
-from tests.runtime.test_engine import CPU, adamw_groups, batches, loss_of, tiny_model
+from tests.helpers import tiny_model
+from tests.runtime.helpers import CPU, adamw_groups, batches, loss_of, train
 
 STEPS = 3
 

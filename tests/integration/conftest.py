@@ -150,3 +150,30 @@ def job_runner(tmp_path_factory):
 def trace_dir(tmp_path_factory) -> str:
     """Where the traced case of the equivalence suite writes its lane trace (one folder per session)."""
     return str(tmp_path_factory.mktemp("trace"))
+
+
+STEPS = 20
+
+
+BATCH = 4
+
+
+RTOL = 1e-5
+
+
+def assert_ok(result) -> None:
+    assert result.returncode == 0, result.output[-4000:]
+
+
+def compare_runs(ref, got, ranks: int) -> None:
+    for r in range(ranks):
+        a, b = ref.losses(r), got.losses(r)
+        assert len(a) == len(b) == STEPS
+        worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+        assert worst <= RTOL, f"rank {r}: per-step loss differs by {worst:.2e} relative"
+    sa, sb = ref.state(), got.state()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        scale = sa[k].abs().max().clamp_min(1e-12)
+        rel = ((sa[k] - sb[k]).abs().max() / scale).item()
+        assert rel <= RTOL, f"{k}: final weights differ by {rel:.2e} relative"

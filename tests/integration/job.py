@@ -83,7 +83,7 @@ class TinyLM(L.LightningModule):
         if kill and where == "forward":
             os.kill(os.getpid(), signal.SIGKILL)
         if kill and where == "update":  # on the CPU update lane thread, inside this step's first update
-            from slidedp_lightning.runtime import update
+            from slidedp_lightning.runtime.lanes import update
 
             def die(lane, task):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -144,7 +144,7 @@ class TinyLM(L.LightningModule):
                 if "s" in parts[1] and ("/memfd:slidedp-ledger" in name or re.search(r"/#\d+ \(deleted\)$", name)):
                     mapped.add((parts[3], parts[4], name))
         stats = engine.ledger_stats()
-        from slidedp_lightning.runtime.host_state import shm_dir
+        from slidedp_lightning.runtime.ledger.preflight import shm_dir
 
         st = os.statvfs(shm_dir())
         info = {

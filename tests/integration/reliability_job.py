@@ -60,7 +60,7 @@ class LM(L.LightningModule):
         self.losses: list[tuple[int, float]] = []
 
     def on_train_start(self) -> None:
-        from slidedp_lightning.runtime.host_state import shm_dir
+        from slidedp_lightning.runtime.ledger.preflight import shm_dir
 
         st = os.statvfs(shm_dir())
         self._write(f"shm_rank{self.global_rank}", str((st.f_blocks - st.f_bfree) * st.f_frsize))

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from slidedp_lightning.checkpoint import META
-from tests.integration.conftest import shm_files
-from tests.integration.test_equivalence import BATCH
+from tests.integration.conftest import BATCH, shm_files
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 

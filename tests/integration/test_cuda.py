@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.conftest import shm_files, variant_result
-from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
+from tests.integration.conftest import BATCH, STEPS, assert_ok, compare_runs, shm_files, variant_result
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,10 +42,10 @@ def cuda_jobs(job_runner, tmp_path_factory):
 @pytest.mark.parametrize("variant", sorted(VARIANTS) + ["traced"])
 def test_one_cuda_rank_equals_single_device_adamw(cuda_jobs, variant: str) -> None:
     ref, got = cuda_jobs
-    _assert_ok(ref)
+    assert_ok(ref)
     result = variant_result(got, variant)
-    _assert_ok(result)
-    _compare(ref, result, ranks=1)
+    assert_ok(result)
+    compare_runs(ref, result, ranks=1)
     assert not shm_files(), "a shared-memory ledger file was left behind"
 
 
@@ -55,8 +54,8 @@ def test_cuda_bf16_mixed_tracks_the_fp32_reference(job_runner) -> None:
     common = {**COMMON, "steps": steps}
     ref = job_runner("cuda_ref_single_fp32_50", strategy="single", **common)
     got = job_runner("cuda_slidedp_bf16_50", strategy="slidedp", precision="bf16-mixed", **common)
-    _assert_ok(ref)
-    _assert_ok(got)
+    assert_ok(ref)
+    assert_ok(got)
     a, b = ref.losses(0), got.losses(0)
     assert len(a) == len(b) == steps
     worst = max(abs(x - y) for x, y in zip(a, b))
@@ -80,9 +79,9 @@ def test_two_cuda_ranks_equal_ddp_adamw(job_runner, variant: str) -> None:
     common = {**COMMON, "devices": 2, "distributed_sampler": True}
     ref = job_runner("cuda_ref_ddp2_fp32", strategy="ddp", **common)
     got = job_runner("cuda_slidedp2_variants", strategy="slidedp", variants=VARIANTS_2, timeout=600, **common)
-    _assert_ok(ref)
-    _assert_ok(got)
-    _compare(ref, variant_result(got, variant), ranks=2)
+    assert_ok(ref)
+    assert_ok(got)
+    compare_runs(ref, variant_result(got, variant), ranks=2)
 
 
 @TWO_GPUS
@@ -91,6 +90,6 @@ def test_two_cuda_ranks_with_clipping_equal_ddp_adamw(job_runner) -> None:
     common = {**COMMON, "devices": 2, "distributed_sampler": True, "clip": 0.05}
     ref = job_runner("cuda_ref_ddp2_clip", strategy="ddp", **common)
     got = job_runner("cuda_slidedp2_clip", strategy="slidedp", **common)
-    _assert_ok(ref)
-    _assert_ok(got)
-    _compare(ref, got, ranks=2)
+    assert_ok(ref)
+    assert_ok(got)
+    compare_runs(ref, got, ranks=2)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import variant_result, variants_job
-from tests.integration.test_equivalence import BATCH, STEPS, _assert_ok, _compare
+from tests.integration.conftest import BATCH, STEPS, assert_ok, compare_runs, variant_result, variants_job
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 
@@ -46,7 +45,7 @@ def family_jobs(job_runner, strategy: str):
 @pytest.mark.parametrize(("family", "tied", "why"), CASES)
 def test_family_matches_ddp(job_runner, family: str, tied: bool, why: str) -> None:
     ref = variant_result(family_jobs(job_runner, "ddp"), family)
-    _assert_ok(ref)
+    assert_ok(ref)
     got = variant_result(family_jobs(job_runner, "slidedp"), family)
-    _assert_ok(got)
-    _compare(ref, got, 2)
+    assert_ok(got)
+    compare_runs(ref, got, 2)

@@ -5,17 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.conftest import variant_result, variants_job
-from tests.integration.test_equivalence import (
-    BATCH,
-    MATRIX,
-    STEPS,
-    _case_knobs,
-    case_result,
-    differing,
-    matrix_result,
-    run_matrix,
-)
+from tests.integration.conftest import BATCH, STEPS, variant_result, variants_job
+from tests.integration.equivalence_cases import MATRIX, _case_knobs, case_result, differing, matrix_result, run_matrix
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 

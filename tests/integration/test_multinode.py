@@ -8,8 +8,17 @@ import json
 import pytest
 import torch
 
-from tests.integration.conftest import JobResult, run_nodes, shm_files, variant_result, variants_job
-from tests.integration.test_equivalence import BATCH, RTOL, STEPS, _compare
+from tests.integration.conftest import (
+    BATCH,
+    RTOL,
+    STEPS,
+    JobResult,
+    compare_runs,
+    run_nodes,
+    shm_files,
+    variant_result,
+    variants_job,
+)
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 
@@ -97,7 +106,7 @@ def test_two_nodes_of_two_ranks_equal_ddp_on_four(layouts_job, references, layou
             rel = ((got[f"model/{n}"] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)).item()
             assert rel <= RTOL, f"{n}: final weights differ from DDP's by {rel:.2e} relative"
     else:
-        _compare(reference, res, ranks=4)
+        compare_runs(reference, res, ranks=4)
     for rank in (0, 2):  # one rank per host
         info = json.loads((res.out / f"allocated_rank{rank}.json").read_text())
         held = info["allocated"] / info["nbytes"]

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.integration.test_equivalence import BATCH
+from tests.integration.conftest import BATCH
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # multi-process jobs
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import rel_err
-from tests.integration.test_equivalence import BATCH
+from tests.integration.conftest import BATCH
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 

@@ -21,7 +21,7 @@ from slidedp_lightning.models import (
     find_streamed_model,
     stream_blocks,
 )
-from slidedp_lightning.runtime.activations import ActivationPolicy
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from slidedp_lightning.runtime.layout import build_layout
 from tests.helpers import (
@@ -33,7 +33,7 @@ from tests.helpers import (
     nanogpt,
     token_batches,
 )
-from tests.models.test_hf_decoder import lm_loss, train_and_compare
+from tests.models.helpers import lm_loss, train_and_compare
 
 CPU = torch.device("cpu")
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -17,72 +17,15 @@ from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.models import UnsupportedModelError
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
-from slidedp_lightning.runtime.ledger_file import PrivateLedgerMemory
-from slidedp_lightning.runtime.ledger_pages import PAGE, lock_ranges
-from slidedp_lightning.runtime.update import UnsupportedOptimizerError
+from slidedp_lightning.runtime.lanes.update import UnsupportedOptimizerError
+from slidedp_lightning.runtime.ledger.memory import PrivateLedgerMemory
+from slidedp_lightning.runtime.ledger.pages import PAGE, lock_ranges
 from tests.helpers import (
-    VOCAB,  # noqa: F401  (test_activations.py imports it from here)
     rel_err,
     tiny_config,
     tiny_model,
-    token_batches,
 )
-
-SEQ, BATCH = 16, 2
-CPU = torch.device("cpu")
-
-
-def make_engine(model: nn.Module, **cfg) -> SlideDPEngine:
-    return SlideDPEngine(model, EngineConfig(**cfg), device=CPU, compute_dtype=torch.float32)
-
-
-def adamw_groups(model: nn.Module, lr: float = 3e-3, **kw) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-        **kw,
-    )
-
-
-def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
-    """``n`` random [BATCH, SEQ] token batches, the engine tests' data."""
-    return token_batches(n, BATCH, SEQ, seed=seed)
-
-
-def assert_rel_close(actual: dict, expected: dict, tol: float = 1e-5) -> None:
-    assert actual.keys() == expected.keys()
-    for k in expected:
-        assert actual[k].shape == expected[k].shape, k
-        err = rel_err(actual[k], expected[k])
-        assert err <= tol, f"{k}: relative error {err:.3g} > {tol}"
-
-
-def loss_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=x, labels=x).loss
-
-
-def train_pair(
-    model: nn.Module, engine: SlideDPEngine, ref: nn.Module, opt, ref_opt, steps: int, lr_drop_at: int | None = None
-) -> tuple[list[float], list[float]]:
-    losses, ref_losses = [], []
-    for i, x in enumerate(batches(steps)):
-        if i == lr_drop_at:  # a scheduler changing lr between steps: read live at dispatch
-            for o in (opt, ref_opt):
-                for group in o.param_groups:
-                    group["lr"] *= 0.5
-        loss = loss_of(model, x)
-        loss.backward()
-        assert engine.end_step()
-        losses.append(loss.item())
-        ref_opt.zero_grad()
-        ref_loss = loss_of(ref, x)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_losses.append(ref_loss.item())
-    return losses, ref_losses
+from tests.runtime.helpers import CPU, adamw_groups, assert_rel_close, batches, loss_of, make_engine, train_pair
 
 
 @pytest.fixture
@@ -307,7 +250,9 @@ SECOND_BACKWARD = {
 # run in a child process: on the tied model the second backward can crash the interpreter (SIGSEGV)
 _SECOND_BACKWARD_CHILD = """
 import sys
-from tests.runtime.test_engine import SECOND_BACKWARD, adamw_groups, batches, make_engine, tiny_model
+from tests.runtime.test_engine import SECOND_BACKWARD
+from tests.helpers import tiny_model
+from tests.runtime.helpers import adamw_groups, batches, make_engine
 model = tiny_model(sys.argv[2] == "tied")
 engine = make_engine(model)
 engine.attach_optimizer(adamw_groups(model))
@@ -718,7 +663,8 @@ def test_load_state_dict_strict_reports_mismatch(engines) -> None:
 
 def test_backward_waits_for_the_update_lane_beyond_max_units_in_flight(engines, monkeypatch) -> None:
     """Backpressure: however slow the CPU update, at most max_units_in_flight units' gradients wait for it."""
-    from slidedp_lightning.runtime import sync, update
+    from slidedp_lightning.runtime.lanes import liveness as sync
+    from slidedp_lightning.runtime.lanes import update
 
     model = tiny_model(tied=False)
     ref = copy.deepcopy(model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from slidedp_lightning.runtime.activations import ActivationPolicy
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import rel_err, tiny_model, token_batches
 

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 from torch import nn
-from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.models import HFDecoderAdapter, UnsupportedModelError
 from slidedp_lightning.runtime.layout import PARAM_ALIGN, SHARD_ALIGN, build_layout
 from tests.helpers import tiny_model
-
-
-def layout_of(model: Qwen3ForCausalLM, world_size: int = 1):
-    return build_layout(model, HFDecoderAdapter().units(model), world_size)
+from tests.runtime.helpers import layout_of
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -1,7 +1,7 @@
 """A unit's flat gradient: filling it from the parameters' gradients, and a pool of reusable buffers for it.
 
 The flat layout of a unit (``runtime/layout.py``) puts every parameter's gradient at its offset, with zeros in the
-alignment gaps and the padding; the gradient routes (``runtime/grads.py``) reduce that buffer, whole or in chunks.
+alignment gaps and the padding; the gradient routes (``runtime/lanes/grad_route.py``) reduce that buffer, whole or in chunks.
 """
 
 from __future__ import annotations

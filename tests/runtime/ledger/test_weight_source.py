@@ -16,19 +16,20 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning.models import adapter_for
-from slidedp_lightning.runtime import weights as weights_mod
-from slidedp_lightning.runtime.build import InitialWeights, balanced_shares, ledger_geometry
 from slidedp_lightning.runtime.config import EngineConfig
-from slidedp_lightning.runtime.host_state import HostLedger
 from slidedp_lightning.runtime.layout import build_layout
-from slidedp_lightning.runtime.topology import Topology
-from slidedp_lightning.runtime.weights import (
+from slidedp_lightning.runtime.ledger import weight_source as weights_mod
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights, balanced_shares
+from slidedp_lightning.runtime.ledger.opening import ledger_geometry
+from slidedp_lightning.runtime.ledger.weight_source import (
     WEIGHT_SOURCE_ATTR,
     CheckpointError,
     SafetensorsWeights,
     WeightSource,
     scan_safetensors,
 )
+from slidedp_lightning.runtime.topology import Topology
 
 
 def tiny_config() -> Qwen3Config:

@@ -1,4 +1,4 @@
-"""runtime.activations: every checkpointing mode and offload ratio gives bit-identical training, and the
+"""runtime.lanes.activations: every checkpointing mode and offload ratio gives bit-identical training, and the
 runtime's accounting of retained activation bytes behaves as the policies promise."""
 
 from __future__ import annotations
@@ -6,28 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slidedp_lightning.runtime.activations import ActivationPolicy, UnitPolicy
-from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine, tiny_model
-
-STEPS = 3
-
-
-def train(policy, tied: bool = True, steps: int = STEPS):
-    """Losses, final master weights and per-step accounting of a one-process engine run under ``policy``."""
-    model = tiny_model(tied)
-    engine = make_engine(model, activation_policy=ActivationPolicy.coerce(policy))
-    try:
-        engine.attach_optimizer(adamw_groups(model))
-        losses, memory = [], []
-        for x in batches(steps):
-            loss = loss_of(model, x)
-            loss.backward()
-            assert engine.end_step()
-            losses.append(loss.item())
-            memory.append(engine.device_memory())
-        return losses, engine.state_dict(), memory
-    finally:
-        engine.close()
+from slidedp_lightning.runtime.activation_policy import ActivationPolicy, UnitPolicy
+from tests.helpers import tiny_model
+from tests.runtime.helpers import adamw_groups, loss_of, train
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +112,8 @@ def test_long_sequence_accounting_grows_linearly_with_chunked_loss_and_offload()
     proportional to the sequence length (no term in seq^2 or seq x vocab stays on the device)."""
     from slidedp_lightning import use_chunked_loss
     from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
-    from tests.runtime.test_engine import CPU, VOCAB
+    from tests.helpers import VOCAB
+    from tests.runtime.helpers import CPU
 
     retained = {}
     for seq in (8, 16, 32):
@@ -160,9 +142,9 @@ def test_selective_store_keeps_torch_entries_in_either_form(form):
     from torch import nn
     from torch.utils.checkpoint import _VersionWrapper
 
-    from slidedp_lightning.runtime.activations import ActivationManager, _Retained
     from slidedp_lightning.runtime.compat import SelectiveCacheStore
-    from slidedp_lightning.runtime.lanes import make_lanes
+    from slidedp_lightning.runtime.lanes.activations import ActivationManager, _Retained
+    from slidedp_lightning.runtime.lanes.streams import make_lanes
 
     lanes = make_lanes(torch.device("cpu"))
     manager = ActivationManager(

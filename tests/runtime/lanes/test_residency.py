@@ -63,7 +63,7 @@ def test_binding_holds_one_unit_on_the_device_at_a_time(monkeypatch):
     the whole model on the device at setup. Each buffer made by the residency is empty before the next is made."""
     import sys
 
-    from slidedp_lightning.runtime import params
+    from slidedp_lightning.runtime.lanes import residency as params
 
     made: list[torch.Tensor] = []
     held_at_each: list[int] = []

@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 
 from slidedp_lightning.constants import GRAD_ROUTES
-from slidedp_lightning.runtime.comm import reduce_scatter_into
-from slidedp_lightning.runtime.flat_grads import FlatLease, FlatPool, _fill_flat
-from slidedp_lightning.runtime.host_state import HostLedger
-from slidedp_lightning.runtime.lanes import CollectiveHandle, Lanes
+from slidedp_lightning.runtime.compat import reduce_scatter_into
+from slidedp_lightning.runtime.lanes.flat_grads import FlatLease, FlatPool, _fill_flat
+from slidedp_lightning.runtime.lanes.liveness import Liveness, PeerFailure, lane_delay, wait_until
+from slidedp_lightning.runtime.lanes.streams import CollectiveHandle, Lanes
 from slidedp_lightning.runtime.layout import Layout
-from slidedp_lightning.runtime.sync import Liveness, PeerFailure, lane_delay, wait_until
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
 from slidedp_lightning.runtime.trace import Tracer
 
 if TYPE_CHECKING:
-    from slidedp_lightning.runtime.update import GradSource
+    from slidedp_lightning.runtime.lanes.update import GradSource
 
 ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, every rank gets the whole gradient
 

@@ -1,17 +1,11 @@
-"""Setting an engine up: "auto" routes resolved by measurement, the host ledger created, filled and mapped (from
-a checkpoint by every rank, else by local rank 0).
-
-Every function here is collective over the ranks named by the :class:`Topology`: all of them call it, in the
-same order, with the same arguments.
-"""
+"""A new ledger's initial weights: read from a checkpoint by every rank (each its share of the units), or the
+model's own weights copied (meta-device units materialized one at a time) by local rank 0."""
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import numba
 import torch
@@ -20,123 +14,15 @@ from torch import nn
 
 import cpu_ops
 from slidedp_lightning.models.adapter import ArchitectureAdapter
-from slidedp_lightning.runtime.config import EngineConfig
-from slidedp_lightning.runtime.host_state import (
-    HostLedger,
-    LedgerGeometry,
-    check_host_memory,
-    ledger_directory,
-    trim_host_heap,
-    unit_regions,
-)
+from slidedp_lightning.runtime.host_os import trim_host_heap
 from slidedp_lightning.runtime.layout import Layout, Unit
-from slidedp_lightning.runtime.ledger_file import LedgerHandle
-from slidedp_lightning.runtime.ledger_pages import ledger_spans, prepare_pages
-from slidedp_lightning.runtime.probe import RouteProbe, probe_routes
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.ledger.pages import ledger_spans, prepare_pages
+from slidedp_lightning.runtime.ledger.weight_source import CheckpointError, weight_source_of
 from slidedp_lightning.runtime.progress import ByteProgress, rate
 from slidedp_lightning.runtime.topology import Topology
-from slidedp_lightning.runtime.weights import CheckpointError, weight_source_of
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-def on_rank0_for_all(fn: Callable[[], T], topology: Topology) -> T:
-    """Run ``fn`` on local rank 0; every rank of the host receives its result or raises its error (no rank
-    waits forever for a rank that failed)."""
-    result: list[Any] = [None]
-    if topology.local_rank == 0:
-        try:
-            result[0] = ("ok", fn())
-        except Exception as exc:  # re-raised on every rank below
-            result[0] = ("error", exc)
-    if topology.ranks_per_host > 1:
-        dist.broadcast_object_list(result, group=topology.host_group, group_src=0)
-    status, value = result[0]
-    if status == "error":
-        raise value
-    return value
-
-
-def resolve_auto_routes(
-    config: EngineConfig, topology: Topology, layout: Layout, device: torch.device, dtype: torch.dtype
-) -> tuple[EngineConfig, RouteProbe | None]:
-    """Replace every "auto" of ``config`` by the route the probe measured fastest (the same on every rank)."""
-    want = (config.param_route == "auto", config.grad_route == "auto", config.chunk_bytes == "auto")
-    if not any(want):
-        return config, None
-    if topology.shard_world == 1:
-        log.info("SlideDP auto routes: one rank, nothing to choose: full / gpu_reduce / one chunk per unit")
-        resolved = replace(
-            config,
-            param_route="full" if want[0] else config.param_route,
-            grad_route="gpu_reduce" if want[1] else config.grad_route,
-            chunk_bytes=None if want[2] else config.chunk_bytes,
-        )
-        return resolved, None
-    if want[0] and topology.param_group is None:
-        raise ValueError(
-            "param_route='auto' measures the sharded route on a group of its own: build the Topology "
-            "with param_group=True."
-        )
-    scratch = torch.zeros(layout.max_unit, dtype=dtype, pin_memory=device.type == "cuda")
-    probe = probe_routes(
-        scratch,
-        layout.max_unit,
-        rank=topology.shard_rank,
-        world_size=topology.shard_world,
-        device=device,
-        dtype=dtype,
-        group=topology.shard_group,
-        param_group=topology.param_group,
-        want_param=want[0],
-        want_grad=want[1],
-        want_chunks=want[2],
-    )
-    resolved = replace(
-        config,
-        param_route=probe.param_route if want[0] else config.param_route,
-        grad_route=probe.grad_route if want[1] else config.grad_route,
-        chunk_bytes=probe.chunk_bytes if want[2] else config.chunk_bytes,
-    )
-    measured = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(probe.seconds.items()))
-    log.log(
-        logging.INFO if topology.global_rank == 0 else logging.DEBUG,
-        "SlideDP auto routes on a %s-element unit, all %d ranks at once (max over ranks): %s -> param_route=%s, "
-        "grad_route=%s, chunk_bytes=%s",
-        f"{layout.max_unit:,}",
-        topology.shard_world,
-        measured,
-        resolved.param_route,
-        resolved.grad_route,
-        resolved.chunk_bytes,
-    )
-    return resolved, probe
-
-
-def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dtype: torch.dtype) -> LedgerGeometry:
-    """The ledger of ``layout``: every region for each unit with a trainable parameter, the moments over its
-    trainable prefix only (and the FP32 master too when the device reads the BF16 copy); a wholly frozen unit keeps
-    only the copy of its weights the device reads (:func:`unit_regions`)."""
-    host_reduce = config.grad_route == "host_reduce"
-    mode = (config.optimizer_state, config.bf16_copy)
-    regions = tuple(unit_regions(not u.frozen, dtype, *mode) for u in layout.units)
-    extents = tuple(u.trainable_extent for u in layout.units)
-    trimmed = any(0 < e < u.padded for e, u in zip(extents, layout.units))
-    return LedgerGeometry(
-        total=layout.total,
-        num_units=len(layout.units),
-        world_size=topology.owners,
-        staging_slots=config.staging_slots if host_reduce else 0,
-        staging_elems=layout.max_unit if host_reduce else 0,
-        staging_itemsize=2 if dtype == torch.bfloat16 else 4,
-        unit_sizes=tuple(u.padded for u in layout.units),
-        regions_of_unit=regions if any(u.frozen for u in layout.units) or not config.bf16_copy else (),
-        optimizer_state=config.optimizer_state,
-        trainable_sizes=extents if trimmed else (),
-        trim_master=dtype == torch.bfloat16 and config.bf16_copy,
-    )
 
 
 @dataclass(frozen=True)
@@ -406,67 +292,3 @@ def broadcast_weights(ledger: HostLedger, group: Any, **src: int) -> None:
         bf16 = ledger.region("bf16", u)
         if covered < g.unit_sizes[u] and bf16 is not None:
             dist.broadcast(bf16[covered:], group=group, **src)  # type: ignore[arg-type]
-
-
-def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology) -> HostLedger:
-    """The host's ledger, an unnamed file created by local rank 0 and opened and mapped by every local rank (it stops
-    handing the file out once all have it); with a ledger per rank (replicated route) or one local rank, a private
-    one (this process's memory, see :func:`ledger_directory`).
-
-    From a checkpoint, every rank reads its share of the units into the mapped ledger
-    (:meth:`InitialWeights.load`); otherwise local rank 0 copies (or initializes) them while it creates the file,
-    and a private ledger receives rank 0's weights. Ranks that do not write their ledger give their own copy of the
-    weights back first."""
-    copies = topology.ledger_copies
-    weights.release_unwritten()
-    by_rank0 = not weights.from_source
-    shared = not topology.ledger_per_rank and topology.ranks_per_host > 1
-
-    directory = ledger_directory(shared)
-
-    def create() -> HostLedger:
-        check_host_memory(geometry, num_params, copies, directory)
-        ledger = HostLedger(directory, geometry, create=True, share=shared)
-        try:
-            if by_rank0:
-                weights.fill(ledger)
-        except BaseException:
-            ledger.close()
-            raise
-        return ledger
-
-    if topology.ledger_per_rank:
-        on_rank0_for_all(lambda: check_host_memory(geometry, num_params, copies, directory), topology)
-        ledger = create()
-        try:
-            if by_rank0:
-                if topology.world is not None:  # DDP's rule: rank 0's weights
-                    broadcast_weights(ledger, topology.world, group_src=0)
-                ledger.refresh_bf16()
-            else:  # every rank reads the same files
-                weights.load(ledger)
-        except BaseException:
-            ledger.close()
-            raise
-        ledger.pids[0] = os.getpid()
-        return ledger
-    created: list[HostLedger] = []
-
-    def create_on_rank0() -> LedgerHandle | None:
-        ledger = create()
-        created.append(ledger)
-        return ledger.handle if shared else None
-
-    handle = on_rank0_for_all(create_on_rank0, topology)
-    ledger = created[0] if created else HostLedger(handle, geometry, create=False)
-    try:
-        ledger.pids[topology.local_rank] = os.getpid()
-        if not by_rank0:
-            weights.load(ledger)
-        if topology.ledger_group is not None:
-            dist.barrier(group=topology.ledger_group)
-        ledger.stop_sharing()  # every rank has the file: nothing more to hand out
-    except BaseException:
-        ledger.close()
-        raise
-    return ledger

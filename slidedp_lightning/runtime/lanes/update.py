@@ -15,9 +15,10 @@ import torch
 
 from cpu_ops import accumulate, adamw8_update, adamw_update, adamw_update_sum, set_kernel_threads, warmup
 from cpu_ops.adamw8 import QUANT_BLOCK
-from slidedp_lightning.runtime.host_state import ALL_REGIONS, HostLedger
+from slidedp_lightning.runtime.lanes.liveness import lane_delay
 from slidedp_lightning.runtime.layout import Layout, Unit
-from slidedp_lightning.runtime.sync import lane_delay
+from slidedp_lightning.runtime.ledger.geometry import ALL_REGIONS
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
 from slidedp_lightning.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)

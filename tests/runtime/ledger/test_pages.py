@@ -7,9 +7,11 @@ import os
 import pytest
 import torch
 
-from slidedp_lightning.runtime import ledger_pages
-from slidedp_lightning.runtime.host_state import HostLedger, HostMemoryError, LedgerGeometry
-from slidedp_lightning.runtime.ledger_pages import PAGE, ledger_spans, lock_ranges, prepare_pages
+from slidedp_lightning.runtime.ledger import pages as ledger_pages
+from slidedp_lightning.runtime.ledger.geometry import LedgerGeometry
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.ledger.pages import PAGE, ledger_spans, lock_ranges, prepare_pages
+from slidedp_lightning.runtime.ledger.preflight import HostMemoryError
 
 N = 1 << 20  # elements: 4 MiB of FP32 master
 

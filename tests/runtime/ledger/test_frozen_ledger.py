@@ -9,33 +9,14 @@ import warnings
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning import checkpoint
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
-from slidedp_lightning.runtime.host_state import PAGE
+from slidedp_lightning.runtime.ledger.geometry import PAGE
 from tests.helpers import token_batches
+from tests.runtime.helpers import aligned_model
 
 CPU = torch.device("cpu")
-
-
-def aligned_model(layers: int = 3, seed: int = 0) -> Qwen3ForCausalLM:
-    """A Qwen3 whose every parameter is a multiple of 16 elements and every unit a multiple of 1024: no padding,
-    so bytes per parameter are the ledger's own."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=256,
-        hidden_size=384,
-        intermediate_size=768,
-        num_hidden_layers=layers,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
-    return Qwen3ForCausalLM(config)
 
 
 def engine_of(model: torch.nn.Module, dtype: torch.dtype, **config) -> SlideDPEngine:

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine
-from slidedp_lightning.runtime.build import InitialWeights
+from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights
 
 
 def test_meta_model_is_materialized_one_unit_at_a_time(monkeypatch):

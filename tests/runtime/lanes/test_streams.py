@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from slidedp_lightning.runtime.lanes import CpuLanes, CudaLanes, make_lanes
+from slidedp_lightning.runtime.lanes.streams import CpuLanes, CudaLanes, make_lanes
 from slidedp_lightning.runtime.trace import Tracer
 
 
@@ -146,7 +146,7 @@ def test_cuda_copies_issued_on_another_lane_wait_for_the_compute_stream(cuda_lan
         y = x * 2  # queued behind the sleep
         if route == "to_host":
             host, marker, _ = lanes.to_host(y, None)
-        else:  # runtime.activations' offload: ordered after compute, from inside the offload lane
+        else:  # runtime.lanes.activations' offload: ordered after compute, from inside the offload lane
             host = lanes.pinned(y.numel(), y.dtype)
             with lanes.on("offload"):
                 lanes.wait("offload", lanes.mark("compute"))
@@ -157,7 +157,7 @@ def test_cuda_copies_issued_on_another_lane_wait_for_the_compute_stream(cuda_lan
 
 
 def test_one_cuda_connection_is_refused_only_where_threads_issue_collectives(monkeypatch) -> None:
-    from slidedp_lightning.runtime.lanes import check_stream_concurrency
+    from slidedp_lightning.runtime.lanes.streams import check_stream_concurrency
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")

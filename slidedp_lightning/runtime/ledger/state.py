@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cpu_ops.adamw8 import QUANT_BLOCK, dequantize_blockwise, quantize_blockwise
-from slidedp_lightning.runtime.host_state import MOMENTS, HostLedger
 from slidedp_lightning.runtime.layout import Layout
+from slidedp_lightning.runtime.ledger.geometry import MOMENTS
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
 from slidedp_lightning.runtime.topology import Topology
 
 Slot = tuple[int, int]  # (unit index, slot index) of one parameter in the layout

@@ -17,12 +17,15 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
-from slidedp_lightning.runtime.comm import all_gather_into, reduce_scatter_into
+from slidedp_lightning.runtime.compat import all_gather_into, reduce_scatter_into
+from slidedp_lightning.runtime.config import EngineConfig
+from slidedp_lightning.runtime.layout import Layout
+from slidedp_lightning.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -138,3 +141,59 @@ def probe_routes(
         fits = [p for p in (8, 4, 2) if f"chunk_1/{p}" in t and t[f"chunk_1/{p}"] <= CHUNK_TOLERANCE * t["chunk_whole"]]
         result.chunk_bytes = (shard // max(fits)) * 4 if fits else None
     return result
+
+
+def resolve_auto_routes(
+    config: EngineConfig, topology: Topology, layout: Layout, device: torch.device, dtype: torch.dtype
+) -> tuple[EngineConfig, RouteProbe | None]:
+    """Replace every "auto" of ``config`` by the route the probe measured fastest (the same on every rank)."""
+    want = (config.param_route == "auto", config.grad_route == "auto", config.chunk_bytes == "auto")
+    if not any(want):
+        return config, None
+    if topology.shard_world == 1:
+        log.info("SlideDP auto routes: one rank, nothing to choose: full / gpu_reduce / one chunk per unit")
+        resolved = replace(
+            config,
+            param_route="full" if want[0] else config.param_route,
+            grad_route="gpu_reduce" if want[1] else config.grad_route,
+            chunk_bytes=None if want[2] else config.chunk_bytes,
+        )
+        return resolved, None
+    if want[0] and topology.param_group is None:
+        raise ValueError(
+            "param_route='auto' measures the sharded route on a group of its own: build the Topology "
+            "with param_group=True."
+        )
+    scratch = torch.zeros(layout.max_unit, dtype=dtype, pin_memory=device.type == "cuda")
+    probe = probe_routes(
+        scratch,
+        layout.max_unit,
+        rank=topology.shard_rank,
+        world_size=topology.shard_world,
+        device=device,
+        dtype=dtype,
+        group=topology.shard_group,
+        param_group=topology.param_group,
+        want_param=want[0],
+        want_grad=want[1],
+        want_chunks=want[2],
+    )
+    resolved = replace(
+        config,
+        param_route=probe.param_route if want[0] else config.param_route,
+        grad_route=probe.grad_route if want[1] else config.grad_route,
+        chunk_bytes=probe.chunk_bytes if want[2] else config.chunk_bytes,
+    )
+    measured = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(probe.seconds.items()))
+    log.log(
+        logging.INFO if topology.global_rank == 0 else logging.DEBUG,
+        "SlideDP auto routes on a %s-element unit, all %d ranks at once (max over ranks): %s -> param_route=%s, "
+        "grad_route=%s, chunk_bytes=%s",
+        f"{layout.max_unit:,}",
+        topology.shard_world,
+        measured,
+        resolved.param_route,
+        resolved.grad_route,
+        resolved.chunk_bytes,
+    )
+    return resolved, probe

@@ -19,11 +19,11 @@ from concurrent.futures import Future
 import torch
 from torch import nn
 
-from slidedp_lightning.runtime.comm import all_gather_into
-from slidedp_lightning.runtime.host_state import HostLedger
-from slidedp_lightning.runtime.lanes import Lanes
+from slidedp_lightning.runtime.compat import all_gather_into
+from slidedp_lightning.runtime.lanes.liveness import lane_delay, wait_until
+from slidedp_lightning.runtime.lanes.streams import Lanes
 from slidedp_lightning.runtime.layout import Layout
-from slidedp_lightning.runtime.sync import lane_delay, wait_until
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
 
 log = logging.getLogger(__name__)
 

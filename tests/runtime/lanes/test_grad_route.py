@@ -1,4 +1,4 @@
-"""runtime.grads: the flat gradient layout written whole or piece by piece (host_reduce chunks), how long the
+"""runtime.lanes.grad_route: the flat gradient layout written whole or piece by piece (host_reduce chunks), how long the
 gradient buffers live, and the pool that reuses them on a CPU device."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import weakref
 import pytest
 import torch
 
-from slidedp_lightning.runtime.grads import FlatPool, GradRoute, ReducedShard, _fill_flat
-from slidedp_lightning.runtime.lanes import CpuLanes
+from slidedp_lightning.runtime.lanes.grad_route import FlatPool, GradRoute, ReducedShard, _fill_flat
+from slidedp_lightning.runtime.lanes.streams import CpuLanes
 from tests.helpers import tiny_model
-from tests.runtime.test_layout import layout_of
+from tests.runtime.helpers import layout_of
 
 
 def test_pieces_of_the_flat_gradient_add_up_to_the_whole_with_zeros_in_gaps_and_padding():
@@ -92,7 +92,7 @@ def test_a_reduced_shard_drops_the_collective_buffers_once_landed_and_the_shard_
 def test_gradients_are_freed_as_soon_as_they_are_reduced_and_updated(monkeypatch):
     """No compute-dtype gradient survives its dispatch, no reduced shard survives its update (nor waits in the
     update lane for the next task)."""
-    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine
+    from tests.runtime.helpers import adamw_groups, batches, loss_of, make_engine
 
     dispatched: list[weakref.ref] = []
     reduced: list[weakref.ref] = []
@@ -165,7 +165,7 @@ def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypat
     """On a CPU device the engine reuses as many flat gradient buffers as units were in flight at once (at most
     ``max_units_in_flight``), chunked or not, whether the update applies, accumulates or defers each gradient; the
     buffers handed out are the same from step to step."""
-    from tests.runtime.test_engine import adamw_groups, batches, loss_of, make_engine
+    from tests.runtime.helpers import adamw_groups, batches, loss_of, make_engine
 
     used: list[set[int]] = []
     original = FlatPool.take
@@ -209,7 +209,7 @@ def _gloo_reduce_scatter_vs_all_reduce(rank: int, world: int, port: int, out: st
 
     import torch.distributed as dist
 
-    from slidedp_lightning.runtime.comm import reduce_scatter_into
+    from slidedp_lightning.runtime.compat import reduce_scatter_into
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -250,7 +250,7 @@ def _two_hosts_dispatch(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from slidedp_lightning.runtime.sync import Liveness
+    from slidedp_lightning.runtime.lanes.liveness import Liveness
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)

@@ -1,4 +1,4 @@
-"""runtime.host_state: ledger geometry, the shared-memory ledger file and the host memory check."""
+"""runtime.ledger.host_ledger: ledger geometry, the shared-memory ledger file and the host memory check."""
 
 from __future__ import annotations
 
@@ -7,16 +7,10 @@ import os
 import pytest
 import torch
 
-from slidedp_lightning.runtime.host_state import (
-    GUARD,
-    LEDGER_BYTES_PER_PARAM,
-    PAGE,
-    HostLedger,
-    HostMemoryError,
-    LedgerGeometry,
-    check_host_memory,
-    shm_dir,
-)
+from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM
+from slidedp_lightning.runtime.ledger.geometry import GUARD, PAGE, LedgerGeometry
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.ledger.preflight import HostMemoryError, check_host_memory, shm_dir
 
 ARRAYS = ("stamps", "master", "exp_avg", "exp_avg_sq", "bf16", "staging")
 
@@ -167,8 +161,8 @@ def test_check_host_memory_small_passes() -> None:
 
 
 def test_a_private_ledger_is_process_memory_unless_a_directory_is_named(monkeypatch, tmp_path) -> None:
-    from slidedp_lightning.runtime.host_state import SHM_ENV, ledger_directory
-    from slidedp_lightning.runtime.ledger_file import PrivateLedgerMemory
+    from slidedp_lightning.runtime.ledger.memory import PrivateLedgerMemory
+    from slidedp_lightning.runtime.ledger.preflight import SHM_ENV, ledger_directory
 
     monkeypatch.delenv(SHM_ENV, raising=False)
     assert ledger_directory(shared=False) is None and ledger_directory(shared=True) == "/dev/shm"
@@ -189,20 +183,20 @@ def test_a_private_ledger_is_process_memory_unless_a_directory_is_named(monkeypa
 
 
 def test_a_private_ledger_needs_host_memory_not_room_in_the_shm_directory(monkeypatch) -> None:
-    from slidedp_lightning.runtime import host_state
+    from slidedp_lightning.runtime.ledger import preflight
 
     g = LedgerGeometry(total=1 << 20, num_units=2, world_size=1, staging_slots=0, staging_elems=0, staging_itemsize=4)
 
     class Full:
         f_bavail, f_frsize = 0, 4096
 
-    monkeypatch.setattr(host_state.os, "statvfs", lambda path: Full())
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: Full())
     check_host_memory(g, 1 << 20, directory=None)  # its own memory: the full /dev/shm does not matter
-    monkeypatch.setattr(host_state, "available_host_bytes", lambda directory="": (4096, 4096))
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda directory="": (4096, 4096))
     with pytest.raises(HostMemoryError, match=r"of host memory .*\(MemAvailable 4\.00 KiB\)\. Free host memory\.$"):
         check_host_memory(g, 1 << 20, directory=None)  # no advice about /dev/shm, which it does not use
     monkeypatch.undo()
-    monkeypatch.setattr(host_state.os, "statvfs", lambda path: Full())
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: Full())
     with pytest.raises(HostMemoryError, match="/dev/shm free 0 B"):
         check_host_memory(g, 1 << 20)
 
@@ -210,7 +204,7 @@ def test_a_private_ledger_needs_host_memory_not_room_in_the_shm_directory(monkey
 def test_a_ledger_closed_while_device_copies_may_run_stays_mapped_until_exit(monkeypatch) -> None:
     """After an error the engine cannot always wait for its device copies; a page-locked ledger closed then is
     neither unpinned nor unmapped (a late DMA must land in pages that are still this ledger's)."""
-    from slidedp_lightning.runtime import host_state
+    from slidedp_lightning.runtime.ledger import host_ledger
 
     def no_cuda():
         raise AssertionError("unpinned while copies may still run")
@@ -220,14 +214,14 @@ def test_a_ledger_closed_while_device_copies_may_run_stays_mapped_until_exit(mon
     raw = led._raw
     led._pinned_at = [raw.data_ptr()]  # as pin() leaves it on CUDA
     monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
-    held = len(host_state._HELD_UNTIL_EXIT)
+    held = len(host_ledger._HELD_UNTIL_EXIT)
     try:
         led.close(copies_done=False)
         assert led._raw is None and led._pinned_at == []
-        assert host_state._HELD_UNTIL_EXIT[-1] is raw and len(host_state._HELD_UNTIL_EXIT) == held + 1
+        assert host_ledger._HELD_UNTIL_EXIT[-1] is raw and len(host_ledger._HELD_UNTIL_EXIT) == held + 1
         raw[:8].fill_(1)  # still mapped
     finally:
-        del host_state._HELD_UNTIL_EXIT[held:]
+        del host_ledger._HELD_UNTIL_EXIT[held:]
     unpinned = HostLedger(None, g, create=True)
     unpinned.close(copies_done=False)  # nothing page-locked: nothing to hold
-    assert len(host_state._HELD_UNTIL_EXIT) == held
+    assert len(host_ledger._HELD_UNTIL_EXIT) == held

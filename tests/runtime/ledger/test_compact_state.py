@@ -15,7 +15,7 @@ from slidedp_lightning import checkpoint, constants
 from slidedp_lightning.options import SlideDPOptions
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import rel_err, tiny_model, token_batches
-from tests.runtime.test_frozen_ledger import aligned_model
+from tests.runtime.helpers import aligned_model
 
 CPU = torch.device("cpu")
 

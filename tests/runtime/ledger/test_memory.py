@@ -1,4 +1,4 @@
-"""runtime.ledger_file: the ledger's unnamed file, created by one process and opened by others."""
+"""runtime.ledger.memory: the ledger's unnamed file, created by one process and opened by others."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from slidedp_lightning.runtime import ledger_file
-from slidedp_lightning.runtime.ledger_file import LedgerFile, LedgerHandle
+from slidedp_lightning.runtime.ledger import memory as ledger_file
+from slidedp_lightning.runtime.ledger.memory import LedgerFile, LedgerHandle
 from tests.shm_usage import private_tmpfs, used_bytes
 
 MiB = 1 << 20
@@ -38,7 +38,7 @@ def test_an_unnamed_file_is_shared_by_its_handle_and_never_appears_in_the_direct
 
 
 def test_a_filesystem_without_o_tmpfile_gets_a_memfd_and_says_so(caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="slidedp_lightning.runtime.ledger_file"):
+    with caplog.at_level(logging.WARNING, logger="slidedp_lightning.runtime.ledger.memory"):
         f = LedgerFile.create("/sys", MiB, "slidedp-ledger", share=False)  # sysfs: EOPNOTSUPP
     try:
         assert f.kind == "memfd" and f.handle().socket is None

@@ -1,6 +1,6 @@
 """The host ledger's geometry: which regions it has, where each unit lies in each, and what it costs.
 
-Pure arithmetic (no file, no mapping): :class:`~slidedp_lightning.runtime.host_state.HostLedger` maps a file of
+Pure arithmetic (no file, no mapping): :class:`~slidedp_lightning.runtime.ledger.host_ledger.HostLedger` maps a file of
 this shape.
 """
 

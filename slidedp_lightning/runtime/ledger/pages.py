@@ -21,7 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from slidedp_lightning.runtime.host_state import HostLedger, HostMemoryError, format_bytes, shm_dir
+from slidedp_lightning.runtime.host_os import format_bytes
+from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.ledger.preflight import HostMemoryError, shm_dir
 
 __all__ = ["ledger_spans", "lock_ranges", "prepare_pages"]
 
