@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import fields, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_OPTION_NAMES = frozenset(f.name for f in fields(SlideDPOptions))
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _LOADED = "_slidedp_loaded_into_ledger"
 
@@ -135,7 +134,21 @@ class SlideDPStrategy(ParallelStrategy):
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
         # every argument but start_method and timeout is an option, checked by SlideDPOptions
-        self.options = SlideDPOptions(**{k: v for k, v in locals().items() if k in _OPTION_NAMES})
+        self.options = SlideDPOptions(
+            param_route=param_route,
+            grad_route=grad_route,
+            chunk_bytes=chunk_bytes,
+            prefetch_window=prefetch_window,
+            max_units_in_flight=max_units_in_flight,
+            update_threads=update_threads,
+            activation_policy=activation_policy,
+            update=update,
+            meta_init=meta_init,
+            host_layout=host_layout,
+            checkpoint_format=checkpoint_format,
+            optimizer_state=optimizer_state,
+            bf16_copy=bf16_copy,
+        )
         # AutoPolicy keeps its plan: a later fit/validate of the same strategy reuses it instead of measuring
         self.planner: AutoPolicy | None = AutoPolicy() if activation_policy == "auto" else self.options.planner
         self._start_method = start_method

@@ -3,11 +3,14 @@
 Device-agnostic and free of Lightning. One call builds everything a rank needs, in this order (each part is
 closed in the reverse order by :meth:`SlideDPEngine.close`, or at once if a later part fails):
 
-1. ``build``: "auto" routes measured, the host ledger created, filled and mapped (:class:`Topology` says by whom);
-2. lanes and residency: device buffers bound to the model's parameters, the prefetch lane;
-3. activations: per-block checkpointing and offload; the gradient route; the CPU update lane;
-4. ``StepDriver``: the hooks and the optimizer-step boundary; ``LedgerState``: named views for state dicts,
-   checkpoints and export.
+1. ``_plan_units``: the streamed model's units and flat layout, "auto" routes measured (``route_probe``);
+2. ``_open_ledger``: the host ledger created, filled and mapped (``ledger/opening``; :class:`Topology` says by
+   whom);
+3. ``_start_lanes``, ``_bind_units``: the lanes; unit residency (device buffers bound to the model's parameters,
+   the prefetch lane), per-block checkpointing and offload, the gradient route;
+4. ``_start_update_lane``: the CPU update lane;
+5. ``_install_step``: ``StepDriver`` (the hooks and the optimizer-step boundary) and ``LedgerState`` (named views
+   for state dicts, checkpoints and export).
 """
 
 from __future__ import annotations
@@ -91,115 +94,149 @@ class SlideDPEngine:
     ) -> None:
         t0 = time.perf_counter()
         self.root, self.device, self.compute_dtype = root, device, compute_dtype
-        self.topology = topology = topology or Topology()
+        self.topology = topology or Topology()
         self._closed = self._aborted = False
         self._copies_done = True  # False: device copies were still running when the lanes closed
         self._restore: bool | str = "auto"
-        self.model = model = find_streamed_model(root)
+        specs = self._plan_units(config)
+        weights = InitialWeights(self.model, self.adapter, self.layout, self.topology)
+        with ExitStack() as stack:
+            self._open_ledger(weights, stack)
+            self._start_lanes(stack)
+            self._bind_units(specs, planner, stack)
+            threads = self._start_update_lane(stack)
+            self._install_step(weights, stack)
+            self._teardown = stack.pop_all()
+        self._log_setup(threads, time.perf_counter() - t0)
+
+    # -- setup, in build order (each part registers its teardown on the ExitStack) ---------------------------
+    def _plan_units(self, config: EngineConfig) -> list:
+        """The streamed model, its adapter and units, the flat layout, and the config with "auto" resolved."""
+        topology, device = self.topology, self.device
+        self.model = model = find_streamed_model(self.root)
         self.adapter = adapter_for(model)
         specs = self.adapter.units(model)
-        self.layout = layout = build_layout(root, specs, topology.shard_world, topology.owners)
-        self.config, self.route_probe = resolve_auto_routes(config, topology, layout, device, compute_dtype)
+        self.layout = layout = build_layout(self.root, specs, topology.shard_world, topology.owners)
+        self.config, self.route_probe = resolve_auto_routes(config, topology, layout, device, self.compute_dtype)
         if self.config.h2d_convert == "auto":  # CUDA: half the link bytes; a CPU device: no link, no staging pass
             self.config = replace(self.config, h2d_convert="host" if device.type == "cuda" else "device")
-        config = self.config
-        check_stream_concurrency(device, config.param_route == "sharded" and topology.shard_world > 1)
+        check_stream_concurrency(device, self._sharded_params)
         self.adapter.materialize_buffers(model)
-        geometry = ledger_geometry(layout, config, topology, compute_dtype)
-        weights = InitialWeights(model, self.adapter, layout, topology)
-        with ExitStack() as stack:
-            self.ledger = ledger = open_ledger(geometry, layout.num_params, weights, topology)
-            stack.callback(lambda: ledger.close(copies_done=self._copies_done))
-            self.liveness = Liveness(  # the pids of the ranks that map this ledger, by rank, 0 for this one
-                pids=lambda: [0 if p == os.getpid() else int(p) for p in ledger.pids],
-                timeout_s=config.timeout_s,
-                own_error=self._lane_error,
+        return specs
+
+    @property
+    def _sharded_params(self) -> bool:
+        return self.config.param_route == "sharded" and self.topology.shard_world > 1
+
+    def _open_ledger(self, weights: InitialWeights, stack: ExitStack) -> None:
+        """The host's ledger (collective), and the liveness of the ranks that map it."""
+        self.geometry = ledger_geometry(self.layout, self.config, self.topology, self.compute_dtype)
+        self.ledger = ledger = open_ledger(self.geometry, self.layout.num_params, weights, self.topology)
+        stack.callback(lambda: ledger.close(copies_done=self._copies_done))
+        self.liveness = Liveness(  # the pids of the ranks that map this ledger, by rank, 0 for this one
+            pids=lambda: [0 if p == os.getpid() else int(p) for p in ledger.pids],
+            timeout_s=self.config.timeout_s,
+            own_error=self._lane_error,
+        )
+
+    def _start_lanes(self, stack: ExitStack) -> None:
+        """The tracer and the lanes every copy and collective is issued on."""
+        self.tracer = Tracer(self.config.trace_dir, self.topology.global_rank)
+        stack.callback(self.tracer.close)
+        self.lanes = make_lanes(self.device, self.tracer)
+        stack.callback(lambda: self._close_lanes())
+        set_lane_delay(self.config.lane_delay_ms)
+        if self.config.lane_delay_ms:
+            log.warning("SlideDP fault injection: random delays up to %.1f ms in every lane", self.config.lane_delay_ms)
+
+    def _bind_units(self, specs: list, planner: Any, stack: ExitStack) -> None:
+        """Lanes 1, 2 and 4-5: unit residency (the parameters become views of device buffers), the activation
+        policies on the decoder blocks, and the gradient route."""
+        config = self.config
+        self.residency = UnitResidency(
+            layout=self.layout,
+            ledger=self.ledger,
+            lanes=self.lanes,
+            liveness=self.liveness,
+            topology=self.topology,
+            dtype=self.compute_dtype,
+            window=config.prefetch_window,
+            sharded=self._sharded_params,
+            h2d_convert="host" if config.h2d_convert == "host" else "device",
+        )
+        self.residency.bind()
+        # close() resolves "auto" to a bool first; a construction failing midway still holds "auto" (truthy)
+        stack.callback(lambda: self.residency.unbind(bool(self._restore)))
+        stack.callback(self.residency.evict_all)
+        self.activations = ActivationManager(
+            blocks={i: spec.modules[0] for i, spec in enumerate(specs) if spec.block},
+            names=[u.name for u in self.layout.units],
+            policy=config.activation_policy,
+            lanes=self.lanes,
+            param_storages=self.residency.resident_storages,
+            planner=partial(planner, self) if planner else None,
+        )
+        self.activations.install()
+        stack.callback(self.activations.uninstall)
+        self.routes = GradRoute(
+            layout=self.layout,
+            ledger=self.ledger,
+            lanes=self.lanes,
+            route="host_reduce" if config.grad_route == "host_reduce" else "gpu_reduce",
+            liveness=self.liveness,
+            topology=self.topology,
+            chunk_elems=config.chunk_elems,
+        )
+        stack.callback(self.routes.close)
+        if self.device.type == "cuda":  # before the first copy; ledger.close() unpins
+            self.ledger.pin(lock_ranges(self.ledger, self.dma_views()))
+
+    def _start_update_lane(self, stack: ExitStack) -> int:
+        """Lane 6, the CPU update on this rank's shards; returns its thread count."""
+        threads = cpu_ops.thread_budget(self.topology.ranks_per_host, self.config.update_threads)
+        # Numba kernels run on the update lane thread only: its OpenMP runtime is torch's, and a kernel
+        # launched on the training thread would change torch's thread count there (oversubscription)
+        self.lane = UpdateLane(
+            ledger=self.ledger, layout=self.layout, topology=self.topology, threads=threads, tracer=self.tracer
+        )
+        stack.callback(lambda: self.lane.close(wait_s=1.0 if self._aborted else 30.0))
+        return threads
+
+    def _install_step(self, weights: InitialWeights, stack: ExitStack) -> None:
+        """The hooks and the step boundary, the named views of the ledger, and the kernels compiled."""
+        torch_threads = torch.get_num_threads()
+        self.steps = StepDriver(
+            model=self.model,
+            layout=self.layout,
+            config=self.config,
+            topology=self.topology,
+            residency=self.residency,
+            activations=self.activations,
+            routes=self.routes,
+            lane=self.lane,
+            lanes=self.lanes,
+            tracer=self.tracer,
+            liveness=self.liveness,
+        )
+        stack.callback(self.steps.remove_hooks)
+        self.state = LedgerState(
+            self.root, self.layout, self.ledger, self.topology, self.steps.slot_of, weights.host_ranges()
+        )
+        self.lane.wait_ready()
+        trim_host_heap()  # the model's original parameters are gone: return their memory to the OS
+        if torch.get_num_threads() != torch_threads:
+            raise RuntimeError(
+                f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
+                f"{torch.get_num_threads()}); a CPU kernel ran on the training thread"
             )
-            self.tracer = Tracer(config.trace_dir, topology.global_rank)
-            stack.callback(self.tracer.close)
-            self.lanes = make_lanes(device, self.tracer)
-            stack.callback(lambda: self._close_lanes())
-            set_lane_delay(config.lane_delay_ms)
-            if config.lane_delay_ms:
-                log.warning("SlideDP fault injection: random delays up to %.1f ms in every lane", config.lane_delay_ms)
-            sharded = config.param_route == "sharded" and topology.shard_world > 1
-            self.residency = UnitResidency(
-                layout,
-                ledger,
-                self.lanes,
-                compute_dtype,
-                config.prefetch_window,
-                self.liveness,
-                "sharded" if sharded else "full",
-                topology.owner_rank,
-                topology.param_group if sharded else None,
-                config.h2d_convert,
-            )
-            self.residency.bind()
-            # close() resolves "auto" to a bool first; a construction failing midway still holds "auto" (truthy)
-            stack.callback(lambda: self.residency.unbind(bool(self._restore)))
-            stack.callback(self.residency.evict_all)
-            blocks = {i: spec.modules[0] for i, spec in enumerate(specs) if spec.block}
-            self.activations = ActivationManager(
-                blocks,
-                [u.name for u in layout.units],
-                config.activation_policy,
-                self.lanes,
-                self.residency.resident_storages,
-                partial(planner, self) if planner else None,
-            )
-            self.activations.install()
-            stack.callback(self.activations.uninstall)
-            self.routes = GradRoute(
-                "all_reduce" if topology.ledger_per_rank and topology.shard_world > 1 else config.grad_route,
-                layout,
-                ledger,
-                topology.shard_rank,
-                topology.shard_world,
-                topology.shard_group,
-                self.lanes,
-                self.liveness,
-                config.chunk_elems,
-                cross_group=topology.cross,
-                reduce_world=topology.reduce_world,
-            )
-            stack.callback(self.routes.close)
-            if device.type == "cuda":  # before the first copy; ledger.close() unpins
-                ledger.pin(lock_ranges(ledger, self.dma_views()))
-            threads = cpu_ops.thread_budget(topology.ranks_per_host, config.update_threads)
-            torch_threads = torch.get_num_threads()
-            # Numba kernels run on the update lane thread only: its OpenMP runtime is torch's, and a kernel
-            # launched on the training thread would change torch's thread count there (oversubscription)
-            self.lane = UpdateLane(ledger, layout, topology.owner_rank, threads, self.tracer, (topology.shard_world,))
-            stack.callback(lambda: self.lane.close(wait_s=1.0 if self._aborted else 30.0))
-            self.steps = StepDriver(
-                model,
-                layout,
-                config,
-                topology,
-                self.residency,
-                self.activations,
-                self.routes,
-                self.lane,
-                self.lanes,
-                self.tracer,
-                self.liveness,
-            )
-            stack.callback(self.steps.remove_hooks)
-            self.state = LedgerState(root, layout, ledger, topology, self.steps.slot_of, weights.host_ranges())
-            jit_s = self.lane.wait_ready()
-            trim_host_heap()  # the model's original parameters are gone: return their memory to the OS
-            if torch.get_num_threads() != torch_threads:
-                raise RuntimeError(
-                    f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
-                    f"{torch.get_num_threads()}); a CPU kernel ran on the training thread"
-                )
-            self._teardown = stack.pop_all()
+
+    def _log_setup(self, threads: int, seconds: float) -> None:
+        layout, geometry, config = self.layout, self.geometry, self.config
         log.log(
-            logging.INFO if topology.global_rank == 0 else logging.DEBUG,
+            logging.INFO if self.topology.global_rank == 0 else logging.DEBUG,
             "SlideDP %s: %d units, %s params (%s), ledger %s in shared memory (%.2f B/param), route %s/%s, "
             "window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
-            topology.describe(),
+            self.topology.describe(),
             len(layout.units),
             f"{layout.num_params:,}",
             _trainable_note(layout.num_trainable, layout.num_params - layout.num_trainable, self.ledger_stats()),
@@ -208,11 +245,11 @@ class SlideDPEngine:
             config.param_route,
             config.grad_route,
             config.prefetch_window,
-            device,
-            compute_dtype,
+            self.device,
+            self.compute_dtype,
             threads,
-            jit_s,
-            time.perf_counter() - t0,
+            self.lane.jit_s,
+            seconds,
         )
 
     def _lane_error(self) -> BaseException | None:

@@ -30,7 +30,7 @@ from slidedp_lightning.runtime.lanes.grad_route import GradRoute
 from slidedp_lightning.runtime.lanes.liveness import Liveness, lane_delay
 from slidedp_lightning.runtime.lanes.residency import UnitResidency
 from slidedp_lightning.runtime.lanes.streams import Lanes
-from slidedp_lightning.runtime.lanes.update import AdamHyper, UpdateLane, UpdateTask, read_hyper
+from slidedp_lightning.runtime.lanes.update import AdamHyper, UpdateAction, UpdateLane, UpdateTask, read_hyper
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.topology import Topology
 from slidedp_lightning.runtime.trace import Tracer
@@ -43,6 +43,7 @@ class StepDriver:
 
     def __init__(
         self,
+        *,
         model: nn.Module,
         layout: Layout,
         config: EngineConfig,
@@ -207,26 +208,26 @@ class StepDriver:
         for k, (lo, hi, source) in enumerate(chunks):
             last = k == len(chunks) - 1
             task = UpdateTask(
-                u,
-                self.step + 1,
-                self._hyper,
-                source,
-                lo,
-                hi,
-                last,
-                k,
-                self.routes.grad_scale,
-                action,
+                unit=u,
+                step=self.step + 1,
+                hyper=self._hyper,
+                grad=source,
+                lo=lo,
+                hi=hi,
+                last=last,
+                chunk=k,
+                grad_scale=self.routes.grad_scale,
+                action=action,
                 first=self._micro == 0,
             )
             self.lane.submit(task)
         self._mark = self._stamp()
 
-    def _action(self) -> str:
+    def _action(self) -> UpdateAction:
         """What the update lane does with the gradient of the backward pass now running."""
         if self.config.update == "deferred" or self._micro < self.config.accumulate - 1:
-            return "accumulate"
-        return "accumulate_update" if self._micro else "update"
+            return UpdateAction.ACCUMULATE
+        return UpdateAction.ACCUMULATE_UPDATE if self._micro else UpdateAction.UPDATE
 
     def _check_backward_complete(self) -> None:
         self._compute_until_now(0)
@@ -287,10 +288,10 @@ class StepDriver:
         the updates queued before (readers of the stamps wait for every unit)."""
         frozen = [u for u, unit in enumerate(self.layout.units) if unit.frozen]
         if frozen:
-            version, rank, step = self.lane.ledger.version, self.lane.rank, self.step + 1
+            version, owner, step = self.lane.ledger.version, self.lane.owner, self.step + 1
 
             def stamp() -> None:
-                version[frozen, rank] = step
+                version[frozen, owner] = step
 
             self.lane.call(stamp)
 
@@ -333,16 +334,16 @@ class StepDriver:
             chunks = self.routes.chunks(s1 - s0)
             for k, (lo, hi) in enumerate(chunks):
                 task = UpdateTask(
-                    u,
-                    self.step + 1,
-                    self._hyper,
-                    None,
-                    lo,
-                    hi,
-                    k == len(chunks) - 1,
-                    k,
-                    scale,
-                    "update_from_acc",
+                    unit=u,
+                    step=self.step + 1,
+                    hyper=self._hyper,
+                    grad=None,
+                    lo=lo,
+                    hi=hi,
+                    last=k == len(chunks) - 1,
+                    chunk=k,
+                    grad_scale=scale,
+                    action=UpdateAction.UPDATE_FROM_ACC,
                     clamp=clamp,
                 )
                 self.lane.submit(task)

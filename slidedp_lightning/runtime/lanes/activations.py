@@ -81,12 +81,13 @@ class ActivationManager:
 
     def __init__(
         self,
+        *,
         blocks: dict[int, nn.Module],
         names: list[str],
         policy: ActivationPolicy,
         lanes: Lanes,
-        param_storages,
-        planner=None,
+        param_storages: Callable[[], list],
+        planner: Callable[[int, tuple, dict], ActivationPolicy] | None = None,
     ) -> None:
         self.blocks = blocks  # unit index -> decoder layer module
         self.names = names

@@ -13,25 +13,28 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from slidedp_lightning.constants import GRAD_ROUTES
+from slidedp_lightning.constants import GradRoute as GradRouteName
 from slidedp_lightning.runtime.compat import reduce_scatter_into
 from slidedp_lightning.runtime.lanes.flat_grads import FlatLease, FlatPool, _fill_flat
 from slidedp_lightning.runtime.lanes.liveness import Liveness, PeerFailure, lane_delay, wait_until
 from slidedp_lightning.runtime.lanes.streams import CollectiveHandle, Lanes
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.topology import Topology
 from slidedp_lightning.runtime.trace import Tracer
 
 if TYPE_CHECKING:
     from slidedp_lightning.runtime.lanes.update import GradSource
 
-ROUTES = GRAD_ROUTES + ("all_reduce",)  # all_reduce: the replicated baseline, every rank gets the whole gradient
+ReduceRoute = Literal[
+    "gpu_reduce", "host_reduce", "all_reduce"
+]  # all_reduce: the replicated baseline, every rank gets the whole gradient
 
 
 WATERMARK = 1 << 32  # host_reduce stamps: generation * WATERMARK + elements of the slot written so far
@@ -128,7 +131,7 @@ class StagedSlots:
 
     ledger: HostLedger
     liveness: Liveness
-    rank: int
+    shard_rank: int
     slot: int
     gen: int
     lo: int  # slot-relative (unit-relative) range of the chunk
@@ -154,7 +157,7 @@ class StagedSlots:
 
     def release(self) -> None:
         if self.last:
-            self.ledger.consumed[self.rank, :, self.slot] = self.gen
+            self.ledger.consumed[self.shard_rank, :, self.slot] = self.gen
 
 
 class GradRoute:
@@ -162,35 +165,32 @@ class GradRoute:
 
     def __init__(
         self,
-        route: str,
+        *,
+        route: GradRouteName,
         layout: Layout,
         ledger: HostLedger,
-        rank: int,
-        world_size: int,
-        group,
         lanes: Lanes,
         liveness: Liveness,
+        topology: Topology,
         chunk_elems: int | None = None,
-        cross_group=None,
-        reduce_world: int | None = None,
     ) -> None:
-        if route not in ROUTES:
-            raise ValueError(f"grad_route must be one of {GRAD_ROUTES}, got {route!r}")
-        self.route = route
+        """``route``: the user's choice (validated by ``EngineConfig``); a ledger per rank (the replicated
+        parameter route) all-reduces whole gradients instead."""
+        self.route: ReduceRoute = "all_reduce" if topology.ledger_per_rank and topology.shard_world > 1 else route
         self.layout = layout
         self.ledger = ledger
-        self.rank = rank
-        self.world_size = world_size
-        self.group = group
+        self.shard_rank = topology.shard_rank  # this rank's shard of every unit
+        self.world_size = world_size = topology.shard_world
+        self.group = group = topology.shard_group
         self.lanes = lanes
         self.device = lanes.device
         self.liveness = liveness
         self.tracer = lanes.tracer
         self.chunk_elems = chunk_elems  # gpu_reduce/all_reduce: elements per chunk of this rank's range; None: one
         # several hosts: the host-reduced shard is all-reduced over the same shard's owners on the other hosts
-        self.cross_group = cross_group
-        self.reduce_world = reduce_world or world_size  # DDP divides by every rank of the job
-        if cross_group is not None and route == "host_reduce":
+        self.cross_group = topology.cross
+        self.reduce_world = topology.reduce_world  # DDP divides by every rank of the job
+        if self.cross_group is not None and route == "host_reduce":
             raise ValueError(
                 "grad_route='host_reduce' sums gradients inside one host's update; across several hosts "
                 "use grad_route='gpu_reduce'."
@@ -211,7 +211,7 @@ class GradRoute:
             and not lanes.is_stream("compute")
             and dist.get_backend(group) == "gloo"
         )
-        self._group_rank = dist.get_rank(group) if self._in_place else rank
+        self._group_rank = dist.get_rank(group) if self._in_place else self.shard_rank
         # a host "device" reuses its flat gradients (device streams have CUDA's caching allocator)
         self.pool = (
             FlatPool(layout.max_unit, self.device)
@@ -349,7 +349,7 @@ class GradRoute:
         self._gen += 1
         gen = self._gen
         k = (gen - 1) % slots
-        consumed = self.ledger.consumed[:, self.rank, k]
+        consumed = self.ledger.consumed[:, self.shard_rank, k]
         if not bool((consumed >= gen - slots).all()):
             with self.tracer.span("stall", "wait free slot", step, u):
                 wait_until(lambda: bool((consumed >= gen - slots).all()), self.liveness, f"owners to free slot {k}")
@@ -359,7 +359,7 @@ class GradRoute:
         pieces = [(o * n + a, o * n + b) for o in range(unit.world_size) for a, b in self.chunks(n)]
         self._published = [f for f in self._published if not f.done() or f.exception() is not None]
         self._published.append(self.lanes.submit("d2h", self._publish, u, grads, k, gen, pieces, ready, step))
-        s0 = unit.shard(self.rank)[0]
+        s0 = unit.shard(self.shard_rank)[0]
         mine = self.chunks(n)
         return [
             (
@@ -368,7 +368,7 @@ class GradRoute:
                 StagedSlots(
                     self.ledger,
                     self.liveness,
-                    self.rank,
+                    self.shard_rank,
                     k,
                     gen,
                     s0 + a,
@@ -391,8 +391,8 @@ class GradRoute:
         unit = self.layout.units[u]
         staging = self.ledger.staging
         assert staging is not None, "host_reduce runs on a ledger with staging slots"
-        row = staging[self.rank, k, : unit.padded]
-        mark = self.ledger.grad_gen[self.rank : self.rank + 1, k]
+        row = staging[self.shard_rank, k, : unit.padded]
+        mark = self.ledger.grad_gen[self.shard_rank : self.shard_rank + 1, k]
         landed: list[tuple[int, object]] = []
         with lanes.on("d2h"):
             lanes.wait("d2h", ready)

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
+from typing import Literal
 
 import torch
 from torch import nn
 
 from slidedp_lightning.runtime.compat import all_gather_into
-from slidedp_lightning.runtime.lanes.liveness import lane_delay, wait_until
+from slidedp_lightning.runtime.lanes.liveness import Liveness, lane_delay, wait_until
 from slidedp_lightning.runtime.lanes.streams import Lanes
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +35,19 @@ class UnitResidency:
 
     def __init__(
         self,
+        *,
         layout: Layout,
         ledger: HostLedger,
         lanes: Lanes,
+        liveness: Liveness,
+        topology: Topology,
         dtype: torch.dtype,
         window: int,
-        liveness,
-        route: str = "full",
-        rank: int = 0,
-        group=None,
-        h2d_convert: str = "host",
+        sharded: bool = False,
+        h2d_convert: Literal["host", "device"] = "host",
     ) -> None:
+        """``sharded``: the sharded parameter route (own shard H2D, then an all-gather on the topology's
+        ``param_group``); else every rank copies each whole unit."""
         self.layout = layout
         self.ledger = ledger
         self.lanes = lanes
@@ -51,9 +55,9 @@ class UnitResidency:
         self.dtype = dtype
         self.window = window
         self._alive = liveness
-        self.route = route
-        self.rank = rank
-        self.group = group
+        self.route: Literal["full", "sharded"] = "sharded" if sharded else "full"
+        self.owner = topology.owner_rank  # whose shard of each unit this rank's stamps and fills name
+        self.group = topology.param_group if sharded else None
         self.tracer = lanes.tracer
         self.buffers: list[torch.Tensor] = []  # one flat buffer per unit, made by bind(), empty unless resident
         self.refs = [0] * len(layout.units)
@@ -71,8 +75,6 @@ class UnitResidency:
         self._sources = [src for src in sources if src is not None]
         if len(self._sources) != len(sources):
             raise ValueError("the ledger has neither a master nor a BF16 copy of some unit")
-        if h2d_convert not in ("host", "device"):
-            raise ValueError(f"h2d_convert must be 'host' or 'device', got {h2d_convert!r}")
         self.h2d_convert = h2d_convert
         self._staging: torch.Tensor | None = None  # host conversion: one unit's BF16 bytes, reused
         self._staging_copied = None  # marker of the last copy that read the staging buffer
@@ -94,7 +96,7 @@ class UnitResidency:
             if self.route == "full":
                 out.append(src)
             else:
-                s0, s1 = unit.shard(self.rank)
+                s0, s1 = unit.shard(self.owner)
                 out.append(src[s0:s1])
         return out
 
@@ -151,7 +153,7 @@ class UnitResidency:
         unit = self.layout.units[u]
         version = self.ledger.version[u]
         if self.route == "sharded":
-            ready = lambda: bool(version[self.rank] >= step)  # noqa: E731  (the other shards come by all-gather)
+            ready = lambda: bool(version[self.owner] >= step)  # noqa: E731  (the other shards come by all-gather)
         else:
             ready = lambda: bool((version >= step).all())  # noqa: E731
         wait_until(ready, self._alive, f"update of unit {unit.name}")
@@ -171,7 +173,7 @@ class UnitResidency:
                 with lanes.span("h2d", "copy", step, u):
                     self._copy(buf, src)
                 return lanes.mark("h2d")
-            s0, s1 = unit.shard(self.rank)
+            s0, s1 = unit.shard(self.owner)
             shard = torch.empty(s1 - s0, dtype=self.dtype, device=self.device)
             with lanes.span("h2d", "copy shard", step, u):
                 self._copy(shard, src[s0:s1])

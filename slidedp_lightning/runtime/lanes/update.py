@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ from slidedp_lightning.runtime.lanes.liveness import lane_delay
 from slidedp_lightning.runtime.layout import Layout, Unit
 from slidedp_lightning.runtime.ledger.geometry import ALL_REGIONS
 from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
+from slidedp_lightning.runtime.topology import Topology
 from slidedp_lightning.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -79,16 +81,22 @@ class GradSource(Protocol):
         """Called once the update has read the gradient."""
 
 
-ACTIONS = ("update", "accumulate", "accumulate_update", "update_from_acc")
+class UpdateAction(enum.Enum):
+    """What the update lane does with one chunk (see :class:`UpdateTask`)."""
+
+    UPDATE = "update"
+    ACCUMULATE = "accumulate"
+    ACCUMULATE_UPDATE = "accumulate_update"
+    UPDATE_FROM_ACC = "update_from_acc"
 
 
 @dataclass
 class UpdateTask:
     """One chunk of one unit for the update lane.
 
-    ``update``: apply ``grad``. ``accumulate``: add ``grad`` (times ``grad_scale``) into this rank's FP32
-    accumulator (``first``: overwrite). ``accumulate_update``: accumulate, then apply the accumulator.
-    ``update_from_acc`` (``grad`` None): apply the accumulator times ``grad_scale``, after clamping it to
+    ``UPDATE``: apply ``grad``. ``ACCUMULATE``: add ``grad`` (times ``grad_scale``) into this rank's FP32
+    accumulator (``first``: overwrite). ``ACCUMULATE_UPDATE``: accumulate, then apply the accumulator.
+    ``UPDATE_FROM_ACC`` (``grad`` None): apply the accumulator times ``grad_scale``, after clamping it to
     ``[-clamp, clamp]`` when ``clamp`` is set."""
 
     unit: int
@@ -100,7 +108,7 @@ class UpdateTask:
     last: bool  # the unit's last chunk: its version stamp moves after this one
     chunk: int
     grad_scale: float = 1.0
-    action: str = "update"
+    action: UpdateAction = UpdateAction.UPDATE
     first: bool = False
     clamp: float | None = None
 
@@ -130,18 +138,18 @@ class UpdateLane:
 
     def __init__(
         self,
+        *,
         ledger: HostLedger,
         layout: Layout,
-        rank: int,
+        topology: Topology,
         threads: int,
         tracer: Tracer | None = None,
-        sum_rows: tuple[int, ...] = (2,),
     ) -> None:
         self.ledger = ledger
         self.layout = layout
-        self.rank = rank
+        self.owner = owner = topology.owner_rank  # whose shard of each unit this lane updates and stamps
         self.threads = threads
-        self.tracer = tracer or Tracer(None, rank)
+        self.tracer = tracer or Tracer(None, topology.global_rank)
         self.segments: list[list[tuple[int, int, int]]] = []
         # per unit: its ranges of every region (numpy views; None where it has none: a wholly frozen unit's moments,
         # the int8 scales under fp32, the BF16 copy when it is not kept)
@@ -152,7 +160,7 @@ class UpdateLane:
         self._outstanding = 0
         self._units_in_flight = 0  # units whose last chunk is queued or running
         self.error: BaseException | None = None
-        self._sum_rows = sum_rows
+        self._sum_rows = (topology.shard_world,)  # host_reduce: the rows each update sums
         self._ready = threading.Event()
         self.jit_s = 0.0
         # this rank's FP32 gradient accumulator (accumulation, deferred updates), allocated on first use
@@ -161,10 +169,10 @@ class UpdateLane:
         total = 0
         for unit in layout.units:
             self._acc_offset.append(total)
-            s0, s1 = unit.shard(rank)
+            s0, s1 = unit.shard(owner)
             total += s1 - s0
         self._acc_total = total
-        self._thread = threading.Thread(target=self._run, name=f"slidedp-update-r{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"slidedp-update-r{topology.global_rank}", daemon=True)
         self._thread.start()
 
     def set_groups(self, group_of_slot: list[list[int]]) -> None:
@@ -172,7 +180,7 @@ class UpdateLane:
         parameters, never updated)."""
         self.segments = []
         for unit, groups in zip(self.layout.units, group_of_slot):
-            s0, s1 = unit.shard(self.rank)
+            s0, s1 = unit.shard(self.owner)
             # every element up to the next parameter (alignment gaps, tail padding) joins the previous group
             bounds = [(0 if i == 0 else slot.offset, g) for i, (slot, g) in enumerate(zip(unit.slots, groups))]
             ranges: list[tuple[int, int, int]] = []
@@ -278,25 +286,25 @@ class UpdateLane:
 
     def _apply(self, task: UpdateTask) -> None:
         unit = self.layout.units[task.unit]
-        s0 = unit.shard(self.rank)[0]
+        s0 = unit.shard(self.owner)[0]
         scale = task.grad_scale
-        if task.action == "update":
+        if task.action is UpdateAction.UPDATE:
             assert task.grad is not None, "an update task carries its gradient"
             grad = task.grad.get()
         else:
             off = self._acc_offset[task.unit]
             acc = self.accumulator()[off + task.lo : off + task.hi]
-            if task.action == "update_from_acc":
+            if task.action is UpdateAction.UPDATE_FROM_ACC:
                 if task.clamp is not None:
                     np.clip(acc, -task.clamp, task.clamp, out=acc)
             else:
-                assert task.grad is not None, f"an {task.action} task carries its gradient"
+                assert task.grad is not None, f"an {task.action.value} task carries its gradient"
                 grad = task.grad.get()
                 lane_delay()
                 with self.tracer.span("update", "accumulate", task.step - 1, task.unit, task.chunk):
                     accumulate(acc, grad, grad_scale=scale, first=task.first)
                 task.grad.release()
-                if task.action == "accumulate":
+                if task.action is UpdateAction.ACCUMULATE:
                     return
                 scale = 1.0
             grad = acc
@@ -304,10 +312,10 @@ class UpdateLane:
         with self.tracer.span("update", "adamw", task.step - 1, task.unit, task.chunk):
             self._kernels(task, unit, grad, s0 + task.lo, s0 + task.hi, scale)
         lane_delay()
-        if task.grad is not None and task.action == "update":
+        if task.grad is not None and task.action is UpdateAction.UPDATE:
             task.grad.release()
         if task.last:
-            self.ledger.version[task.unit, self.rank] = task.step
+            self.ledger.version[task.unit, self.owner] = task.step
 
     def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0), one param-group run at a time."""

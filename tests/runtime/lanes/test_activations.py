@@ -148,10 +148,10 @@ def test_selective_store_keeps_torch_entries_in_either_form(form):
 
     lanes = make_lanes(torch.device("cpu"))
     manager = ActivationManager(
-        {0: nn.Identity()},
-        ["layers.0"],
-        ActivationPolicy(UnitPolicy.parse("selective@0.5")),
-        lanes,
+        blocks={0: nn.Identity()},
+        names=["layers.0"],
+        policy=ActivationPolicy(UnitPolicy.parse("selective@0.5")),
+        lanes=lanes,
         param_storages=lambda: [],
     )
     outputs = [torch.randn(4, 8) for _ in range(3)]

@@ -251,6 +251,7 @@ def _two_hosts_dispatch(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from slidedp_lightning.runtime.lanes.liveness import Liveness
+    from slidedp_lightning.runtime.topology import Topology
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)
@@ -259,17 +260,24 @@ def _two_hosts_dispatch(rank: int, port: int, out: str) -> None:
     lanes = CpuLanes(torch.device("cpu"))
     try:
         layout = layout_of(tiny_model(tied=False), world_size=2)
+        topology = Topology(
+            global_rank=rank,
+            local_rank=rank % 2,
+            ranks_per_host=2,
+            hosts=2,
+            host=rank // 2,
+            world=dist.group.WORLD,
+            host_group=hosts[rank // 2],
+            cross=cross[rank % 2],
+        )
+        assert (topology.shard_rank, topology.shard_world, topology.reduce_world) == (rank % 2, 2, 4)
         route = GradRoute(
-            "gpu_reduce",
-            layout,
-            None,
-            rank % 2,
-            2,
-            hosts[rank // 2],
-            lanes,
-            Liveness(lambda: [], 60.0),
-            cross_group=cross[rank % 2],
-            reduce_world=4,
+            route="gpu_reduce",
+            layout=layout,
+            ledger=None,
+            lanes=lanes,
+            liveness=Liveness(lambda: [], 60.0),
+            topology=topology,
         )
         unit = layout.units[1]
         grads = [torch.full(s.shape, float(rank + 1)) for s in unit.slots]
