@@ -4,7 +4,7 @@ A process group's native threads (gloo's ``pt_gloo_runloop`` workers and ``gloo_
 on global rank 0 the ``pt_tcpstore_uv`` server of the job's TCPStore) end only when its last reference goes. Left
 to interpreter shutdown, a worker that frees the last collective's work object while the interpreter finalizes
 aborts the process (``terminate called without an active exception``). So the strategy destroys what it created
-when a run ends (``docs/ARCHITECTURE.md``, "Failure handling"), and a later ``fit``/``validate`` in the same process
+when a run ends (``docs/reliability.md``, "Failure handling"), and a later ``fit``/``validate`` in the same process
 creates a new group.
 
 Re-creating the group is only safe once the old TCPStore server is gone: a rank that left its teardown early and

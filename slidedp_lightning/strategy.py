@@ -59,48 +59,8 @@ class SlideDPStrategy(ParallelStrategy):
     shard of a unit as soon as that unit's gradient is reduced, overlapped with the rest of backward
     (arXiv 2609.34162; design in ``docs/ARCHITECTURE.md``).
 
-    Args:
-        param_route: ``"full"``: every rank copies each whole unit host->device (R x host traffic);
-            ``"sharded"``: every rank copies its 1/R shard, then the ranks all-gather the unit on the devices;
-            ``"replicated"``: the SlideFormer-style multi-GPU baseline for benchmarks: every rank keeps and
-            updates its own full ledger (R x host memory and CPU work), gradients all-reduced on the devices;
-            ``"auto"``: ``full`` or ``sharded``, whichever the setup probe measures faster.
-        grad_route: ``"gpu_reduce"`` (reduce-scatter on the devices, 1x host traffic), ``"host_reduce"``
-            (every rank copies its gradient to shared memory; owners sum inside the update) or ``"auto"``
-            (measured at setup with all ranks at once; the numbers and the choice are logged).
-        chunk_bytes: gradient path chunking (gpu_reduce, replicated): each chunk of a unit's reduced gradient goes
-            to the CPU update as soon as it lands; ``None`` = one chunk per unit; ``"auto"`` = the smallest chunk
-            whose reduce-scatter costs at most 10 % more per byte than whole units (measured).
-        prefetch_window: units resident at once in the streaming direction (>= 1).
-        max_units_in_flight: backward waits while this many units' gradients wait for the CPU update (bounds the
-            gradient memory held for it, on the device under gpu_reduce).
-        update_threads: CPU threads per rank for the update; default physical cores / local ranks.
-        activation_policy: per decoder block, how activations are kept for backward: ``"none"``, ``"full"``
-            (keep the block input, recompute the block), ``"segments:0101100"`` (keep the activations at the marked
-            internal boundaries of the block, recompute the segments between them), ``"selective"`` (PyTorch's
-            selective checkpointing, matmul outputs saved), each with an optional offload ratio ``"@0.5"`` (that
-            fraction of the retained bytes waits in host memory between forward and backward); an
-            :class:`~slidedp_lightning.runtime.lanes.activations.ActivationPolicy` with per-block overrides; ``"auto"`` or
-            an :class:`~slidedp_lightning.autopolicy.AutoPolicy` (with its ``memory_budget``): measure every mode
-            on a real block at the first training step and solve an integer program for the fastest plan, saved as
-            ``<default_root_dir>/slidedp_policy.json``; or the path of a saved plan (reused without measuring; its
-            routes fill in ``"auto"`` routes).
-        update: ``"immediate"``: each unit is updated as soon as its gradient (of the last micro-batch) lands;
-            ``"deferred"``: gradients are kept in host memory until backward ends, then checked (a non-finite
-            gradient skips the step on every rank), clipped by the exact global norm or by value, and applied
-            (overlapping the next forward); ``"auto"``: deferred when clipping or 16-mixed needs it.
-        meta_init: run ``configure_model`` under the meta device: local rank 0 materializes and initializes
-            one unit at a time straight into the ledger, so the model is never whole in memory.
-        host_layout: with ``num_nodes > 1``: ``"replicated"`` (every host a full ledger, reduced gradient shards
-            all-reduced between hosts) or ``"sharded"`` (every host 1/N of each unit's state: gradients
-            reduce-scattered and parameters all-gathered over all ranks; needs ``param_route="sharded"`` and
-            distributed checkpoints, which resume with either layout; no whole-parameter export).
-        checkpoint_format: ``"distributed"``: checkpoints are directories written by every rank through
-            ``torch.distributed.checkpoint`` (FP32 weights and moments per parameter, loadable on any number of
-            ranks, swapped into place atomically); ``"full"``: one ``torch.save`` file from rank 0.
-        optimizer_state: the ledger's Adam moments, ``"fp32"`` (exact) or ``"int8"`` (block-wise 8-bit, 8 B/param
-            ledger); bf16_copy: keep the BF16 transfer copy (False: converted from the master on the way, -2 B/param).
-        start_method: ``"popen"`` (script launcher) or a multiprocessing start method.
+    Args: the options of :class:`~slidedp_lightning.options.SlideDPOptions` (each documented there), and
+        start_method: ``"popen"`` (script launcher) or a multiprocessing start method;
         timeout: process-group timeout; also bounds every wait on another rank.
 
     After fit/validate the LightningModule gets FP32 CPU parameters again when the copies fit in half of the free

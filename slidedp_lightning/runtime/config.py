@@ -40,7 +40,7 @@ class EngineConfig:
     # "device" copies the FP32 master and converts on the device; "auto": "host" on CUDA (half the link bytes),
     # "device" on a CPU device (no link: the staging pass is pure overhead, docs/PERFORMANCE.md)
     h2d_convert: str = "auto"
-    # test-only fault injection (see sync.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
+    # test-only fault injection (see lanes.liveness.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=_lane_delay_from_env)
 
     def __post_init__(self) -> None:

@@ -340,7 +340,7 @@ class SlideDPEngine:
 
     def dma_views(self) -> list[torch.Tensor]:
         """The ledger memory this rank's device copies read or write: the fill sources and, under host_reduce,
-        its staging row (what :meth:`HostLedger.pin` page-locks on CUDA, in :func:`ledger_pages.lock_ranges`)."""
+        its staging row (what :meth:`HostLedger.pin` page-locks on CUDA, in :func:`~slidedp_lightning.runtime.ledger.pages.lock_ranges`)."""
         views = self.residency.dma_sources()
         if self.routes.route == "host_reduce" and self.ledger.staging is not None:
             views.append(self.ledger.staging[self.topology.shard_rank])

@@ -137,7 +137,7 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
     memory geometry).
 
     Frozen parameters (``requires_grad=False``) keep their slot (the ledger holds their weights, see
-    ``host_state.unit_regions``) with ``trainable=False``; in a unit with both kinds they come after the trainable
+    ``ledger.geometry.unit_regions``) with ``trainable=False``; in a unit with both kinds they come after the trainable
     ones (:attr:`Unit.trainable_extent`). Raises :class:`UnsupportedModelError` for parameters outside
     every unit.
     """

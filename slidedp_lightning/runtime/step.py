@@ -1,6 +1,6 @@
 """One training step: the hooks that stream units and collect gradients, and the step boundary.
 
-:class:`StepDriver` installs the module and parameter hooks (arXiv 2609.34162, §3; ``docs/ARCHITECTURE.md``,
+:class:`StepDriver` installs the module and parameter hooks (arXiv 2609.34162, §3; ``docs/step.md``,
 "One step"): a forward pre-hook acquires a module's units, a forward hook releases them and registers an
 output-gradient hook that acquires them again for backward; each parameter's post-accumulate-grad hook
 collects its gradient and, once a unit is complete, dispatches it on the gradient route and queues its update

@@ -187,7 +187,7 @@ class HostLedger:
 
     def pin(self, ranges: list[tuple[int, int]]) -> bool:
         """Page-lock the byte ``ranges`` of this process's mapping (whole pages, not overlapping: see
-        :func:`ledger_pages.lock_ranges`), the parts device copies read or write, so those copies are async DMA.
+        :func:`~slidedp_lightning.runtime.ledger.pages.lock_ranges`), the parts device copies read or write, so those copies are async DMA.
         Only those: page-locking faults every page in, so locking the whole mapping would hold the moments locked
         and, in a host-sharded ledger, allocate the pages this host never holds. Returns False (and logs why) when
         CUDA refuses; copies then stage through pageable memory."""

@@ -97,7 +97,7 @@ def test_int8_trains_close_to_exact(knobs: dict) -> None:
     moved = torch.cat([(exact[1][k] - init[k]).reshape(-1) for k in init]).abs().median()
     off = torch.cat([(got[1][k] - exact[1][k]).reshape(-1) for k in init]).abs().median()
     # loose: 8-bit moments, not equality (the typical element; a few elements whose exp_avg_sq falls below the
-    # map's range in their block take far larger steps, see docs/ARCHITECTURE.md)
+    # map's range in their block take far larger steps, see docs/ledger.md, "Compact modes")
     assert off <= 0.5 * moved, (off, moved)
 
 
