@@ -10,15 +10,18 @@ from slidedp_lightning.models.adapter import (
 )
 from slidedp_lightning.models.block_list import BlockListAdapter, stream_blocks
 from slidedp_lightning.models.hf_decoder import HFDecoderAdapter
+from slidedp_lightning.models.structure import HiddenUse, hidden_uses
 
 __all__ = [
     "ArchitectureAdapter",
     "BlockListAdapter",
     "HFDecoderAdapter",
+    "HiddenUse",
     "UnitSpec",
     "UnsupportedModelError",
     "adapter_for",
     "find_streamed_model",
+    "hidden_uses",
     "register_adapter",
     "stream_blocks",
 ]

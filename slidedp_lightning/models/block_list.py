@@ -1,8 +1,8 @@
 """User models with a block list (nanoGPT/LitGPT-style, not from transformers).
 
 A model streams when it has a list of blocks: found automatically when unambiguous (exactly one ``nn.ModuleList``
-whose children are all of one class and hold more than half of the model's parameters), or named with
-:func:`stream_blocks`::
+or ``nn.ModuleDict``, torchtitan's form, whose children are all of one class and hold more than half of the model's
+parameters), or named with :func:`stream_blocks`::
 
     model = slidedp_lightning.stream_blocks(GPT(config), "transformer.h")
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError
 from slidedp_lightning.models.hf_decoder import blocks_mark
-from slidedp_lightning.models.structure import block_path, describe_lists, module_lists, numel, split_units
+from slidedp_lightning.models.structure import block_path, describe_lists, members, module_lists, numel, split_units
 
 HOW_TO_NAME = (
     "Name the blocks with slidedp_lightning.stream_blocks(model, 'path.to.blocks') (the dotted path of the "
@@ -30,18 +30,18 @@ HOW_TO_NAME = (
 
 
 def stream_blocks(model: nn.Module, path: str) -> nn.Module:
-    """Tell SlideDP that ``model`` streams one block of ``model.<path>`` (an ``nn.ModuleList``) at a time; returns
-    ``model``. Any strategy accepts the marked model; SlideDP reads the mark when it builds its units."""
+    """Tell SlideDP that ``model`` streams one block of ``model.<path>`` (an ``nn.ModuleList``, or an
+    ``nn.ModuleDict`` in insertion order) at a time; returns ``model``. Any strategy accepts the marked model; SlideDP reads the mark when it builds its units."""
     if not isinstance(path, str) or not path:
         raise TypeError(f"stream_blocks needs the dotted path of the block list, e.g. 'transformer.h'; got {path!r}")
     try:
         found = block_path(model, path)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{err} Its block lists: {describe_lists(model)}.") from None
-    if not isinstance(found.blocks, (nn.ModuleList, nn.Sequential)) or not len(found.blocks):
+    if not isinstance(found.blocks, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or not len(found.blocks):
         raise UnsupportedModelError(
             f"'{path}' of {type(model).__name__} is a {type(found.blocks).__name__}, not a non-empty list of blocks "
-            f"(nn.ModuleList); its block lists: {describe_lists(model)}."
+            f"(nn.ModuleList or nn.ModuleDict); its block lists: {describe_lists(model)}."
         )
     model.__dict__["_slidedp_blocks"] = path
     return model
@@ -51,17 +51,20 @@ def detect_blocks(model: nn.Module) -> str:
     """The path of ``model``'s unambiguous block list, or :class:`UnsupportedModelError` saying why there is none."""
     total = numel(model)
     homogeneous = [
-        (name, blocks) for name, blocks in module_lists(model) if len({type(b) for b in blocks}) == 1 and len(blocks)
+        (name, blocks)
+        for name, blocks in module_lists(model, dicts=True)
+        if len({type(b) for b in members(blocks)}) == 1 and len(blocks)
     ]
     major = [(name, blocks) for name, blocks in homogeneous if 2 * numel(blocks) > total]
     if len(major) == 1:
         return major[0][0]
     lists = describe_lists(model)
     if lists == "none":
-        why = "it holds no nn.ModuleList of blocks"
+        why = "it holds no nn.ModuleList or nn.ModuleDict of blocks"
     else:
         why = (
-            "no nn.ModuleList of blocks of one class holds more than half of its parameters, so the block list is "
+            "no nn.ModuleList or nn.ModuleDict of blocks of one class holds more than half of its parameters, so the "
+            "block list is "
             f"ambiguous (its lists: {lists})"
         )
     raise UnsupportedModelError(

@@ -16,9 +16,12 @@ own forward uses it outside any submodule call) cannot be streamed: the model is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import types
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError
@@ -26,6 +29,7 @@ from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError
 # attribute names transformers and nanoGPT/LitGPT-style models give the norm after the last block
 FINAL_NORM_NAMES = frozenset({"norm", "ln_f", "norm_f", "final_norm", "final_layer_norm", "final_layernorm"})
 CONTAINERS = (nn.ModuleDict, nn.ModuleList)  # never called: their children are
+BlockContainer = nn.ModuleList | nn.ModuleDict  # a block list: a ModuleList, or a ModuleDict in insertion order
 
 
 def numel(module: nn.Module) -> int:
@@ -37,22 +41,35 @@ def join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def module_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The ``ModuleList``s of ``model`` that hold parameters and lie inside no other one, by path."""
-    out: list[tuple[str, nn.ModuleList]] = []
+def module_lists(model: nn.Module, *, dicts: bool = False) -> list[tuple[str, BlockContainer]]:
+    """The ``ModuleList``s (and with ``dicts``, the ``ModuleDict``s of modules of one class) of ``model`` that hold
+    parameters and lie inside no other one, by path."""
+    out: list[tuple[str, BlockContainer]] = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and numel(module) and not any(name.startswith(p + ".") for p, _ in out):
+        # a ModuleDict of blocks holds modules of one class (nanoGPT's ``transformer`` dict holds the list and more)
+        candidate = isinstance(module, nn.ModuleList) or (
+            dicts and isinstance(module, nn.ModuleDict) and len({type(m) for m in module.children()}) == 1
+        )
+        if candidate and numel(module) and not any(name.startswith(p + ".") for p, _ in out):
             out.append((name, module))
     return out
+
+
+def members(container: nn.Module) -> list[nn.Module]:
+    """The blocks of a block list, in order (a ``ModuleDict``'s in insertion order)."""
+    return list(container.children())
 
 
 def describe_lists(model: nn.Module) -> str:
     """One line per candidate block list: path, length, block classes, share of the parameters."""
     total = max(numel(model), 1)
     rows = []
-    for name, blocks in module_lists(model):
-        classes = sorted({type(b).__name__ for b in blocks})
-        rows.append(f"'{name}' ({len(blocks)} x {'/'.join(classes)}, {100 * numel(blocks) / total:.0f}% of parameters)")
+    for name, blocks in module_lists(model, dicts=True):
+        classes = sorted({type(b).__name__ for b in members(blocks)})
+        kind = "" if isinstance(blocks, nn.ModuleList) else f"{type(blocks).__name__}, "
+        rows.append(
+            f"'{name}' ({kind}{len(blocks)} x {'/'.join(classes)}, {100 * numel(blocks) / total:.0f}% of parameters)"
+        )
     return "; ".join(rows) if rows else "none"
 
 
@@ -162,7 +179,7 @@ def split_units(
     if embed:
         specs.append(UnitSpec("embed", tuple(embed)))
         seen.update(id(p) for m in embed for p in m.parameters())
-    blocks = list(path.blocks.children())
+    blocks = members(path.blocks)
     if not blocks:
         raise UnsupportedModelError(
             f"{type(model).__name__}: the block list '{path.path}' is empty: nothing to stream."
@@ -180,3 +197,67 @@ def split_units(
     if head:
         specs.append(UnitSpec("head", tuple(head)))
     return specs
+
+
+@dataclass(frozen=True)
+class HiddenUse:
+    """A module that holds parameters of the model outside the module tree (a plain object, a closure, a list
+    attribute): its forward may read them although they are not its own, e.g. torchtune's ``TiedLinear`` head
+    (``F.linear(x, tok_embeddings.weight)`` from an attribute of the decoder)."""
+
+    holder: nn.Module
+    where: str  # "output (TiedLinear) of TransformerDecoder"
+    params: tuple[nn.Parameter, ...]
+
+
+_MODULE_KEYS = frozenset(nn.Module().__dict__)  # nn.Module's own bookkeeping: registered children, hooks, flags
+_LEAVES = (torch.Tensor, str, bytes, int, float, complex, bool, type, types.ModuleType, type(None))
+
+
+def _held(value: object, holder: nn.Module, depth: int, seen: set[int]) -> Iterator[object]:
+    """Modules and parameters reachable from ``value`` through containers, closures and plain objects' attributes
+    (a few levels deep), never through ``holder`` itself (its bound methods)."""
+    if id(value) in seen or depth > 4 or value is holder:
+        return
+    seen.add(id(value))
+    if isinstance(value, (nn.Module, nn.Parameter)):
+        yield value
+        return
+    if isinstance(value, _LEAVES):
+        return
+    items: Iterable[object]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    elif isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, functools.partial):
+        items = (value.func, *value.args, *value.keywords.values())
+    elif isinstance(value, types.MethodType):
+        items = (value.__self__,)
+    elif isinstance(value, types.FunctionType):
+        items = [cell.cell_contents for cell in value.__closure__ or () if cell.cell_contents is not None]
+    elif isinstance(getattr(value, "__dict__", None), dict):
+        items = vars(value).values()
+    else:
+        return
+    for item in items:
+        yield from _held(item, holder, depth + 1, seen)
+
+
+def hidden_uses(model: nn.Module) -> list[HiddenUse]:
+    """Every module of ``model`` whose plain (unregistered) attributes reach parameters of ``model``."""
+    params = {id(p) for p in model.parameters()}
+    out = []
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr in _MODULE_KEYS or isinstance(value, (nn.Module, nn.Parameter, torch.Tensor)):
+                continue  # registered (or a tensor attribute, which is no parameter of the tree)
+            found: dict[int, nn.Parameter] = {}
+            for ref in _held(value, module, 0, set()):
+                for p in ref.parameters() if isinstance(ref, nn.Module) else (ref,):
+                    if id(p) in params:
+                        found.setdefault(id(p), p)  # type: ignore[arg-type]  # a parameter of the model
+            if found:
+                where = f"{attr} ({type(value).__name__}) of {name or type(model).__name__}"
+                out.append(HiddenUse(module, where, tuple(found.values())))
+    return out

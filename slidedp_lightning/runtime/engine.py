@@ -116,7 +116,8 @@ class SlideDPEngine:
         self.model = model = find_streamed_model(self.root)
         self.adapter = adapter_for(model)
         specs = self.adapter.units(model)
-        self.layout = layout = build_layout(self.root, specs, topology.shard_world, topology.owners)
+        hidden = models.hidden_uses(model)
+        self.layout = layout = build_layout(self.root, specs, topology.shard_world, topology.owners, hidden)
         self.config, self.route_probe = resolve_auto_routes(config, topology, layout, device, self.compute_dtype)
         if self.config.h2d_convert == "auto":  # CUDA: half the link bytes; a CPU device: no link, no staging pass
             self.config = replace(self.config, h2d_convert="host" if device.type == "cuda" else "device")

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from slidedp_lightning.models.adapter import UnitSpec, UnsupportedModelError
+from slidedp_lightning.models.structure import HiddenUse
+
+log = logging.getLogger(__name__)
 
 PARAM_ALIGN = 16  # elements (64 B of FP32): every parameter starts on a vector boundary
 SHARD_ALIGN = 1024  # elements (one 4 KiB page of FP32): every rank shard starts on a page
@@ -100,6 +105,9 @@ class Layout:
     total: int  # padded elements over all units
     world_size: int
     compute_modules: list[tuple[nn.Module, tuple[int, ...]]] = field(default_factory=list)
+    # modules outside every unit whose forward reads units' parameters through attributes the module tree does not
+    # show (see models.structure.hidden_uses): those units stay resident around their calls, and for backward
+    borrowers: list[tuple[nn.Module, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def num_params(self) -> int:
@@ -129,7 +137,13 @@ def _param_locations(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return where
 
 
-def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners: int | None = None) -> Layout:
+def build_layout(
+    root: nn.Module,
+    specs: list[UnitSpec],
+    world_size: int,
+    owners: int | None = None,
+    hidden: Sequence[HiddenUse] = (),
+) -> Layout:
     """Assign every parameter of ``root`` to the first unit whose modules contain it, and lay units out flat.
 
     Units are padded for ``world_size`` ranks and split into ``owners`` shards (default: one per rank; the
@@ -140,6 +154,9 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
     ``ledger.geometry.unit_regions``) with ``trainable=False``; in a unit with both kinds they come after the trainable
     ones (:attr:`Unit.trainable_extent`). Raises :class:`UnsupportedModelError` for parameters outside
     every unit.
+
+    ``hidden``: parameters read through plain attributes (a tie the module tree does not show): the compute module
+    around the holder (or, outside every unit, the holder itself) also makes their units resident.
     """
     names = {id(p): n for n, p in root.named_parameters()}
     locations = _param_locations(root)
@@ -178,10 +195,30 @@ def build_layout(root: nn.Module, specs: list[UnitSpec], world_size: int, owners
             f"Parameters {missing[:5]} are outside the streamed model's units. SlideDP streams the model's "
             "embedding, decoder blocks and head; keep other trainable parameters out of the LightningModule."
         )
-    compute = []
+    compute: dict[int, tuple[nn.Module, set[int]]] = {}
     for spec in specs:
         for module in spec.modules:
-            needed = tuple(sorted({owner[id(p)] for p in module.parameters() if id(p) in owner}))
+            needed = {owner[id(p)] for p in module.parameters() if id(p) in owner}
             if needed:
-                compute.append((module, needed))
-    return Layout(units, offset, owners or world_size, compute)
+                compute.setdefault(id(module), (module, set()))[1].update(needed)
+    borrowers: dict[int, tuple[nn.Module, set[int]]] = {}
+    for use in hidden:
+        borrowed = {owner[id(p)] for p in use.params if id(p) in owner}
+        around = [m for m, _ in compute.values() if any(sub is use.holder for sub in m.modules())]
+        if around:  # the innermost compute module that contains the holder runs its calls
+            target = min(around, key=lambda m: sum(1 for _ in m.modules()))
+            compute[id(target)][1].update(borrowed)
+        else:
+            borrowers.setdefault(id(use.holder), (use.holder, set()))[1].update(borrowed)
+        log.info(
+            "SlideDP: %s reads %s outside the module tree (a tie through a plain attribute): unit(s) %s stay on "
+            "the device around its calls",
+            use.where,
+            ", ".join(names[id(p)] for p in use.params[:3]) + (" ..." if len(use.params) > 3 else ""),
+            ", ".join(units[u].name for u in sorted(borrowed)),
+        )
+
+    def listed(entries: dict[int, tuple[nn.Module, set[int]]]) -> list[tuple[nn.Module, tuple[int, ...]]]:
+        return [(m, tuple(sorted(us))) for m, us in entries.values()]
+
+    return Layout(units, offset, owners or world_size, listed(compute), listed(borrowers))

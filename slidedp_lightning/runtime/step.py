@@ -13,15 +13,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 import cpu_ops
+from slidedp_lightning.models import UnsupportedModelError
 from slidedp_lightning.runtime.compat import queue_backward_callback
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.host_os import trim_host_heap
@@ -65,11 +67,17 @@ class StepDriver:
         self.optimizer: torch.optim.Optimizer | None = None
         self.slot_of: dict[int, tuple[int, int]] = {}  # id(parameter) -> (unit, slot)
         self._handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(lambda m, a: self.residency.begin_forward())
+            model.register_forward_pre_hook(self._begin_forward),
+            model.register_forward_hook(self._end_forward, always_call=True),
         ]
+        self._check: ResidencyCheck | None = None  # the first training forward: no parameter read off the device
+        self._checked = False
         for module, units in layout.compute_modules:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(units)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(units)))
+        for module, units in layout.borrowers:
+            self._handles.append(module.register_forward_pre_hook(self._borrow_hook(units)))
+            self._handles.append(module.register_forward_hook(self._return_hook(units), always_call=True))
         for ui, unit in enumerate(layout.units):
             for si, slot in enumerate(unit.slots):
                 p = residency.param(ui, si)
@@ -112,6 +120,18 @@ class StepDriver:
             self.tracer.record("compute", "backward", self.step, self._mark, self._stamp(), unit)
 
     # -- forward ------------------------------------------------------------------------------------------
+    def _begin_forward(self, module: nn.Module, args: Any) -> None:
+        self.residency.begin_forward()
+        if not self._checked and torch.is_grad_enabled():
+            self._checked = True
+            self._check = ResidencyCheck(self.layout, self.slot_of)
+            self._check.__enter__()
+
+    def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        check, self._check = self._check, None
+        if check is not None:
+            check.__exit__(None, None, None)
+
     def _pre_forward_hook(self, units: tuple[int, ...]) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             self.lane.raise_if_failed()
@@ -131,6 +151,39 @@ class StepDriver:
             self.residency.release(units)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._on_output_grad(units))
+
+        return hook
+
+    def _borrow_hook(self, units: tuple[int, ...]) -> Callable:
+        """A module outside every unit that reads ``units``' parameters through plain attributes: they are resident
+        for its whole forward."""
+
+        def hook(module: nn.Module, args: Any) -> None:
+            self.residency.acquire(units, self.step, backward=False)
+
+        return hook
+
+    def _return_hook(self, units: tuple[int, ...]) -> Callable:
+        """...and for backward from its outputs on (the first of them whose gradient arrives acquires them)."""
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.residency.release(units)
+            if output is None or not torch.is_grad_enabled():  # None: its forward raised
+                return
+            if isinstance(output, torch.Tensor):
+                outputs: Any = [output]
+            else:  # a tuple or list, or a mapping such as transformers' ModelOutput
+                outputs = output.values() if isinstance(output, Mapping) else output
+            tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            first = [True]
+
+            def on_grad(grad: torch.Tensor) -> None:
+                if first[0]:
+                    first[0] = False
+                    self._on_output_grad(units)
+
+            for t in tensors:
+                t.register_hook(on_grad)
 
         return hook
 
@@ -348,3 +401,38 @@ class StepDriver:
                 )
                 self.lane.submit(task)
         return True
+
+
+# tensor attributes and methods that read no data (a model's ``dtype``/``device`` properties read them from any
+# parameter, resident or not)
+METADATA = frozenset(
+    {"__get__", "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous"}
+    | {"element_size", "is_floating_point", "is_complex", "untyped_storage", "data_ptr", "get_device", "__len__"}
+)
+
+
+class ResidencyCheck(TorchFunctionMode):
+    """During the first training forward: an operation reading a streamed parameter whose unit is not on the device
+    (a tie or weight read that no module call shows, e.g. through a global) is refused by name, before the storage
+    error it would otherwise raise deep inside the operator."""
+
+    def __init__(self, layout: Layout, slot_of: dict[int, tuple[int, int]]) -> None:
+        super().__init__()
+        self.layout, self.slot_of = layout, slot_of
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in METADATA:  # reads no data: fine for a unit that is not resident
+            return func(*args, **kwargs)
+        for arg in (*args, *kwargs.values()):
+            if isinstance(arg, nn.Parameter) and id(arg) in self.slot_of and arg.untyped_storage().size() == 0:
+                ui, si = self.slot_of[id(arg)]
+                unit = self.layout.units[ui]
+                raise UnsupportedModelError(
+                    f"SlideDP: {getattr(func, '__name__', func)} read parameter {unit.slots[si].name} while its unit "
+                    f"'{unit.name}' was not on the device: the model reads it outside the calls of the modules that "
+                    "own it, by a path SlideDP cannot see. Hold the module it belongs to as a registered submodule "
+                    "(or the parameter as a plain attribute of the module that reads it: SlideDP follows those), or "
+                    "describe the model's units with slidedp_lightning.models.register_adapter."
+                )
+        return func(*args, **kwargs)
