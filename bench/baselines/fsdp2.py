@@ -8,6 +8,7 @@ forward, as SlideDP's ``bf16-mixed`` (BF16 weights, FP32 gradients and master). 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
 
     device = torch.device("cuda", torch.cuda.current_device()) if spec.accelerator == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device.type, (spec.ranks,))
+    t_load = time.perf_counter()
     model = build_model(spec)
     model.config.use_cache = False
     if spec.checkpointing:
@@ -35,6 +37,7 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     rec = Recorder(out, rank)
+    rec.extra["load_s"] = time.perf_counter() - t_load  # built, loaded and wrapped
     h = spec.hyper
     opt, rec.extra["adamw"] = _adamw(model, h)
     autocast = (
@@ -54,6 +57,15 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
     dist.barrier()
+    rec.steps_done()
+    if spec.save:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        t0 = time.perf_counter()
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=f"{out}/checkpoint")
+        rec.extra["save_s"] = time.perf_counter() - t0
     peak = cuda_peak()
     rec.write(peak, "CUDA allocator peak" if peak else NO_DEVICE_ALLOCATOR)
 

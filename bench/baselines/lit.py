@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict
 
 import lightning as L
@@ -27,7 +29,13 @@ class BenchLM(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = build_model(self.spec)
+            self._t_load = time.perf_counter()
+            if self.spec.checkpoint_dir and self.spec.system in ("slidedp", "replicated"):
+                import slidedp_lightning
+
+                self.model = slidedp_lightning.from_pretrained(self.spec.checkpoint_dir)
+            else:
+                self.model = build_model(self.spec)
             self.model.config.use_cache = False
             if self.hf_checkpointing:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -35,6 +43,10 @@ class BenchLM(L.LightningModule):
                 from slidedp_lightning import use_chunked_loss
 
                 use_chunked_loss(self.model, self.loss_chunk)
+
+    def on_train_start(self) -> None:
+        # configure_model to here: the model built and its weights loaded (SlideDP: read into the ledger)
+        self.rec.extra["load_s"] = time.perf_counter() - self._t_load
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self.rec.step_start()
@@ -64,6 +76,14 @@ class BenchLM(L.LightningModule):
             # the ledger's size and the pages it holds after the steps; "counted" on one rank per ledger file
             # (the rank that writes it), so a host's ledger memory is the sum over the counted ranks
             self.rec.extra["ledger"] = {**asdict(engine.ledger_stats()), "counted": strategy.topology.writes_ledger}
+        if self.spec.save:
+            t0 = time.perf_counter()
+            self.trainer.save_checkpoint(os.path.join(self.trainer.default_root_dir, "checkpoint"))
+            self.rec.extra["save_s"] = time.perf_counter() - t0
+        if self.spec.export and engine is not None:
+            t0 = time.perf_counter()
+            strategy.save_hf(os.path.join(self.trainer.default_root_dir, "export"))
+            self.rec.extra["export_s"] = time.perf_counter() - t0
 
 
 def fit(

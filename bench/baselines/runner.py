@@ -143,9 +143,15 @@ def _launch_env(spec: JobSpec) -> dict[str, str]:
 
 
 def run_job(
-    runs: list[tuple[str, JobSpec]], out: Path, mem_limit: int | None = None, interval: float = INTERVAL_S
+    runs: list[tuple[str, JobSpec]],
+    out: Path,
+    mem_limit: int | None = None,
+    interval: float = INTERVAL_S,
+    preflight: bool = True,
 ) -> list[RunResult]:
-    """Run ``runs`` (one system, one after the other in the same R processes) and collect their results."""
+    """Run ``runs`` (one system, one after the other in the same R processes) and collect their results.
+
+    ``preflight=False``: no estimate refuses the job; only the sampled memory (``mem_limit``) stops it."""
     out.mkdir(parents=True, exist_ok=True)
     first = runs[0][1]
     missing = missing_package(first)
@@ -153,7 +159,7 @@ def run_job(
         return [RunResult(name, spec, "unavailable", missing) for name, spec in runs]
     limit = mem_limit if mem_limit is not None else int(mem_available() * 0.9)
     need = max(estimate_host_bytes(s) for _, s in runs)
-    if need > limit:
+    if preflight and need > limit:
         why = (
             f"infeasible: the preflight estimate of host memory is {need / GB:.1f} GB "
             f"(states and per-rank models of {first.model.num_params / 1e6:.0f} M params x {first.ranks} ranks), "
@@ -257,6 +263,10 @@ def _collect(res: RunResult, folder: Path, sampler: Sampler) -> None:
     res.private_peak = sum(peaks) if all(v is not None for v in peaks) else None
     res.device, res.device_note = per[0]["device_memory"], per[0]["device_note"]
     res.extra.update({k: v for k, v in per[0].items() if k in ("adamw", "optimizer")})
+    for key in ("load_s", "save_s", "export_s"):  # the slowest rank's time of each phase a job timed
+        times = [p[key] for p in per if key in p]
+        if times:
+            res.extra[key] = max(times)
     ledgers = [p["ledger"] for p in per if "ledger" in p]
     if ledgers:
         res.extra["ledger_bytes"] = ledgers[0]["nbytes"]  # the size of one ledger file

@@ -60,6 +60,9 @@ class ModelShape:
             )
         return Qwen3Config(**common)
 
+    def with_layers(self, layers: int) -> ModelShape:
+        return replace(self, name=f"{self.name}-L{layers}", layers=layers)
+
     @property
     def num_params(self) -> int:
         """Parameters of the causal LM with this shape (norms and MoE routers included)."""
@@ -89,6 +92,10 @@ class JobSpec:
     accelerator: str = "cpu"
     knobs: dict = field(default_factory=dict)  # system-specific (routes, chunks, activation policy)
     timeout_s: float = 300.0
+    # a save_pretrained directory to load instead of init_file (SlideDP: slidedp_lightning.from_pretrained)
+    checkpoint_dir: str = ""
+    save: bool = False  # after the steps: save a checkpoint (model + optimizer) into <out>/checkpoint
+    export: bool = False  # SlideDP: then a Hugging Face export into <out>/export
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -118,6 +125,7 @@ class JobSpec:
             "checkpointing": self.checkpointing,
             "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in self.hyper.items()},
             "init_file": self.init_file,
+            "checkpoint_dir": self.checkpoint_dir,
             "data_seed": self.data_seed,
         }
 
@@ -153,8 +161,13 @@ def init_file_for(shape: ModelShape, seq: int, root: Path, seed: int = 1234) -> 
 
 
 def build_model(spec: JobSpec, device: str | torch.device = "cpu"):
-    """The model with the spec's initial weights (loaded from ``init_file``)."""
+    """The model with the spec's initial weights (loaded from ``init_file``, or from ``checkpoint_dir``)."""
     from transformers import AutoModelForCausalLM
+
+    if spec.checkpoint_dir:
+        return AutoModelForCausalLM.from_pretrained(
+            spec.checkpoint_dir, dtype=torch.float32, device_map=None, local_files_only=True
+        ).to(device)
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(spec.model.hf_config(spec.seq))

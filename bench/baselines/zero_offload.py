@@ -7,6 +7,8 @@ accelerator is the CPU, so the run exercises DeepSpeed's partitioning and CPU op
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from bench.baselines.record import NO_DEVICE_ALLOCATOR, Recorder, cuda_peak
@@ -37,6 +39,7 @@ def ds_config(spec: JobSpec) -> dict:
 def run(spec: JobSpec, out: str, rank: int) -> None:
     import deepspeed
 
+    t_load = time.perf_counter()
     model = build_model(spec)
     model.config.use_cache = False
     if spec.checkpointing:
@@ -45,6 +48,7 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
         model=model, model_parameters=adamw_groups(model, spec.hyper), config=ds_config(spec)
     )
     rec = Recorder(out, rank)
+    rec.extra["load_s"] = time.perf_counter() - t_load  # built, loaded and wrapped
     rec.extra["optimizer"] = type(engine.optimizer.optimizer).__name__ if hasattr(engine.optimizer, "optimizer") else ""
     engine.train()
     for batch in rank_loader(spec, rank):
@@ -56,5 +60,10 @@ def run(spec: JobSpec, out: str, rank: int) -> None:
         engine.backward(loss)
         engine.step()
     torch.distributed.barrier()
+    rec.steps_done()
+    if spec.save:
+        t0 = time.perf_counter()
+        engine.save_checkpoint(f"{out}/checkpoint")
+        rec.extra["save_s"] = time.perf_counter() - t0
     peak = cuda_peak()
     rec.write(peak, "CUDA allocator peak" if peak else NO_DEVICE_ALLOCATOR)

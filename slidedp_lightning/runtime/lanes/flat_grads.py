@@ -6,6 +6,7 @@ alignment gaps and the padding; the gradient routes (``runtime/lanes/grad_route.
 
 from __future__ import annotations
 
+import statistics
 import threading
 from collections.abc import Sequence
 
@@ -41,51 +42,63 @@ def _fill_flat(
             flat[a - shift : b - shift].copy_(src, non_blocking=True)
 
 
+def pooled_elems(sizes: Sequence[int]) -> int:
+    """The size of the pool's common buffers: the largest unit that is not an outlier (over twice the median unit,
+    e.g. the embedding of a large vocabulary beside the decoder blocks), so one outlier does not size them all."""
+    typical = 2 * statistics.median(sizes)
+    return max(s for s in sizes if s <= typical)
+
+
 class FlatPool:
-    """Reusable FP32 flat gradient buffers of the largest unit, for a device without an allocator of its own.
+    """Reusable FP32 flat gradient buffers, for a device without an allocator of its own.
 
     On a CPU "device" every unit's flat gradient would otherwise be a fresh allocation, which glibc maps anew
     (or keeps in its heap, depending on its dynamic threshold), and whose first write faults in every page (about
     20x the copy itself). The pool hands a buffer to one unit's reduction (:meth:`take`) and gets it back once
-    the last shard reading it has been released; it holds as many buffers as units were ever in flight at once
-    (``max_units_in_flight``). CUDA's caching allocator does this for device buffers, so streams do not use it.
+    the last shard reading it has been released; it holds as many common buffers (``elems``, the units' common
+    size) as units were ever in flight at once (``max_units_in_flight``), and for a unit larger than those (an
+    outlier: a large vocabulary's embedding or head) buffers of its own size, as many as such units were in
+    flight. CUDA's caching allocator does this for device buffers, so streams do not use it.
     """
 
     def __init__(self, elems: int, device: torch.device) -> None:
         self.elems = elems
         self.device = device
-        self._free: list[torch.Tensor] = []
-        self._made = 0
+        self._free: dict[int, list[torch.Tensor]] = {}  # buffer size -> free buffers of that size
+        self._made: dict[int, int] = {}
         self._lock = threading.Lock()
 
     @property
     def buffers(self) -> int:
         """Buffers allocated so far (in use or free)."""
-        return self._made
+        return sum(self._made.values())
 
     @property
     def nbytes(self) -> int:
-        return self._made * self.elems * 4
+        return sum(size * count for size, count in self._made.items()) * 4
 
-    def take(self, users: int) -> FlatLease:
-        """A buffer for ``users`` (>= 1) holders; it returns to the pool when each of them has dropped it."""
+    def take(self, users: int, elems: int | None = None) -> FlatLease:
+        """A buffer of at least ``elems`` (default: the common size) for ``users`` (>= 1) holders; it returns to
+        the pool when each of them has dropped it."""
+        size = self.elems if elems is None or elems <= self.elems else elems
         with self._lock:
-            if self._free:
-                buf = self._free.pop()
+            free = self._free.setdefault(size, [])
+            if free:
+                buf = free.pop()
             else:
-                buf = torch.empty(self.elems, dtype=torch.float32, device=self.device)
-                self._made += 1
+                buf = torch.empty(size, dtype=torch.float32, device=self.device)
+                self._made[size] = self._made.get(size, 0) + 1
         return FlatLease(self, buf, users)
 
     def _put(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._free.append(buf)
+            self._free.setdefault(buf.numel(), []).append(buf)
 
     def clear(self) -> None:
         """Forget every buffer (those still leased are freed with their last user)."""
         with self._lock:
             self._free.clear()
-            self._made = 0
+            self._made.clear()
 
 
 class FlatLease:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from slidedp_lightning.constants import GradRoute as GradRouteName
 from slidedp_lightning.runtime.compat import reduce_scatter_into
-from slidedp_lightning.runtime.lanes.flat_grads import FlatLease, FlatPool, _fill_flat
+from slidedp_lightning.runtime.lanes.flat_grads import FlatLease, FlatPool, _fill_flat, pooled_elems
 from slidedp_lightning.runtime.lanes.liveness import Liveness, PeerFailure, lane_delay, wait_until
 from slidedp_lightning.runtime.lanes.streams import CollectiveHandle, Lanes
 from slidedp_lightning.runtime.layout import Layout
@@ -214,7 +214,7 @@ class GradRoute:
         self._group_rank = dist.get_rank(group) if self._in_place else self.shard_rank
         # a host "device" reuses its flat gradients (device streams have CUDA's caching allocator)
         self.pool = (
-            FlatPool(layout.max_unit, self.device)
+            FlatPool(pooled_elems([u.padded for u in layout.units]), self.device)
             if route != "host_reduce" and not lanes.is_stream("compute")
             else None
         )
@@ -259,7 +259,8 @@ class GradRoute:
         whole = r == 1 or self.route == "all_reduce"  # this rank's ledger range is the whole unit
         n = unit.padded if whole else unit.shard_numel
         chunks = self.chunks(n)
-        lease = self.pool.take(len(chunks)) if self.pool is not None else None  # each chunk's shard holds it
+        # each chunk's shard holds the buffer
+        lease = self.pool.take(len(chunks), unit.padded) if self.pool is not None else None
         if lease is not None:
             assert lease.buf is not None, "a lease just taken holds its buffer"
             flat = lease.buf[: unit.padded]

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.runtime.lanes.grad_route import FlatPool, GradRoute, ReducedShard, _fill_flat
 from slidedp_lightning.runtime.lanes.streams import CpuLanes
@@ -170,8 +171,8 @@ def test_the_flat_gradients_of_a_cpu_device_are_reused_step_after_step(monkeypat
     used: list[set[int]] = []
     original = FlatPool.take
 
-    def spy(self, users):
-        lease = original(self, users)
+    def spy(self, users, elems=None):
+        lease = original(self, users, elems)
         used[-1].add(lease.buf.data_ptr())
         return lease
 
@@ -316,3 +317,29 @@ def test_two_hosts_the_compute_thread_does_not_wait_for_the_host_reduction(tmp_p
         for slot in unit.slots:
             want[slot.offset : slot.end] = (1 + 2 + 3 + 4) / 4
         assert torch.equal(shard, want[lo:hi]), f"rank {rank}"
+
+
+def test_a_unit_far_larger_than_the_others_does_not_size_every_pooled_buffer() -> None:
+    """A large vocabulary's embedding (here 16x a block) gets a buffer of its own size; the common buffers stay the
+    size of a block, so the pool holds one embedding's gradient, not max_units_in_flight of them."""
+    from tests.helpers import tiny_config
+    from tests.runtime.helpers import adamw_groups, batches, loss_of, make_engine
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_config(tied=True, vocab=8192))
+    engine = make_engine(model, grad_route="gpu_reduce", max_units_in_flight=2)
+    try:
+        engine.attach_optimizer(adamw_groups(model))
+        for x in batches(3):
+            loss_of(model, x).backward()
+            assert engine.end_step()
+        engine.synchronize()
+        sizes = [u.padded for u in engine.layout.units]
+        block, embed = max(sizes[1:-1]), sizes[0]
+        assert embed > 8 * block
+        pool = engine.routes.pool
+        assert pool.elems == block
+        assert engine.device_memory()["grad_buffer_bytes"] == pool.nbytes <= (2 * block + embed) * 4
+        assert pool.nbytes < 2 * embed * 4  # what buffers of the largest unit would hold
+    finally:
+        engine.close()

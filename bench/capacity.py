@@ -1,0 +1,265 @@
+"""The largest model each system fine-tunes on this host: ``python -m bench.capacity`` (or ``pytest bench/
+--benchmark -k capacity``).
+
+For every system, a search over the number of layers of Qwen3-1.7B's shape (hidden 2048, 16 query / 8 KV heads
+of 128, MLP 6144, vocabulary 151,936, tied embeddings) finds the deepest model that completes the whole job on
+2 CPU ranks: load a BF16 sharded safetensors checkpoint (written here, shard by shard), 3 training steps
+(bf16-mixed, 1 x 32 tokens per rank, full activation checkpointing), a checkpoint save and, for SlideDP, a Hugging
+Face export that transformers then reloads. Each attempt is a process tree of its own under a host-memory
+watchdog (the sum of the job's PSS) below the machine's limit: a model that does not fit is a data point
+("does not fit"), not a crash of the benchmark. Every row of the table comes from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.baselines.runner import GB, REPO, RunResult, run_job
+from bench.baselines.sharded_checkpoint import ShardedCheckpoints
+from bench.baselines.workload import JobSpec, ModelShape
+
+log = logging.getLogger(__name__)
+
+QWEN3_1_7B = ModelShape(
+    name="qwen3-1.7b-shape",
+    hidden=2048,
+    layers=28,
+    intermediate=6144,
+    heads=16,
+    kv_heads=8,
+    head_dim=128,
+    vocab=151936,
+)
+# a small shape of the same structure, for a quick run of the whole procedure
+TINY = ModelShape(name="tiny", hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, head_dim=64, vocab=8192)
+
+# label: (system, strategy knobs, host GB per billion parameters to start the search from)
+SYSTEMS: dict[str, tuple[str, dict, float]] = {
+    "ddp": ("ddp", {}, 34.0),
+    "fsdp2": ("fsdp2", {}, 16.6),
+    "fsdp2_offload": ("fsdp2_offload", {}, 16.6),
+    "zero_offload": ("zero_offload", {}, 24.0),
+    "slidedp": ("slidedp", {}, 14.3),
+    "slidedp_int8": ("slidedp", {"optimizer_state": "int8"}, 8.6),
+    "slidedp_int8_nocopy": ("slidedp", {"optimizer_state": "int8", "bf16_copy": False}, 6.6),
+}
+RANKS, SEQ, STEPS = 2, 32, 3
+OVERHEAD_GB = 2.5  # interpreters, libraries and per-rank buffers at the start of a search
+
+
+@dataclass
+class Attempt:
+    layers: int
+    params: int
+    status: str  # "fits", "does not fit", or why the job failed otherwise
+    result: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.status == "fits"
+
+
+@dataclass
+class Search:
+    label: str
+    attempts: list[Attempt] = field(default_factory=list)
+
+    @property
+    def largest(self) -> Attempt | None:
+        fitting = [a for a in self.attempts if a.fits]
+        return max(fitting, key=lambda a: a.layers) if fitting else None
+
+    def slope_gb_per_b(self) -> float | None:
+        """Host GB per billion parameters between the two deepest fitting attempts."""
+        fitting = sorted((a for a in self.attempts if a.fits), key=lambda a: a.layers)
+        if len(fitting) < 2:
+            return None
+        a, b = fitting[-2], fitting[-1]
+        return (b.result["host_peak_run"] - a.result["host_peak_run"]) / GB / ((b.params - a.params) / 1e9)
+
+
+def spec_for(label: str, shape: ModelShape, layers: int, checkpoint: Path, timeout_s: float) -> JobSpec:
+    system, knobs, _ = SYSTEMS[label]
+    return JobSpec(
+        system=system,
+        model=shape.with_layers(layers),
+        ranks=RANKS,
+        global_batch=RANKS,
+        seq=SEQ,
+        steps=STEPS,
+        warmup=1,
+        precision="bf16-mixed",
+        checkpointing=True,
+        knobs=dict(knobs),
+        timeout_s=timeout_s,
+        checkpoint_dir=str(checkpoint),
+        save=True,
+        export=system == "slidedp",
+    )
+
+
+def reload_check(export: Path, timeout_s: float) -> str:
+    """transformers reloads the export with no missing or unexpected keys and finite weights ("" when it does)."""
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "m, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, output_loading_info=True)\n"
+        "bad = {k: v for k, v in info.items() if v and k != 'error_msgs' or (k == 'error_msgs' and v)}\n"
+        "finite = all(torch.isfinite(p).all() for p in m.parameters())\n"
+        "print('ok' if not bad and finite else f'reload: {bad} finite={finite}')\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(export)], capture_output=True, text=True, timeout=timeout_s, cwd=REPO
+        )
+    except subprocess.TimeoutExpired:
+        return f"reload: still running after {timeout_s:.0f} s"
+    last = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return "" if proc.returncode == 0 and last == "ok" else f"reload failed: {last[-300:]}"
+
+
+def attempt(label: str, shape: ModelShape, layers: int, ckpts: ShardedCheckpoints, out: Path, limit: int) -> Attempt:
+    t0 = time.perf_counter()
+    spec = spec_for(label, shape, layers, ckpts.directory(layers), timeout_s=1800.0)
+    folder = out / label / f"L{layers}"
+    (res,) = run_job([(label, spec)], folder, mem_limit=limit, preflight=False)
+    summary = res.summary()
+    status = _status(res)
+    if status == "fits" and spec.export:
+        why = reload_check(folder / label / "export", timeout_s=600.0)
+        status = why or status
+    _clean(folder / label)
+    return Attempt(layers, spec.model.num_params, status, summary, time.perf_counter() - t0)
+
+
+def _status(res: RunResult) -> str:
+    if res.status == "oom":
+        return "does not fit"
+    if res.status != "ok":
+        return f"{res.status}: {res.reason[:300]}"
+    if not res.losses or not all(math.isfinite(x) for x in res.losses):
+        return f"non-finite losses {res.losses}"
+    return "fits"
+
+
+def _clean(folder: Path) -> None:
+    """The attempt's checkpoint and export (GBs each) go once measured; its results stay."""
+    import shutil
+
+    for name in ("checkpoint", "export"):
+        shutil.rmtree(folder / name, ignore_errors=True)
+
+
+def first_guess(label: str, shape: ModelShape, limit: int) -> int:
+    if shape is TINY:
+        return 2
+    slope = SYSTEMS[label][2]
+    embed = shape.with_layers(0).num_params / 1e9
+    per_layer = shape.with_layers(1).num_params / 1e9 - embed
+    return max(1, int((limit / GB - OVERHEAD_GB - slope * embed) / (slope * per_layer)))
+
+
+def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, limit: int, budget_s: float) -> Search:
+    """The deepest fitting model: gallop from the first guess, then bisect, within ``budget_s``."""
+    found = Search(label)
+    t0 = time.perf_counter()
+    lo, hi = 0, None  # deepest known to fit, shallowest known not to (or to fail otherwise)
+    layers = first_guess(label, shape, limit)
+    step = max(1, layers // 6)
+    while time.perf_counter() - t0 < budget_s:
+        a = attempt(label, shape, layers, ckpts, out, limit)
+        found.attempts.append(a)
+        log.info("capacity %s: %d layers (%.2f B params): %s", label, layers, a.params / 1e9, a.status)
+        if a.fits:
+            lo = layers
+        else:
+            hi = layers
+        if hi is None:  # every attempt fit: gallop up
+            layers, step = layers + step, step * 2
+        elif lo == 0:  # none fit yet: gallop down
+            if layers == 1:
+                break
+            layers, step = max(1, layers - step), step * 2
+        elif hi - lo <= 1:
+            break
+        else:
+            layers = (lo + hi) // 2
+    return found
+
+
+def table(searches: list[Search], shape: ModelShape, limit: int) -> str:
+    rows = [
+        f"Largest model of {shape.name} (layers searched) that completes load + {STEPS} steps + save (+ export and "
+        f"reload) on {RANKS} CPU ranks, under a {limit / GB:.1f} GB host-memory watchdog (PSS of the whole job).",
+        "",
+        "| system | layers | params | peak host GB | ledger GB | private GB (all ranks) | load s (GB/s) | step s "
+        "| save s | export s | GB per B (slope) | attempts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in searches:
+        a = s.largest
+        tried = ", ".join(f"{x.layers}:{'ok' if x.fits else x.status.split(':')[0]}" for x in s.attempts)
+        if a is None:
+            rows.append(f"| {s.label} | — | does not fit at any depth tried | | | | | | | | | {tried} |")
+            continue
+        r, x = a.result, a.result.get("extra", {})
+        load = x.get("load_s")
+        slope = s.slope_gb_per_b()
+        cells = [
+            s.label,
+            str(a.layers),
+            f"{a.params / 1e9:.2f} B",
+            f"{r['host_peak_run'] / GB:.2f}",
+            f"{(r.get('ledger_host_bytes') or 0) / GB:.2f}",
+            f"{(r.get('private_peak') or 0) / GB:.2f}",
+            f"{load:.0f} ({2 * a.params / GB / load:.2f})" if load else "—",
+            f"{r.get('step_median_s') or 0:.1f}",
+            f"{x['save_s']:.0f}" if "save_s" in x else "—",
+            f"{x['export_s']:.0f}" if "export_s" in x else "—",
+            f"{slope:.1f}" if slope else "—",
+            tried,
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--limit-gb", type=float, default=22.5, help="the watchdog's host-memory limit")
+    parser.add_argument("--minutes", type=float, default=60.0, help="time for the whole search")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--checkpoints", type=Path, default=None, help="where the sharded checkpoints go")
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape and a 1.5 GB limit: the procedure, fast")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    shape = TINY if args.tiny else QWEN3_1_7B
+    limit = int((1.5 if args.tiny else args.limit_gb) * GB)
+    out = args.out or REPO / "results" / time.strftime("capacity-%Y%m%d-%H%M%S", time.gmtime())
+    ckpts = ShardedCheckpoints(args.checkpoints or out.parent / f"capacity-checkpoints-{shape.name}", shape, SEQ)
+    out.mkdir(parents=True, exist_ok=True)
+    searches: list[Search] = []
+    t0 = time.perf_counter()
+    for i, label in enumerate(args.systems):
+        left = args.minutes * 60 - (time.perf_counter() - t0)
+        searches.append(search(label, shape, ckpts, out, limit, left / (len(args.systems) - i)))
+        text = table(searches, shape, limit)  # written after every system: an interrupted run keeps its rows
+        (out / "capacity.md").write_text(text + "\n")
+        data = [{"label": s.label, "attempts": [a.__dict__ for a in s.attempts]} for s in searches]
+        (out / "capacity.json").write_text(json.dumps(data, indent=1, default=str))
+    print(table(searches, shape, limit))
+    print(f"\n{time.perf_counter() - t0:.0f} s; results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
