@@ -10,17 +10,23 @@ import torch
 
 class SaveHuggingFace(pl.Callback):
     """At the end of training (and every ``every_n_train_steps`` if given), export the model from the host ledger
-    as a Hugging Face ``save_pretrained`` directory (``dirpath``, or ``dirpath/step=<n>`` for periodic exports)."""
+    as a Hugging Face ``save_pretrained`` directory (``dirpath``, or ``dirpath/step=<n>`` for periodic exports),
+    written aside and swapped into place. A peft (LoRA) model exports merged (transformers loads it without peft);
+    ``adapter_only=True`` writes its adapters alone in peft's format (``PeftModel.from_pretrained``)."""
 
     def __init__(
         self,
         dirpath: str | os.PathLike,
         dtype: str | torch.dtype = torch.bfloat16,
         every_n_train_steps: int | None = None,
+        adapter_only: bool = False,
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be >= 1 or None, got {every_n_train_steps}.")
-        self.dirpath, self.dtype, self.every = dirpath, dtype, every_n_train_steps
+        from slidedp_lightning.export import check_export_target
+
+        check_export_target(dirpath)  # a path that cannot take an export fails now, not after training
+        self.dirpath, self.dtype, self.every, self.adapter_only = dirpath, dtype, every_n_train_steps, adapter_only
         self._last = -1
 
     def _strategy(self, trainer: pl.Trainer):
@@ -33,18 +39,31 @@ class SaveHuggingFace(pl.Callback):
             )
         return trainer.strategy
 
+    def _save(self, trainer: pl.Trainer, directory: str | os.PathLike) -> None:
+        strategy = self._strategy(trainer)
+        if not self.adapter_only:
+            strategy.save_hf(directory, self.dtype)
+            return
+        from slidedp_lightning import export
+
+        if strategy.engine is None:
+            raise RuntimeError(
+                "SaveHuggingFace exports from the host ledger, which exists only while the Trainer runs."
+            )
+        export.save_hf(strategy.engine, directory, self.dtype, adapter_only=True)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if self.every and step and step % self.every == 0 and step != self._last:  # once per optimizer step
             self._last = step
-            self._strategy(trainer).save_hf(os.path.join(self.dirpath, f"step={trainer.global_step}"), self.dtype)
+            self._save(trainer, os.path.join(self.dirpath, f"step={trainer.global_step}"))
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._strategy(trainer).save_hf(self.dirpath, self.dtype)
+        self._save(trainer, self.dirpath)
 
 
 class LaneTrace(pl.Callback):
-    """Record every lane operation of a SlideDP run (``docs/ARCHITECTURE.md``, "Lane traces").
+    """Record every lane operation of a SlideDP run (``docs/step.md``, "Lane traces").
 
     Each rank writes TensorBoard scalars (busy time per lane, exposed host time, overlap fraction), a Gantt
     figure of step 2 and ``trace_rank{r}.json`` (Chrome / Perfetto) under ``dirpath``. Read by the strategy when

@@ -25,15 +25,22 @@ save left behind is removed by the next save to the same path once that process 
 process, nor one written from another host, whose processes this one cannot see). A path that is a symbolic link
 is written at the link's target, as a file written through a link would be: the link stays and names the new
 checkpoint.
+
+``meta.json`` carries each other file's size and XXH3-64 (every rank checksums the files it wrote, rank 0 records
+them); a resume checks them (each rank a share of the files, the large ones while DCP reads them), so a truncated
+or corrupted file is refused by name instead of loaded.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import mmap
 import os
 import shutil
 import socket
+import threading
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, TensorStorageMetadata
@@ -49,7 +57,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
-from slidedp_lightning.runtime.compat import CheckedFileSystemReader
+from slidedp_lightning.runtime.compat import CheckedFileSystemReader, UnsafeCheckpointError
 from slidedp_lightning.runtime.host_os import format_bytes, process_start_time
 
 log = logging.getLogger(__name__)
@@ -59,12 +67,14 @@ TENSORS = "meta.safetensors"
 LEGACY_META = "meta.pt"  # format 1: the metadata pickled
 FORMAT = 2
 PIECE_ELEMS = 4 << 20  # elements per stored piece at most (16 MiB of FP32): bounds a resume's reads
+DCP_METADATA = ".metadata"
+CHECKSUMS = "files"  # meta.json's "slidedp" entry: {file name: [size, XXH3-64]} of every other file
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a SlideDP distributed checkpoint directory (of any format: loading checks which)."""
-    path = Path(path)
-    return path.is_dir() and ((path / META).is_file() or (path / LEGACY_META).is_file())
+    """Whether ``path`` is to be read as a SlideDP distributed checkpoint: any directory (the full format is a
+    file), so that loading one says what it lacks (format, ``meta.json``) instead of failing to open a directory."""
+    return Path(path).is_dir()
 
 
 def share(sizes: dict[str, int], world_size: int) -> list[list[str]]:
@@ -103,7 +113,14 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
                 f"slidedp-lightning reads format {FORMAT} only, whose metadata cannot run code when loaded. Export "
                 "its weights with the release that wrote it (python -m slidedp_lightning.export) and start from them."
             )
-        raise FileNotFoundError(f"{path} is not a SlideDP distributed checkpoint directory (no {META}).")
+        if (path / DCP_METADATA).is_file() or any(path.glob("*.distcp")):
+            raise FileNotFoundError(
+                f"{path} holds DCP files but no {META}: an incomplete checkpoint (a save that did not finish, or a "
+                "file deleted since); resume from another checkpoint."
+            )
+        raise FileNotFoundError(
+            f"{path} is not a SlideDP distributed checkpoint (no {META}): pass the directory a SlideDP save wrote."
+        )
     try:
         doc = json.loads((path / META).read_text(encoding="utf-8"))
     except ValueError as err:  # not UTF-8, or not JSON
@@ -187,6 +204,19 @@ def check_mode(path: Path, info: dict[str, Any], engine) -> None:
         )
 
 
+def _dcp_metadata(path: Path, reader: CheckedFileSystemReader) -> Any:
+    """DCP's metadata of the checkpoint at ``path``; an unreadable one is refused naming the file."""
+    try:
+        return reader.read_metadata()
+    except (UnsafeCheckpointError, PermissionError):
+        raise
+    except Exception as err:  # truncated or garbled pickle, missing file: name the file, not the unpickler
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is damaged: {path / DCP_METADATA} cannot be read ({type(err).__name__}: {err}); "
+            "resume from another checkpoint."
+        ) from None
+
+
 def _stored(path: Path, metadata: Any) -> dict[str, list[tuple[int, int, str, TensorStorageMetadata]]]:
     """The pieces in a checkpoint's DCP metadata by tensor key, in element order (they must not overlap)."""
     out: dict[str, list[tuple[int, int, str, TensorStorageMetadata]]] = {}
@@ -252,7 +282,7 @@ def read_ranges(
     is read into memory whole, once per range it overlaps, as DCP reads any chunk."""
     path = Path(path)
     reader = CheckedFileSystemReader(path)
-    stored = _stored(path, reader.read_metadata())
+    stored = _stored(path, _dcp_metadata(path, reader))
     items, dest = [], {}
     for key, lo, hi, out in wanted:
         name = piece_key(key, lo, hi)
@@ -281,6 +311,122 @@ def read_ranges(
     dcp.load(dest, storage_reader=reader, planner=_RangeReads(items), process_group=process_group, no_dist=no_dist)
 
 
+# -- integrity ----------------------------------------------------------------------------------------------
+
+
+class CorruptCheckpointError(ValueError):
+    """A file of a checkpoint is missing, truncated, corrupted or unreadable (the message names it)."""
+
+
+def file_checksum(path: str | os.PathLike) -> int:
+    """XXH3-64 of the file at ``path``, hashed from a memory map of it (no copy: ~10x the speed of a XXH3-64 over
+    read buffers, so a resume's check costs little beside DCP's own read, docs/PERFORMANCE.md)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return xxhash.xxh3_64_intdigest(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return xxhash.xxh3_64_intdigest(mapped)
+
+
+def _sums(files: Iterable[Path]) -> dict[str, list[int]]:
+    return {f.name: [f.stat().st_size, file_checksum(f)] for f in files}
+
+
+def verify_files(path: Path, expected: dict[str, list[int]], names: Iterable[str]) -> str | None:
+    """The first of the files ``names`` of the checkpoint at ``path`` whose size or XXH3-64 is not the recorded one,
+    as one line saying what is wrong; None when all match."""
+    for name in names:
+        size, crc = expected[name]
+        f = path / name
+        try:
+            if not f.is_file():
+                return f"{f} is missing"
+            found = f.stat().st_size
+            if found != size:
+                return f"{f} holds {found} bytes and its save wrote {size} (a truncated or overwritten file)"
+            if file_checksum(f) != crc:
+                return f"{f} does not match the XXH3-64 its save recorded (the file is corrupted)"
+        except OSError as err:
+            return f"{f} cannot be read ({err.strerror or err})"
+    return None
+
+
+def _damaged(path: Path, problem: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint {path} is damaged: {problem}; resume from another checkpoint.")
+
+
+def check_files(path: Path, expected: dict[str, list[int]], names: list[str]) -> None:
+    """Refuse the checkpoint at ``path`` if DCP's metadata is planted (refused as such) or unreadable, or one of the
+    files ``names`` is not as its save recorded (:func:`verify_files`)."""
+    try:
+        _dcp_metadata(path, CheckedFileSystemReader(path))
+    except CorruptCheckpointError:
+        problem = verify_files(path, expected, names)
+        if problem is not None:
+            raise _damaged(path, problem) from None
+        raise
+    problem = verify_files(path, expected, names)
+    if problem is not None:
+        raise _damaged(path, problem)
+
+
+class _Verifier:
+    """Checks this rank's share of a checkpoint's large files on a thread of its own (the hash and the reads
+    release the GIL), while DCP reads the checkpoint; :meth:`result` joins it."""
+
+    def __init__(self, path: Path, expected: dict[str, list[int]], names: list[str]) -> None:
+        self.problem: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(path, expected, names), daemon=True)
+        self._thread.start()
+
+    def _run(self, path: Path, expected: dict[str, list[int]], names: list[str]) -> None:
+        self.problem = verify_files(path, expected, names)
+
+    def result(self) -> str | None:
+        self._thread.join()
+        return self.problem
+
+
+def _gather(engine, value: Any) -> list[Any]:
+    if _job_size(engine) == 1:
+        return [value]
+    out: list[Any] = [None] * _job_size(engine)
+    dist.all_gather_object(out, value, group=_job_group(engine))
+    return out
+
+
+def _no_space(err: BaseException, where: Path) -> bool:
+    """Whether a failed write ran out of disk space (torch's zip writer says only "file write failed"; DCP gives
+    each rank's error in ``failures``)."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]
+    inner = [*failures, err.__cause__, err.__context__]
+    if any(isinstance(e, BaseException) and e is not err and _no_space(e, where) for e in inner):
+        return True
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(err)
+    if any(m in text for m in ("No space left", "Disk quota exceeded", "[Errno 28]", "[Errno 122]")):
+        return True
+    if "file write failed" in text or "inline_container" in text:
+        try:
+            return shutil.disk_usage(where).free < (64 << 20)
+        except OSError:
+            return False
+    return False
+
+
+def _space_error(err: BaseException, path: Path, what: str, nbytes: int) -> OSError:
+    try:
+        free = format_bytes(shutil.disk_usage(path.parent).free)
+    except OSError:
+        free = "unknown"
+    return OSError(
+        errno.ENOSPC,
+        f"{what} {path} not written: no space left on the device of {path.parent} ({free} free, it takes about "
+        f"{format_bytes(nbytes)}); free space there or write to another directory (the previous one is kept)",
+    )
+
+
 # -- save and load ------------------------------------------------------------------------------------------
 
 
@@ -302,9 +448,9 @@ def _agree(engine, value: Any) -> Any:
     return box[0]
 
 
-def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[bytes, bytes]:
-    """``meta.json`` and ``meta.safetensors`` of a checkpoint: Lightning's dict without the state dict, and the
-    SlideDP header."""
+def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """``meta.json`` (as JSON data, its checksums to be added) and ``meta.safetensors`` of a checkpoint:
+    Lightning's dict without the state dict, and the SlideDP header."""
     meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
     slots = engine.state.named_slots()
     meta["slidedp"] = {
@@ -318,7 +464,7 @@ def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[bytes, bytes]:
     }
     tensors: dict[str, torch.Tensor] = {}
     doc = encode(meta, tensors)
-    return json.dumps(doc, indent=1).encode(), save_safetensors(tensors)
+    return doc, save_safetensors(tensors)
 
 
 def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
@@ -339,15 +485,26 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     if reason is not None:
         kind = CheckpointContentError if reason[0] else RuntimeError
         raise kind(f"SlideDP checkpoint {path} not written: {reason[1]}") from failed
+    rank = engine.topology.global_rank
     try:
-        dcp.save(
-            {piece_key(k, a, b): v for k, a, b, v in _pieces(_held(engine))},
-            checkpoint_id=tmp,
-            process_group=_job_group(engine),
-        )
-        if files is not None:
-            (tmp / META).write_bytes(files[0])
-            (tmp / TENSORS).write_bytes(files[1])
+        try:
+            dcp.save(
+                {piece_key(k, a, b): v for k, a, b, v in _pieces(_held(engine))},
+                checkpoint_id=tmp,
+                process_group=_job_group(engine),
+            )
+            written = _gather(engine, _sums(sorted(tmp.glob(f"__{rank}_*"))))  # the files this rank wrote
+            if files is not None:
+                doc, tensors = files
+                (tmp / TENSORS).write_bytes(tensors)
+                sums = {k: v for part in written for k, v in part.items()}
+                sums.update(_sums([tmp / DCP_METADATA, tmp / TENSORS]))
+                doc["slidedp"][CHECKSUMS] = dict(sorted(sums.items()))
+                (tmp / META).write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if not isinstance(err, (KeyboardInterrupt, SystemExit)) and _no_space(err, tmp.parent):
+                raise _space_error(err, path, "SlideDP checkpoint", _checkpoint_bytes(engine)) from None
+            raise
         _barrier(engine)
     except BaseException:  # a failed or signalled save: its hidden directory goes (a SIGKILLed one: at the next save)
         if engine.topology.global_rank == 0:
@@ -359,14 +516,23 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     _barrier(engine)
 
 
+def _checkpoint_bytes(engine) -> int:
+    """About what a checkpoint of ``engine`` takes on disk: every ledger tensor it stores."""
+    views = engine.state.ledger_tensors(list(engine.state.named_slots()))
+    return sum(v.numel() * v.element_size() for v in views.values())
+
+
 def _hf_configs(model) -> dict[str, dict]:
-    """A transformers model's config and generation config, so that the checkpoint exports on its own."""
+    """A transformers model's config and generation config (and a peft model's adapter configs), so that the
+    checkpoint exports on its own."""
+    from slidedp_lightning.export import peft_configs
+
     out = {}
     for key, attr in (("hf_config", "config"), ("generation_config", "generation_config")):
         value = getattr(model, attr, None)
         if value is not None and hasattr(value, "to_dict"):
             out[key] = value.to_dict()
-    return out
+    return {**out, **peft_configs(model)}
 
 
 def write_target(path: Path) -> Path:
@@ -446,6 +612,30 @@ def _swap_in(tmp: Path, path: Path) -> None:
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
 
 
+def _check_moments(path: Path, engine) -> None:
+    """Refuse a checkpoint that holds no Adam moments for parameters this run trains (they were frozen when it was
+    saved); moments of parameters this run freezes are left unread."""
+    stored = _stored(path, _dcp_metadata(path, CheckedFileSystemReader(path)))
+    saved = {k.split("/", 1)[1] for k in stored if k.startswith("exp_avg/")}
+    views = engine.state.ledger_tensors(list(engine.state.named_slots()))
+    mine = {k.split("/", 1)[1] for k in views if k.startswith("exp_avg/")}
+    if mine - saved:
+        names = sorted(mine - saved)
+        raise ValueError(
+            f"checkpoint {path} was saved with {len(names)} parameter(s) frozen that this run trains (e.g. "
+            f"{names[:3]}), so it holds no Adam moments for them: freeze the same parameters as the run that saved "
+            "it, or start a new run from its weights (python -m slidedp_lightning.export CKPT OUT, then "
+            "from_pretrained(OUT))."
+        )
+    if saved - mine:
+        log.warning(
+            "SlideDP checkpoint %s holds Adam moments of %d parameter(s) this run freezes (e.g. %s): not read",
+            path,
+            len(saved - mine),
+            sorted(saved - mine)[:3],
+        )
+
+
 def load(engine, path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save` (with any number of ranks and hosts, either host layout) into
     the ledger; returns Lightning's part of it."""
@@ -462,9 +652,27 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
             f"other shapes {reshaped[:5]}"
         )
     check_mode(path, info, engine)
+    expected: dict[str, list[int]] = info.get(CHECKSUMS) or {}
+    if not expected:
+        log.info("SlideDP checkpoint %s records no checksums (written by an older release): not verified", path)
+    small = sorted(n for n in expected if not n.endswith(".distcp"))
+    check_files(path, expected, small)  # every rank: a few small files, read by every rank anyway
+    _check_moments(path, engine)
+    large = sorted(n for n in expected if n.endswith(".distcp"))
+    index, count = engine.topology.global_rank, _job_size(engine)
+    verifier = _Verifier(path, expected, share({n: expected[n][0] for n in large}, count)[index])
     engine.synchronize()
     engine.drop_resident()
-    read_ranges(path, _held(engine, writing=True), process_group=_job_group(engine))
+    try:
+        read_ranges(path, _held(engine, writing=True), process_group=_job_group(engine))
+    except BaseException as err:  # a damaged file DCP tripped over: name it
+        problem = verifier.result()
+        if problem is not None:
+            raise _damaged(path, problem) from err
+        raise
+    problems = [p for p in _gather(engine, verifier.result()) if p is not None]
+    if problems:
+        raise _damaged(path, problems[0])
     engine.restored(info["step"], info["buffers"])
     log.info(
         "SlideDP checkpoint %s (step %d, saved by %d ranks) loaded on %d ranks",

@@ -32,6 +32,7 @@ from slidedp_lightning.models.adapter import UnsupportedModelError
 from slidedp_lightning.runtime.engine import find_streamed_model
 from slidedp_lightning.runtime.host_os import format_bytes
 from slidedp_lightning.runtime.ledger.weight_source import (
+    INITIAL_VALUES_ATTR,
     WEIGHT_SOURCE_ATTR,
     CheckpointError,
     SafetensorsWeights,
@@ -83,12 +84,49 @@ _IGNORED = ("low_cpu_mem_usage", "_fast_init", "use_safetensors")  # transformer
 @contextmanager
 def loading_into_ledger() -> Generator[None, None, None]:
     """Within it, :func:`from_pretrained` returns a meta skeleton whose weights the SlideDP engine reads into the
-    ledger (entered by the strategy around ``configure_model``)."""
+    ledger (entered by the strategy around ``configure_model``). The values peft draws for the adapters it adds
+    to such a skeleton are recorded as it creates them (it then moves them to the base layer's meta device), so
+    that they, as in a run without SlideDP, are the adapters' initial weights."""
+    from torch.nn.modules.module import (
+        register_module_module_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+
     token = _INTO_LEDGER.set(True)
+    hooks = [
+        register_module_module_registration_hook(_record_adapter),
+        register_module_parameter_registration_hook(_record_adapter),
+    ]
     try:
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
         _INTO_LEDGER.reset(token)
+
+
+_ADAPTER_CONTAINER = "_slidedp_adapter_container"
+
+
+def _record_adapter(module: nn.Module, name: str, value: Any) -> None:
+    """Registration hook: mark peft's adapter containers (``lora_A``, ...) and record the CPU values of what is
+    added to one (a small adapter module or parameter), under :data:`INITIAL_VALUES_ATTR` of its owner."""
+    if type(module).__module__.startswith("peft.") and name in (
+        *getattr(module, "adapter_layer_names", ()),
+        *getattr(module, "other_param_names", ()),
+    ):
+        if isinstance(value, nn.Module):
+            value.__dict__[_ADAPTER_CONTAINER] = True
+        return
+    if not module.__dict__.get(_ADAPTER_CONTAINER) or value is None:
+        return
+    if isinstance(value, nn.Module):
+        for owner in value.modules():
+            found = {k: p for k, p in owner._parameters.items() if p is not None and not p.is_meta}
+            if found:
+                owner.__dict__.setdefault(INITIAL_VALUES_ATTR, {}).update(found)
+    elif isinstance(value, torch.Tensor) and not value.is_meta:
+        module.__dict__.setdefault(INITIAL_VALUES_ATTR, {})[name] = value
 
 
 def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> nn.Module:

@@ -156,11 +156,32 @@ def name_launcher() -> None:
     os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{process_start_time(os.getpid())}"
 
 
+def _stopped_outside_run(signum: int, frame: FrameType | None) -> None:
+    rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+    log.error(
+        "SlideDP: rank %s (pid %d) received %s outside the training loop (setup: model, ledger, checkpoint; or "
+        "between runs): stopping now, nothing is saved.",
+        rank,
+        os.getpid(),
+        signal.Signals(signum).name,
+    )
+    raise SignalExit(signum)
+
+
+def say_why_when_stopped() -> None:
+    """Until Lightning and :class:`SignalGuard` take SIGTERM over (at the start of training), a SIGTERM ends the
+    process with a line saying so (exit status 143) instead of silently: only where nothing else handles it."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stopped_outside_run)
+
+
 def end_with_launcher(launched: bool) -> bool:
     """A rank process started by a launcher (Lightning's script launcher, torchrun, srun) gets SIGTERM when that
     launcher dies (Linux ``PR_SET_PDEATHSIG``): an orphaned rank would otherwise wait for a dead rank 0 until
     the rendezvous or process-group timeout. A rank whose script launcher (:func:`name_launcher`) died before
-    this point stops at once. Returns whether the signal was set."""
+    this point stops at once. Returns whether the signal was set. Called as a run's environment is set up, it
+    also has a SIGTERM during setup say why the rank stopped (:func:`say_why_when_stopped`)."""
+    say_why_when_stopped()
     if not launched or not sys.platform.startswith("linux"):
         return False
     import ctypes

@@ -290,3 +290,106 @@ def test_parameters_are_stored_in_bounded_pieces_and_read_back_alike(saved, tmp_
     for key in whole:
         assert torch.equal(whole[key], cut[key]), key
     _resume(_copy(small, tmp_path))
+
+
+# -- integrity: checksums, and errors that name the cause and the fix -------------------------------------------
+
+
+def test_every_file_of_a_checkpoint_is_recorded_with_its_size_and_crc(saved):
+    from slidedp_lightning.checkpoint import CHECKSUMS, file_checksum
+
+    recorded = json.loads((saved / META).read_text())["slidedp"][CHECKSUMS]
+    files = {p.name for p in saved.iterdir()} - {META}
+    assert set(recorded) == files and any(n.endswith(".distcp") for n in files)
+    assert all(recorded[n] == [(saved / n).stat().st_size, file_checksum(saved / n)] for n in files)
+
+
+@pytest.mark.parametrize("where", ["distcp", "metadata", "tensors"])
+def test_a_byte_flipped_in_a_checkpoint_file_is_refused_naming_the_file(saved, tmp_path, where):
+    from slidedp_lightning.checkpoint import CorruptCheckpointError
+
+    ck = _copy(saved, tmp_path)
+    name = {"distcp": next(p.name for p in ck.glob("*.distcp")), "metadata": DCP_METADATA, "tensors": TENSORS}[where]
+    data_ = bytearray((ck / name).read_bytes())
+    data_[len(data_) * 2 // 3] ^= 0x10  # inside the tensor data, where nothing but a checksum notices
+    (ck / name).write_bytes(bytes(data_))
+    with pytest.raises((CorruptCheckpointError, ValueError, UnsafeCheckpointError)) as err:
+        _resume(ck)
+    if where == "distcp":  # today's code resumes from it silently
+        assert isinstance(err.value, CorruptCheckpointError) and name in str(err.value), err.value
+        assert "\n" not in str(err.value)
+
+
+def test_a_truncated_metadata_or_a_missing_meta_json_is_refused_in_one_line(saved, tmp_path):
+    ck = _copy(saved, tmp_path)
+    (ck / DCP_METADATA).write_bytes((ck / DCP_METADATA).read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"damaged: .*{DCP_METADATA}") as err:
+        _resume(ck)
+    assert "\n" not in str(err.value)
+    ck2 = tmp_path / "ck2"
+    shutil.copytree(saved, ck2)
+    (ck2 / META).unlink()
+    with pytest.raises(FileNotFoundError, match=f"no {META}: an incomplete checkpoint"):
+        _resume(ck2)
+
+
+class FrozenEmbed(TinyLM):
+    def configure_model(self) -> None:
+        self.model.get_input_embeddings().weight.requires_grad_(False)
+        self.model.get_output_embeddings().weight.requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def test_resuming_with_a_different_frozen_set_names_the_frozen_parameters(tmp_path):
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="frozen")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _checkpointing_trainer(max_steps=2, callbacks=[cb]).fit(FrozenEmbed(), data())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="saved with .* parameter\\(s\\) frozen that this run trains") as err:
+        _resume(tmp_path / "frozen.ckpt")
+    assert "damaged" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_refused_naming_what_it_lacks(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"not a SlideDP distributed checkpoint \\(no {META}\\)"):
+        _resume(tmp_path / "empty")
+
+
+FULL_DISK_JOB = """
+import sys, torch
+from slidedp_lightning import checkpoint as sharded
+from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from tests.helpers import tiny_model
+engine = SlideDPEngine(tiny_model(), EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
+try:
+    sharded.save(engine, {}, sys.argv[1] + "/ck")
+except OSError as err:
+    print("ERR", err, flush=True)
+    sys.exit(3)
+finally:
+    engine.close()
+"""
+
+
+def test_a_full_disk_during_a_save_names_the_path_and_the_fix(tmp_path):
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (a small tmpfs in a user namespace)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    (tmp_path / "job.py").write_text(FULL_DISK_JOB)
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    script = f"mount -t tmpfs -o size=64k tmpfs {mnt} && cd {root} && PYTHONPATH={root} {sys.executable} {tmp_path / 'job.py'} {mnt}"
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    if "mount" in proc.stderr and proc.returncode != 3:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("ERR"))
+    assert "no space left on the device of" in line and f"{mnt}/ck" in line, line

@@ -78,7 +78,7 @@ def test_offline_export_of_a_distributed_checkpoint_equals_the_live_export(tmp_p
     import lightning as L
     from safetensors.torch import load_file
 
-    from slidedp_lightning.export import main
+    from slidedp_lightning.export.__main__ import main
 
     class SaveBoth(L.Callback):
         def on_train_end(self, trainer, pl_module):

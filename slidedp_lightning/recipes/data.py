@@ -85,6 +85,8 @@ def _check_record(path: str, line: int, obj: Any) -> Record:
 
 def read_jsonl(path: str) -> list[Record]:
     """Parse and check every line of ``path`` (blank lines are skipped); raise :class:`DataError` on any problem."""
+    if os.path.isdir(path):
+        raise DataError(path, None, "is a directory: pass a JSONL file (one example a line), not a folder")
     if not os.path.isfile(path):
         raise DataError(path, None, "no such file")
     with open(path, "rb") as f:

@@ -331,6 +331,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _writable_file(flag: str, path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (one line), or None."""
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory: pass a file path"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag} {path} cannot be written (permissions)"
+    return None
+
+
+def _writable_dir(flag: str, path: str) -> str | None:
+    """Why a directory cannot be created or written at ``path`` (one line), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{flag} {path} exists and is not a directory: choose a directory path"
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        return f"{flag} {path} cannot be created or written: {probe} is not a writable directory"
+    return None
+
+
+def check_outputs(args: argparse.Namespace) -> str | None:
+    """Why one of the run's output paths cannot be written (one line naming the flag, the cause and the fix), or
+    None: checked before training, so that a run's weights are never trained and then lost."""
+    from slidedp_lightning.export import check_export_target
+
+    if args.export:
+        try:
+            check_export_target(args.export)
+        except OSError as err:
+            return f"--export {args.export}: {err}"
+        if args.results and os.path.abspath(args.results).startswith(os.path.abspath(args.export) + os.sep):
+            return f"--results {args.results} is inside --export {args.export}, which the export replaces"
+    for flag, value, check in (
+        ("--results", args.results, _writable_file),
+        ("--log-dir", args.log_dir, _writable_dir),
+        ("--trace-dir", args.trace_dir, _writable_dir),
+    ):
+        problem = check(flag, value) if value else None
+        if problem is not None:
+            return problem
+    return None
+
+
 def strategy_for(args: argparse.Namespace) -> SlideDPStrategy | str:
     """The strategy the parsed flags ask for (a configured SlideDPStrategy, or the registered name)."""
     custom = (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
@@ -376,6 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_vocab(checkpoint_vocab_size(args.model), TASK, args.model)
         except (OSError, ValueError) as err:
             parser.error(f"--model {args.model}: {err}")
+    problem = check_outputs(args)
+    if problem is not None:  # before any process starts or any step trains: the run's weights must have a place
+        parser.error(problem)
 
     # Known, harmless Lightning hints: the data are small in-memory tensors, and
     # the eval set size is a multiple of the default world size.

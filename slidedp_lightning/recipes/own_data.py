@@ -153,6 +153,7 @@ class TokenThroughput(L.Callback):
 def export(trainer: L.Trainer, module: DataFinetuneModule, out: str, dtype: torch.dtype) -> None:
     """Write the model (non-SlideDP strategies: the module's model; SlideDP exports through its
     :class:`~slidedp_lightning.SaveHuggingFace` callback) and the tokenizer to ``out`` (rank 0 writes)."""
+    from slidedp_lightning.export import export_directory
     from slidedp_lightning.strategy import SlideDPStrategy
 
     if trainer.is_global_zero:
@@ -160,7 +161,10 @@ def export(trainer: L.Trainer, module: DataFinetuneModule, out: str, dtype: torc
             assert module.model is not None
             model: Any = copy.deepcopy(module.model).to(dtype)
             model.config.use_cache = True
-            model.save_pretrained(out)
-        module.tokenizer.save_pretrained(out)
+            with export_directory(out) as tmp:  # written aside and swapped in, as SlideDP's export
+                model.save_pretrained(tmp)
+                module.tokenizer.save_pretrained(tmp)
+        else:
+            module.tokenizer.save_pretrained(out)
         log.info("exported %s model and tokenizer to %s", dtype, os.path.abspath(out))
     trainer.strategy.barrier("export")

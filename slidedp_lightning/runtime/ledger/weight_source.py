@@ -9,14 +9,19 @@ BF16 tensors (the common case) are read straight from the mapped file by one ker
 and the BF16 copy in the same pass (no intermediate tensor); other formats go through torch's conversions.
 
 A source travels with the model as the attribute :data:`WEIGHT_SOURCE_ATTR` (set by
-``slidedp_lightning.from_pretrained``); the engine finds it there.
+``slidedp_lightning.from_pretrained``); the engine finds it there, fitted to the model as it is by then
+(:meth:`SafetensorsWeights.for_model`): peft's wrappers read their base layer's stored tensor, and the adapters
+peft added on the meta device take the values peft drew for them (recorded as peft created them, see
+:data:`INITIAL_VALUES_ATTR`) or, created on the meta device itself (``meta_init``), peft's own initialization.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
@@ -28,6 +33,11 @@ import torch
 from torch import nn
 
 WEIGHT_SOURCE_ATTR = "slidedp_weight_source"
+# on a module: {parameter name: the value it was created with}, for parameters later moved to the meta device (peft
+# adapters added to a meta skeleton lose the values peft drew for them); recorded by pretrained.loading_into_ledger
+INITIAL_VALUES_ATTR = "_slidedp_initial_values"
+# peft's wrappers: the base layer's tensor under these names (a modules_to_save copy starts as the original)
+_PEFT_WRAPPING = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # elements of one block read from a file and converted at once (its BF16 copy converted from it right after)
@@ -78,13 +88,65 @@ class WeightSource(Protocol):
 
 
 def weight_source_of(model: nn.Module) -> WeightSource | None:
-    """The source registered on ``model`` (``None``: the model's own parameters are the initial weights)."""
+    """The source registered on ``model`` (``None``: the model's own parameters are the initial weights), fitted
+    to the model's parameters as they are now (:meth:`SafetensorsWeights.for_model`)."""
     source = getattr(model, WEIGHT_SOURCE_ATTR, None)
     if source is not None and not isinstance(source, WeightSource):
         raise TypeError(
             f"{WEIGHT_SOURCE_ATTR} of {type(model).__name__} is a {type(source).__name__}, not a WeightSource"
         )
+    if isinstance(source, SafetensorsWeights):
+        return source.for_model(model)
     return source
+
+
+def _peft_initial(
+    model: nn.Module, owner_name: str, cache: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The initial values peft gives the adapter parameters of the module ``owner_name`` (``<layer>.<container>.
+    <adapter>``, or ``<layer>.<container>`` for a parameter dict) when they were created on the meta device:
+    a copy of the peft layer, materialized on the CPU, initialized by its own ``reset_parameters`` and
+    ``reset_lora_parameters``. Empty where that does not apply (another kind of module, a LoRA variant)."""
+    parts = owner_name.split(".")
+    for cut in (len(parts) - 2, len(parts) - 1):
+        layer_name, rest = ".".join(parts[:cut]), parts[cut:]
+        try:
+            layer: Any = model.get_submodule(layer_name)
+        except AttributeError:
+            continue
+        configs = getattr(model, "peft_config", None) or {}
+        if not (type(layer).__module__.startswith("peft.") and hasattr(layer, "reset_lora_parameters")):
+            continue
+        if rest[0] not in getattr(layer, "adapter_layer_names", ()):
+            continue
+        adapter = rest[1] if len(rest) > 1 else None
+        key = f"{layer_name}@{adapter}"
+        if key not in cache:
+            cache[key] = {}
+            if adapter is None or adapter not in configs or getattr(layer, "lora_variant", {}).get(adapter) is not None:
+                return cache[key]
+            twin: Any = copy.deepcopy(layer)  # the model's own parameters stay as the engine bound them
+            for container in twin.adapter_layer_names:
+                held = getattr(twin, container, None)
+                if isinstance(held, nn.ModuleDict) and adapter in held:
+                    held[adapter].to_empty(device="cpu")
+                    for m in held[adapter].modules():
+                        reset = getattr(m, "reset_parameters", None)
+                        if callable(reset):
+                            reset()
+                elif isinstance(held, nn.ParameterDict) and adapter in held:
+                    held[adapter] = nn.Parameter(torch.zeros(held[adapter].shape), held[adapter].requires_grad)
+            with torch.no_grad():
+                twin.reset_lora_parameters(adapter, configs[adapter].init_lora_weights)
+            for container in twin.adapter_layer_names:
+                held = getattr(twin, container, None)
+                if isinstance(held, nn.ModuleDict) and adapter in held:
+                    for n, t in held[adapter].named_parameters():
+                        cache[key][f"{layer_name}.{container}.{adapter}.{n}"] = t.detach()
+                elif isinstance(held, nn.ParameterDict) and adapter in held:
+                    cache[key][f"{layer_name}.{container}.{adapter}"] = held[adapter].detach()
+        return cache[key]
+    return {}
 
 
 @dataclass(frozen=True)
@@ -203,20 +265,64 @@ class SafetensorsWeights:
         self._description = description
         self._handles: dict[str, Any] = {}
         self._maps: dict[str, tuple[np.ndarray, dict[str, int]]] = {}
+        self._initial: dict[str, torch.Tensor] = {}  # parameters not in the files: their values (peft adapters)
+
+    def for_model(self, model: nn.Module) -> SafetensorsWeights:
+        """This source for ``model`` as it is now (the skeleton it was made for, perhaps wrapped by peft since): a
+        parameter inside a peft wrapper reads its base layer's stored tensor, an adapter peft added takes the
+        values it was created with. When every parameter is on the meta device (the source will be read) and one
+        has no value, raises :class:`CheckpointError` naming it."""
+        fitted = copy.copy(self)
+        fitted._tensors, fitted._initial = dict(self._tensors), dict(self._initial)
+        fitted._handles, fitted._maps = {}, {}
+        params = dict(model.named_parameters(remove_duplicate=False))
+        cache: dict[str, dict[str, torch.Tensor]] = {}
+        unknown = []
+        for name, param in params.items():
+            if name in fitted._tensors or name in fitted._initial:
+                continue
+            base = _PEFT_WRAPPING.sub("", name)
+            if base in fitted._tensors:
+                fitted._tensors[name] = fitted._tensors[base]
+                continue
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            value = owner.__dict__.get(INITIAL_VALUES_ATTR, {}).get(attr)
+            if value is None and not param.is_meta:
+                value = param.detach()
+            if value is None:
+                value = _peft_initial(model, owner_name, cache).get(name)
+            if value is not None and tuple(value.shape) == tuple(param.shape):
+                fitted._initial[name] = value.detach()
+            else:
+                unknown.append(name)
+        if unknown and all(p.is_meta for p in params.values()):
+            raise CheckpointError(
+                f"{len(unknown)} parameter(s) of the model are neither in {self._description} nor initialized, e.g. "
+                f"{unknown[:4]}: parameters added after from_pretrained must get their values where they are created "
+                "(peft's plain LoRA adapters do; LoRA variants such as DoRA are computed from weights the meta "
+                "skeleton does not hold: load the model with transformers' from_pretrained for those)."
+            )
+        return fitted
 
     def __getstate__(self) -> dict[str, Any]:  # a copied model carries the source, not its open files
         return {**self.__dict__, "_handles": {}, "_maps": {}}
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self._tensors) | set(self._initial)
 
     def stored(self, name: str) -> StoredTensor:
         return self._tensors[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._initial:
+            return tuple(self._initial[name].shape)
         return self._tensors[name].shape
 
     def nbytes(self, name: str, count: int | None = None) -> int:
+        if name in self._initial:
+            value = self._initial[name]
+            return (value.numel() if count is None else count) * value.element_size()
         t = self._tensors[name]
         return (t.numel if count is None else count) * t.itemsize
 
@@ -250,6 +356,11 @@ class SafetensorsWeights:
         return data[offset : offset + nbytes].view(_NUMPY[t.dtype])
 
     def read_into(self, name: str, out: torch.Tensor, start: int = 0, bf16: torch.Tensor | None = None) -> None:
+        if name in self._initial:  # a value held in memory (a peft adapter's initial value)
+            out.copy_(self._initial[name].reshape(-1)[start : start + out.numel()])
+            if bf16 is not None:
+                bf16.copy_(out)
+            return
         t = self._tensors[name]
         count = out.numel()
         if start < 0 or start + count > t.numel:

@@ -1,0 +1,39 @@
+"""``python -m slidedp_lightning.export CHECKPOINT_DIR OUT_DIR``: a distributed checkpoint as a Hugging Face
+``save_pretrained`` directory (see :func:`slidedp_lightning.export.export_checkpoint`). Kept apart from the
+package so that running it as ``__main__`` finds no copy of itself already imported."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from slidedp_lightning.export import DTYPES, export_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slidedp_lightning.export", description=export_checkpoint.__doc__)
+    parser.add_argument("checkpoint", help="a SlideDP distributed checkpoint directory")
+    parser.add_argument("out", help="the save_pretrained directory to write (replaced as a whole, atomically)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--config", help="Hugging Face model directory or config.json (if the checkpoint has none)")
+    parser.add_argument(
+        "--adapter-only", action="store_true", help="a peft (LoRA) checkpoint: write its adapters alone, peft's format"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.config, args.adapter_only)
+    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted: {args.out} is unchanged", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
