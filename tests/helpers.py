@@ -237,22 +237,30 @@ class NanoGPT(nn.Module):
     ``head_first`` registers ``lm_head`` before ``transformer`` (LitGPT's order); ``tied=False`` unties it."""
 
     def __init__(
-        self, layers: int = 2, width: int = 32, heads: int = 2, *, tied: bool = True, head_first: bool = False
+        self,
+        layers: int = 2,
+        width: int = 32,
+        heads: int = 2,
+        *,
+        tied: bool = True,
+        head_first: bool = False,
+        vocab: int = VOCAB,
+        max_positions: int = MAX_POSITIONS,
     ) -> None:
         super().__init__()
         if head_first:
-            self.lm_head = nn.Linear(width, VOCAB, bias=False)
+            self.lm_head = nn.Linear(width, vocab, bias=False)
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(VOCAB, width),
-                wpe=nn.Embedding(MAX_POSITIONS, width),
+                wte=nn.Embedding(vocab, width),
+                wpe=nn.Embedding(max_positions, width),
                 drop=nn.Dropout(0.0),
                 h=nn.ModuleList(Block(width, heads) for _ in range(layers)),
                 ln_f=nn.LayerNorm(width),
             )
         )
         if not head_first:
-            self.lm_head = nn.Linear(width, VOCAB, bias=False)
+            self.lm_head = nn.Linear(width, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.transformer.wte.weight
 

@@ -28,6 +28,7 @@ from slidedp_lightning import SlideDPStrategy
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests import helpers  # noqa: E402
 from tests.helpers import Tokens  # noqa: E402
+from tests.integration import library_models  # noqa: E402
 from tests.integration.job_config import JobConfig  # noqa: E402
 
 VOCAB, SEQ = 96, 24
@@ -57,6 +58,8 @@ class TinyLM(L.LightningModule):
         torch.manual_seed(cfg.init_seed)
         if cfg.pretrained:  # SlideDP: read into the ledger; DDP: transformers' from_pretrained
             self.model = slidedp_lightning.from_pretrained(cfg.pretrained, attn_implementation="eager")
+        elif cfg.library:
+            self.model = library_models.build(cfg.library, vocab=VOCAB, seq=SEQ)
         elif cfg.model:
             config = helpers.family_config(cfg.model, cfg.tied, cfg.layers, vocab=VOCAB, max_positions=SEQ)
             self.model = AutoModelForCausalLM.from_config(config)
@@ -89,7 +92,10 @@ class TinyLM(L.LightningModule):
                 os.kill(os.getpid(), signal.SIGKILL)
 
             update.UpdateLane._apply = die
-        loss = self.model(input_ids=batch, labels=batch).loss
+        if cfg.library:
+            loss = library_models.lm_loss(cfg.library, self.model, batch)
+        else:
+            loss = self.model(input_ids=batch, labels=batch).loss
         if kill and where == "backward":  # once backward has started (the loss's gradient exists)
             loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
         if batch_idx == cfg.nan_at_step and self.global_rank == cfg.nan_rank:

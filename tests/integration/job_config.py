@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.integration.library_models import NAMES as LIBRARY_NAMES
+
 # the fields passed to SlideDPStrategy under their own names
 STRATEGY_OPTIONS = (
     "param_route",
@@ -37,6 +39,7 @@ CHOICES = {
     "strategy": ("slidedp", "ddp", "single"),
     "arch": ("dense", "moe"),
     "kill_in": ("forward", "backward", "update"),
+    "library": (None, *LIBRARY_NAMES),
 }
 # a variant changes the knobs of one fit; it cannot hold variants or move the job's output folder
 NOT_IN_VARIANTS = ("variants", "out")
@@ -55,6 +58,7 @@ class JobConfig:
     # model
     arch: str = "dense"  # "dense" (tests.helpers.tiny_config) or "moe" (tiny_moe_config)
     model: str | None = None  # a transformers model_type: tests.helpers.family_config's tiny model (instead of arch)
+    library: str | None = None  # a model of another library by name: tests/integration/library_models.py (instead)
     layers: int = 2
     init_seed: int = 1234
     init_from: str | None = None  # a LightningModule state dict to start from
