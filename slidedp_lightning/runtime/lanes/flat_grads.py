@@ -55,50 +55,55 @@ class FlatPool:
     On a CPU "device" every unit's flat gradient would otherwise be a fresh allocation, which glibc maps anew
     (or keeps in its heap, depending on its dynamic threshold), and whose first write faults in every page (about
     20x the copy itself). The pool hands a buffer to one unit's reduction (:meth:`take`) and gets it back once
-    the last shard reading it has been released; it holds as many common buffers (``elems``, the units' common
-    size) as units were ever in flight at once (``max_units_in_flight``), and for a unit larger than those (an
-    outlier: a large vocabulary's embedding or head) buffers of its own size, as many as such units were in
-    flight. CUDA's caching allocator does this for device buffers, so streams do not use it.
+    the last shard reading it has been released; it holds as many buffers of the units' common size (``elems``) as
+    units were ever in flight at once (``max_units_in_flight``). A unit larger than those (an outlier: a large
+    vocabulary's embedding or untied head, reduced once a step) gets a buffer of its own size for that one
+    reduction, freed with its last user: kept, it would hold that unit's FP32 gradient for the whole run, and at
+    the end of backward beside the gradients autograd is still summing for it (1.24 GB per rank, twice, at a
+    152K vocabulary of width 2048). CUDA's caching allocator does this for device buffers, so streams do not use
+    it.
     """
 
     def __init__(self, elems: int, device: torch.device) -> None:
         self.elems = elems
         self.device = device
-        self._free: dict[int, list[torch.Tensor]] = {}  # buffer size -> free buffers of that size
-        self._made: dict[int, int] = {}
+        self._free: list[torch.Tensor] = []
+        self._made = 0
         self._lock = threading.Lock()
 
     @property
     def buffers(self) -> int:
-        """Buffers allocated so far (in use or free)."""
-        return sum(self._made.values())
+        """Pooled buffers allocated so far (in use or free)."""
+        return self._made
 
     @property
     def nbytes(self) -> int:
-        return sum(size * count for size, count in self._made.items()) * 4
+        return self._made * self.elems * 4
 
     def take(self, users: int, elems: int | None = None) -> FlatLease:
-        """A buffer of at least ``elems`` (default: the common size) for ``users`` (>= 1) holders; it returns to
-        the pool when each of them has dropped it."""
-        size = self.elems if elems is None or elems <= self.elems else elems
+        """A buffer of at least ``elems`` (default: the common size) for ``users`` (>= 1) holders; a pooled one
+        returns to the pool when each of them has dropped it, a larger one is freed then."""
+        if elems is not None and elems > self.elems:
+            lease = FlatLease(self, torch.empty(elems, dtype=torch.float32, device=self.device), users)
+            lease.reusable = False
+            return lease
         with self._lock:
-            free = self._free.setdefault(size, [])
-            if free:
-                buf = free.pop()
+            if self._free:
+                buf = self._free.pop()
             else:
-                buf = torch.empty(size, dtype=torch.float32, device=self.device)
-                self._made[size] = self._made.get(size, 0) + 1
+                buf = torch.empty(self.elems, dtype=torch.float32, device=self.device)
+                self._made += 1
         return FlatLease(self, buf, users)
 
     def _put(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._free.setdefault(buf.numel(), []).append(buf)
+            self._free.append(buf)
 
     def clear(self) -> None:
         """Forget every buffer (those still leased are freed with their last user)."""
         with self._lock:
             self._free.clear()
-            self._made.clear()
+            self._made = 0
 
 
 class FlatLease:
