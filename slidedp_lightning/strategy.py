@@ -2,56 +2,39 @@
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
-from dataclasses import replace
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
 from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning import export, process_groups, requeue, signals
-from slidedp_lightning.autopolicy import AutoPolicy
+from slidedp_lightning import export, requeue
 from slidedp_lightning.callbacks import LaneTrace
 from slidedp_lightning.checks import refuse_what_cannot_see_gradients
 from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, OptimizerState, ParamRoute, UpdateMode
+from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
 from slidedp_lightning.options import ActivationOption, SlideDPOptions
-from slidedp_lightning.precision import SUPPORTED_PRECISION, SlideDPPrecision
-from slidedp_lightning.pretrained import loading_into_ledger, warn_if_materialized
-from slidedp_lightning.runtime.engine import SlideDPEngine
-from slidedp_lightning.runtime.topology import Topology
+from slidedp_lightning.precision import SlideDPPrecision, slidedp_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _LOADED = "_slidedp_loaded_into_ledger"
 
 
-class SlideDPStrategy(ParallelStrategy):
+class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
     """Full-parameter training of models larger than device memory on the devices of one or more hosts.
 
     One FP32 master copy of the weights and the Adam moments lives in host shared memory; units (embedding,
@@ -70,6 +53,7 @@ class SlideDPStrategy(ParallelStrategy):
     :func:`~slidedp_lightning.use_chunked_loss`."""
 
     strategy_name = "slidedp"
+    script_launcher = _SubprocessScriptLauncher
 
     def __init__(
         self,
@@ -91,10 +75,8 @@ class SlideDPStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__()
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}.")
         # every argument but start_method and timeout is an option, checked by SlideDPOptions
-        self.options = SlideDPOptions(
+        options = SlideDPOptions(
             param_route=param_route,
             grad_route=grad_route,
             chunk_bytes=chunk_bytes,
@@ -109,19 +91,8 @@ class SlideDPStrategy(ParallelStrategy):
             optimizer_state=optimizer_state,
             bf16_copy=bf16_copy,
         )
-        # AutoPolicy keeps its plan: a later fit/validate of the same strategy reuses it instead of measuring
-        self.planner: AutoPolicy | None = AutoPolicy() if activation_policy == "auto" else self.options.planner
-        self._start_method = start_method
-        self._timeout = timeout or default_pg_timeout
-        self._num_nodes = 1
+        self._init_lifecycle(options, start_method, timeout)
         self._clip: tuple[float | None, str | None] = (None, None)
-        self.topology: Topology | None = None
-        self.engine: SlideDPEngine | None = None
-        self._released_steps = 0  # optimizer steps of the last engine, whose state went with its ledger
-        self._failed = False  # on_exception was called in this run: teardown waits on no other rank
-        self._signals = signals.SignalGuard(lambda: f"rank {self.global_rank} (pid {os.getpid()})", self._launched)
-        # deferred updates: the global gradient norm of the last optimizer step (None under immediate updates)
-        self.last_grad_norm: float | None = None
 
     @classmethod
     @override
@@ -131,35 +102,7 @@ class SlideDPStrategy(ParallelStrategy):
             "slidedp_spawn", cls, description="SlideDP, processes started with spawn", start_method="spawn"
         )
 
-    # -- topology ------------------------------------------------------------------------------------
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self.options.check_nodes(num_nodes)
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def is_distributed(self) -> bool:  # read by Lightning's accelerator connector (not a base method)
-        return True
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
+    # -- ranks, devices and the process group: SlideDPLifecycle --------------------------------------
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -174,29 +117,13 @@ class SlideDPStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is None or isinstance(plugin, SlideDPPrecision):
-            self._precision_plugin = plugin
-            return
-        name = getattr(plugin, "precision", None)
-        if name not in SUPPORTED_PRECISION:
-            raise ValueError(
-                f"SlideDP supports precision {SUPPORTED_PRECISION}; got {name or type(plugin).__name__!r}. "
-                "Use Trainer(precision='bf16-mixed'), '16-mixed' or '32-true'."
-            )
-        self._precision_plugin = SlideDPPrecision(name, getattr(plugin, "device", "cpu"))
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self._precision_plugin = slidedp_precision(plugin, SlideDPPrecision, "Trainer")
 
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                signals.name_launcher()  # the ranks it starts stop if it dies before they could ask to end with it
+            if self._name_launcher():
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
@@ -204,25 +131,8 @@ class SlideDPStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if dist.is_initialized():  # the user's group: refused before anything is set up if it lacks a CPU backend
-            process_groups.check_host_backend()
         reset_seed()
-        self.set_world_ranks()
-        assert self.cluster_environment is not None
-        self._failed = False
-        signals.end_with_launcher(self.cluster_environment.creates_processes_externally)
-        if dist.is_initialized():
-            return  # the user's group (or, after a failed run, SlideDP's own: destroyed at the next good teardown)
-        _init_dist_connection(
-            self.cluster_environment, process_groups.backend_for(self.root_device), timeout=self._timeout
-        )
-        process_groups.claim_default_group(self.cluster_environment.main_address, self.cluster_environment.main_port)
-
-    def _topology(self) -> Topology:
-        """Every process group the runtime uses, created once per process (collectively, on every rank)."""
-        if self.topology is None:
-            self.topology = self.options.topology(self.global_rank, self.local_rank, self.num_processes, self.num_nodes)
-        return self.topology
+        self._join_process_group()
 
     # -- setup ---------------------------------------------------------------------------------------
     @override
@@ -240,21 +150,8 @@ class SlideDPStrategy(ParallelStrategy):
         )
         self._clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) if fitting else (None, None)
         self.accelerator.setup(trainer)
-        planner = self.planner
-        if planner is not None and planner.save_to is None:
-            planner.save_to = os.path.join(trainer.default_root_dir, "slidedp_policy.json")
-        if planner is not None and planner.plan is not None:
-            config = replace(config, activation_policy=planner.plan.activations)
-            planner = None
-        warn_if_materialized(self.model, self._topology())
-        self.engine = SlideDPEngine(
-            self.model,
-            config,
-            device=self.root_device,
-            compute_dtype=self.precision_plugin.compute_dtype,
-            topology=self._topology(),
-            planner=planner,
-        )
+        self._build_engine(self.model, config, self.precision_plugin.compute_dtype, trainer.default_root_dir)
+        assert self.engine is not None
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
@@ -269,10 +166,7 @@ class SlideDPStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         """Move buffers only: parameters are views into the engine's streamed device buffers."""
         assert self.model is not None
-        for module in self.model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.device != self.root_device:
-                    module._buffers[name] = buf.to(self.root_device)
+        self._move_buffers(self.model)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -281,32 +175,24 @@ class SlideDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # never the accelerator: the weights go to the host ledger, and only units visit the device
-        with torch.device("meta" if empty_init else "cpu"):
+        with self._host_device(empty_init):
             yield
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with loading_into_ledger():  # slidedp_lightning.from_pretrained: a meta skeleton, its checkpoint attached
-            with torch.device("meta") if self.options.meta_init else nullcontext():
-                yield
+        with self._ledger_context():
+            yield
 
     # -- the step ------------------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         model = model or self.lightning_module
         result = self.precision_plugin.optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        assert self.engine is not None
         clip_val, algorithm = self._clip
         clip_norm = float(clip_val) if clip_val and algorithm != "value" else None
         clip_value = float(clip_val) if clip_val and algorithm == "value" else None
-        stepped = self.engine.end_step(clip_norm, clip_value, self.precision_plugin.unscale_factor())
-        self.last_grad_norm = self.engine.last_grad_norm
-        self.precision_plugin.update_scale(found_inf=self.engine.skipped)
-        if stepped:
-            # the step ran on the CPU update lane, not in optimizer.step(); tell torch's LR schedulers it happened
-            optimizer._opt_called = True
+        self._end_step(optimizer, clip_norm, clip_value, self.precision_plugin)
         return result
 
     # -- collectives ---------------------------------------------------------------------------------
@@ -318,16 +204,11 @@ class SlideDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
+        SlideDPLifecycle.barrier(self, name)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return SlideDPLifecycle.broadcast(self, obj, src)
 
     # -- state ---------------------------------------------------------------------------------------
     @property
@@ -429,18 +310,9 @@ class SlideDPStrategy(ParallelStrategy):
 
     on_validation_start = on_test_start = on_predict_start = on_train_start
 
-    def _launched(self) -> list[Any]:  # the ranks this process started (the script launcher's local rank 0)
-        return list(self.launcher.procs) if isinstance(self.launcher, _SubprocessScriptLauncher) else []
-
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
-        peers = self.engine.peer_states() if self.engine is not None else ""
-        stuck = "; ".join(s for s in (peers, signals.ended_children(self._launched())) if s)
-        if stuck:
-            log.error("SlideDP rank %d failed (%s); %s.", self.global_rank, type(exception).__name__, stuck)
-        if self.engine is not None:
-            self.engine.abort()
+        self._fail(exception)
 
     @override
     def teardown(self) -> None:
@@ -449,21 +321,9 @@ class SlideDPStrategy(ParallelStrategy):
         interpreter shutdown. After a failure the groups are left to the process's exit (see
         :func:`~slidedp_lightning.process_groups.destroy_default_group`). What happens to the rank processes this one
         launched when it exits: :class:`~slidedp_lightning.signals.LaunchedAtExit`."""
-        self._signals.hold()
-        if self.engine is not None:
-            self._released_steps = self.engine.step
-            self.engine.close()
-            self.engine = None
-        topology, self.topology = self.topology, None  # no reference to the runtime's groups outlives the run
-        if topology is not None and not self._failed:
-            topology.destroy_groups()
-        del topology
-        if self.cluster_environment is not None:
-            self.cluster_environment.teardown()
+        self._close_engine()
         self.precision_plugin.teardown()
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-        process_groups.destroy_default_group(self._timeout.total_seconds(), peers_alive=not self._failed)
-        signals.LAUNCHED_AT_EXIT.update(self._launched(), self._failed, min(self._timeout.total_seconds(), 300.0))
-        self._signals.release()
+        self._end_run()
