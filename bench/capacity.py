@@ -41,18 +41,19 @@ QWEN3_1_7B = ModelShape(
 # a small shape of the same structure, for a quick run of the whole procedure
 TINY = ModelShape(name="tiny", hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, head_dim=64, vocab=8192)
 
-# label: (system, strategy knobs, host GB per billion parameters to start the search from)
-SYSTEMS: dict[str, tuple[str, dict, float]] = {
-    "ddp": ("ddp", {}, 34.0),
-    "fsdp2": ("fsdp2", {}, 16.6),
-    "fsdp2_offload": ("fsdp2_offload", {}, 16.6),
-    "zero_offload": ("zero_offload", {}, 24.0),
-    "slidedp": ("slidedp", {}, 14.3),
-    "slidedp_int8": ("slidedp", {"optimizer_state": "int8"}, 8.6),
-    "slidedp_int8_nocopy": ("slidedp", {"optimizer_state": "int8", "bf16_copy": False}, 6.6),
+# label: (system, strategy knobs, (host GB per billion parameters, GB besides) to start the search from: SlideDP's
+# ledger bytes per parameter and its per-rank memory measured at this shape (3.3 GB a rank, 0.7 GB more at the save
+# and export); the others' slopes from docs/PERFORMANCE.md's systems tables)
+SYSTEMS: dict[str, tuple[str, dict, tuple[float, float]]] = {
+    "ddp": ("ddp", {}, (34.0, 3.0)),
+    "fsdp2": ("fsdp2", {}, (16.6, 3.0)),
+    "fsdp2_offload": ("fsdp2_offload", {}, (16.6, 3.0)),
+    "zero_offload": ("zero_offload", {}, (24.0, 3.0)),
+    "slidedp": ("slidedp", {}, (14.0, 7.3)),
+    "slidedp_int8": ("slidedp", {"optimizer_state": "int8"}, (8.01, 7.3)),
+    "slidedp_int8_nocopy": ("slidedp", {"optimizer_state": "int8", "bf16_copy": False}, (6.01, 7.3)),
 }
 RANKS, SEQ, STEPS = 2, 32, 3
-OVERHEAD_GB = 2.5  # interpreters, libraries and per-rank buffers at the start of a search
 
 
 @dataclass
@@ -162,10 +163,10 @@ def _clean(folder: Path) -> None:
 def first_guess(label: str, shape: ModelShape, limit: int) -> int:
     if shape is TINY:
         return 2
-    slope = SYSTEMS[label][2]
+    slope, besides = SYSTEMS[label][2]
     embed = shape.with_layers(0).num_params / 1e9
     per_layer = shape.with_layers(1).num_params / 1e9 - embed
-    return max(1, int((limit / GB - OVERHEAD_GB - slope * embed) / (slope * per_layer)))
+    return max(1, int((limit / GB - besides - slope * embed) / (slope * per_layer)))
 
 
 def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, limit: int, budget_s: float) -> Search:
@@ -174,7 +175,7 @@ def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, 
     t0 = time.perf_counter()
     lo, hi = 0, None  # deepest known to fit, shallowest known not to (or to fail otherwise)
     layers = first_guess(label, shape, limit)
-    step = max(1, layers // 6)
+    step = max(1, round(layers * 0.05))  # the guess is close: small steps first, doubling
     while time.perf_counter() - t0 < budget_s:
         a = attempt(label, shape, layers, ckpts, out, limit)
         found.attempts.append(a)

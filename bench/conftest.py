@@ -30,6 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--bench-rounds", type=int, default=5, help="measured interleaved rounds per configuration")
     group.addoption("--scale", choices=("cpu", "gpu"), default="cpu", help="systems suite scale (gpu needs CUDA)")
     group.addoption("--bench-ranks", type=int, default=None, help="ranks of the systems suite (cpu: 2, gpu: 4)")
+    group.addoption(
+        "--capacity-tiny", action="store_true", default=False, help="bench.capacity on a tiny shape (minutes)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
