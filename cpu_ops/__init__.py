@@ -2,20 +2,14 @@
 
 from cpu_ops.accumulate import accumulate, sum_squares
 from cpu_ops.adamw import adamw_update, adamw_update_sum
-from cpu_ops.adamw8 import (
-    QUANT_BLOCK,
-    adamw8_update,
-    dequantize_blockwise,
-    quantize_blockwise,
-    signed_map,
-    unsigned_map,
-)
+from cpu_ops.adamw8 import MOMENT_FORMAT, QUANT_BLOCK, adamw8_update, dequantize_blockwise, quantize_blockwise
 from cpu_ops.bandwidth import adam8_shaped_copy, adam_shaped_copy
 from cpu_ops.convert import bf16_to_fp32, fp32_to_bf16, widen_bf16
 from cpu_ops.threads import logical_cpus, physical_cores, set_kernel_threads, thread_budget
 from cpu_ops.warmup import is_vectorized, warmup
 
 __all__ = [
+    "MOMENT_FORMAT",
     "QUANT_BLOCK",
     "accumulate",
     "adam8_shaped_copy",
@@ -31,10 +25,8 @@ __all__ = [
     "physical_cores",
     "quantize_blockwise",
     "set_kernel_threads",
-    "signed_map",
     "sum_squares",
     "thread_budget",
-    "unsigned_map",
     "warmup",
     "widen_bf16",
 ]

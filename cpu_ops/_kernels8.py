@@ -1,192 +1,128 @@
-"""Numba kernels of the 8-bit (block-wise quantized) Adam moments (private; use :mod:`cpu_ops.adamw8`).
+"""Numba kernels of the 8-bit (block-wise int8 and FP8 E4M3) Adam moments (private; use :mod:`cpu_ops.adamw8`).
 
-The Adam element math, the gradient-row sum and the bf16 rounding are the inline helpers of
-:mod:`cpu_ops._kernels`, so the FP32 operation order is the same as the FP32 kernel's.  Numba's
-``cache=True`` keys a cached kernel on *this* file only: after editing a helper in ``_kernels.py``,
-touch this file too (or clear ``__pycache__``) so the 8-bit kernels are recompiled.
+The format is described in :mod:`cpu_ops.adamw8`. ``exp_avg``: a linear int8 code is one fused multiply-add whose
+float32 result holds the rounded integer in its low byte, and one int8 -> float32 conversion back. ``exp_avg_sq``:
+an E4M3 code of a value in [0, 256] is bits 7..14 of the IEEE half-precision number value / 2**8 (exponent field and
+3 mantissa bits, subnormals included), so encoding is one float32 -> float16 conversion (``vcvtps2ph``, LLVM's
+``fptrunc``) and an integer rounding, decoding a shift and one float16 -> float32 conversion (``vcvtph2ps``). No
+tables, no branches: every loop vectorizes.
 
-Layout: the arrays are cut into blocks of ``block`` elements (the last one may be shorter); each block
-has one float32 absmax per moment.  The parallel loop runs over chunks of whole blocks; each chunk
-owns two float32 scratch rows of one block (L1-resident), so a block is read once and written once.
+The gradient-row sum and the bf16 rounding are the inline helpers of :mod:`cpu_ops._kernels`. Numba's
+``cache=True`` keys a cached kernel on *this* file only: after editing a helper in ``_kernels.py``, touch this
+file too (or clear ``__pycache__``) so the 8-bit kernels are recompiled.
 
-The maps and lookup tables are module constants here (not arguments): Numba freezes them into the
-machine code, which lets LLVM vectorize the table lookups as gathers where its cost model for the CPU takes
-them (it cannot bound the aliasing of an argument array that is indexed by data; for AMD Zen it scalarizes
-them), and ties the cache to this file, which defines them.
-
-Two quantizers of ``y = x / absmax``, both "nearest code, ties to the lower code":
-
-* :func:`quantize_value` (``quantize_blockwise``: conversions, the exact reference) is exact. It looks ``y``
-  up in a table indexed by the top 16 bits of ``y`` (sign, exponent, 7 mantissa bits), which gives the lowest
-  code the bf16 interval of ``y`` can round to; the tables are built so that at most one code midpoint falls in
-  any such interval, so a single comparison with that midpoint finishes the search.
-* :func:`grid_code_signed` / :func:`grid_code_unsigned` (the fused update's requantization) use no table, so
-  the loop vectorizes without gathers (on AMD Zen, LLVM scalarizes a table lookup, and the whole loop with it).
-  Both maps are decades of uniform grids: decade ``e`` holds ``10**-e * (0.1 + 0.9 * (k + 1) / 2**f)``, and its
-  ``k = -1`` point is the top code of decade ``e + 1``. Seven comparisons find the decade of ``|y|``; the code is
-  then that decade's base index plus ``|y|`` rounded on its grid, in float32. Where ``y`` lies within a few
-  float32 ulps of a midpoint, the rounding can take the other neighbour: one code off, at equal distance to
-  within those ulps (2 in 4 million uniform values; tests/cpu_ops/test_adamw8.py measures it). They are
-  plain functions of one float32, not inlined by Numba: compiled once, LLVM inlines them into the kernel's loop
-  and vectorizes it all the same, while Numba-level inlining into each of the kernel's signatures made the
-  8-bit warm-up compile 4x longer (250 s against 62 s on a 2-core guest).
+Layout: the arrays are cut into blocks of ``block`` elements (the last one may be shorter); each block has one
+float32 scale per moment. The parallel loop runs over chunks of whole blocks; each chunk owns two float32 scratch
+rows of one block (L1-resident). Per block, one pass decodes, updates and writes the parameter, its bf16 copy and
+the new ``exp_avg`` and ``exp_avg_sq`` to the scratch rows while taking their absmax; a second pass encodes both
+rows with the new scales.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-from cpu_ops._kernels import _INLINE, KERNEL_OPTIONS, _adam_element, _summed_grad, f32_to_bf16_bits
+from cpu_ops._kernels import _INLINE, KERNEL_OPTIONS, _fma, _summed_grad, f32_to_bf16_bits
 
+_U7 = np.uint32(7)
 _U16 = np.uint32(16)
 _ABS = np.uint32(0x7FFFFFFF)
-_LO = (127 - 26) << 7  # top-16-bit key of 2**-26: every |y| below it shares one table slot
-_WIDTH = (127 << 7) - _LO + 2  # keys _LO - 1 (everything smaller) .. key of 1.0
+_TO_F16 = np.uint32(0xFFFFE000)  # keeps float16's 11 significant bits of a float32: the conversion is then exact
+_ZERO = np.float32(0.0)
+_HALF7 = np.uint32(0x40)
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: x + _MAGIC holds round(x) in its low bits (|x| < 2**22)
+_LIN = np.float32(127.0)
+_INV127 = np.float32(1.0) / np.float32(127.0)
+
+SCALE_MIN = np.float32(2.0**-96)  # a non-zero block scale is at least this, so that 1 / scale is finite
+MOMENT_MAX = np.float32(2.0**127)  # a stored |exp_avg| or exp_avg_sq is at most this (never inf)
 
 
-def _dynamic_map(signed: bool) -> np.ndarray:
-    """The 256 sorted float32 values of the (signed tree / unsigned) dynamic map, built in float64."""
-    magnitudes = []
-    fraction_bits = 6 if signed else 7
-    for e in range(7):
-        f = fraction_bits - e
-        k = np.arange(2**f, dtype=np.float64)
-        magnitudes.append(10.0**-e * (0.1 + 0.9 * (k + 1) / 2**f))
-    positive = np.concatenate(magnitudes)
-    values = [np.zeros(1), positive, np.array([1e-7])]
-    if signed:
-        values.append(-positive)
-    out = np.sort(np.concatenate(values)).astype(np.float32)
-    if out.shape != (256,) or not np.all(np.diff(out) > 0):
-        raise AssertionError("dynamic map construction is wrong")  # construction invariant
-    return out
+@intrinsic
+def _f32_to_f16_bits_intrinsic(typingctx, x):
+    """float32 -> IEEE float16 bits (uint16), round to nearest even (``fptrunc``: ``vcvtps2ph`` with F16C)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
 
 
-def _search_tables(code: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Midpoints (+inf sentinel) and the packed bf16-interval table of :func:`quantize_value`.
+@intrinsic
+def _f16_bits_to_f32_intrinsic(typingctx, x):
+    """IEEE float16 bits (uint16) -> float32, exact (``fpext``: ``vcvtph2ps`` with F16C)."""
+    if x != types.uint16:
+        return None
 
-    Entry of an interval (the floats sharing the top 16 bits, or all |y| < 2**-26): bits 0..7 the lowest code
-    ``base`` of the interval; bits 8..23 the low 16 bits of the one midpoint inside it, flipped for y < 0 so
-    that "y above the midpoint" is an unsigned ``>`` of the flipped low bits in both signs (0xFFFF: none).
-    """
-    mid = np.empty(256, np.float32)
-    mid[:255] = ((code[:-1].astype(np.float64) + code[1:].astype(np.float64)) / 2).astype(np.float32)
-    mid[255] = np.inf
-    mags = np.arange(_LO - 1, _LO - 1 + _WIDTH, dtype=np.uint32)
-    entries = []
-    for sign in (0, 1):
-        key = (np.uint32(sign << 15) | mags) << np.uint32(16)
-        first = key.copy()
-        last = key | np.uint32(0xFFFF)
-        first[0] = np.uint32(sign << 31)  # the lumped slot: +-0 .. the largest |y| below 2**-26
-        low = (last if sign else first).view(np.float32)  # the interval's smallest value
-        high = (first if sign else last).view(np.float32)
-        base = np.searchsorted(mid, low, side="left")
-        inside = np.searchsorted(mid, high, side="left") - base
-        if np.any(inside > 1) or inside[0] != 0:
-            raise AssertionError("a bf16 interval holds two code midpoints; the lookup needs more mantissa bits")
-        m_low = mid[np.minimum(base, 255)].view(np.uint32) & np.uint32(0xFFFF)
-        flipped = np.where(inside == 1, m_low ^ np.uint32(0xFFFF * sign), np.uint32(0xFFFF))
-        entries.append(base.astype(np.uint32) | (flipped.astype(np.uint32) << np.uint32(8)))
-    return mid, np.concatenate(entries).astype(np.int32)
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
 
 
-S_CODE = _dynamic_map(signed=True)
-U_CODE = _dynamic_map(signed=False)
-S_MID, S_TABLE = _search_tables(S_CODE)
-U_MID, U_TABLE = _search_tables(U_CODE)
-S_ZERO = np.uint8(np.searchsorted(S_MID, np.float32(0.0), side="left"))
-U_ZERO = np.uint8(0)
-
-
-def _decade_rows(code: np.ndarray, signed: bool) -> tuple[tuple[np.float32, np.float32, np.float32, np.float32], ...]:
-    """Per decade ``e`` = 0..7 of the map: (``|y| <= top`` selects it, its ``k = -1`` point ``low``, grid points
-    per unit ``1 / step``, code index of ``low``), float32. Decade 7 is the interval [0, 1e-7] of the codes 0, 1e-7."""
-    top = [code[np.argmin(np.abs(code.astype(np.float64) - 10.0**-e))] for e in range(8)] + [np.float32(0.0)]
-    rows = []
-    for e in range(8):
-        f = (6 if signed else 7) - e
-        per_unit = 1.0 / float(top[7]) if e == 7 else 2.0**f / (0.9 * 10.0**-e)
-        base = 127 + (2**f if e < 7 else 0) if signed else (2**f - 1 if e < 7 else 0)
-        if code[base] != top[e + 1]:
-            raise AssertionError("the decade grid does not match the map")  # construction invariant
-        rows.append((np.float32(top[e]), np.float32(top[e + 1]), np.float32(per_unit), np.float32(base)))
-    return tuple(rows)
-
-
-S_ROWS = _decade_rows(S_CODE, signed=True)
-U_ROWS = _decade_rows(U_CODE, signed=False)
-_NEG_SMALL_MID = np.float32(-S_MID[126])  # |midpoint| of -1e-6 and 0: the signed map has no -1e-7
-_HALF = np.float32(0.5)
-_SIGN = np.uint32(0x80000000)
+# As called from compiled code (Numba supplies ``typingctx``; see ``cpu_ops._kernels._fma``).
+_f32_to_f16_bits = cast("Callable[[np.float32], np.uint16]", _f32_to_f16_bits_intrinsic)
+_f16_bits_to_f32 = cast("Callable[[np.uint16], np.float32]", _f16_bits_to_f32_intrinsic)
 
 
 @njit(**_INLINE)
-def quantize_value(y, table):
-    """Index of the code nearest to ``y`` (float32 in [-1, 1]): ``searchsorted(mid, y, 'left')``.
-
-    One lookup in the packed table of :func:`_search_tables` by the top 16 bits of y (clamped to the range
-    of |y| that has an entry), then one integer comparison of y's low 16 bits with that interval's midpoint.
-    """
-    # every intermediate is cast back to uint32 so that the vectorized loop works on 32-bit lanes
-    bits = np.float32(y).view(np.uint32)
-    neg = np.uint32(np.int32(bits) >> np.int32(31))  # all ones for y < 0
-    mag = np.uint32((bits >> _U16) & np.uint32(0x7FFF))
-    mag = np.uint32(min(max(mag, np.uint32(_LO - 1)), np.uint32(_LO + _WIDTH - 2)))
-    slot = np.uint32(np.uint32(mag - np.uint32(_LO - 1)) + np.uint32(neg & np.uint32(_WIDTH)))
-    entry = np.uint32(table[slot & np.uint32(0x1FFF)])  # unsigned, < 2**13 (a no-op): 32-bit gather indices
-    low = np.uint32((bits & np.uint32(0xFFFF)) ^ (neg & np.uint32(0xFFFF)))
-    above = np.uint32(low > np.uint32(entry >> np.uint32(8)))
-    return np.uint8(np.uint32(entry & np.uint32(0xFF)) + above)
+def _f16_trunc(y):
+    """float16 bits of float32 ``y`` truncated to float16's precision (exact where float16 is normal, |y| >= 2**-14;
+    below it, the conversion rounds to nearest even: one code off at most, at a float16 tie)."""
+    return np.uint32(_f32_to_f16_bits(np.uint32(np.float32(y).view(np.uint32) & _TO_F16).view(np.float32)))
 
 
 @njit(**_INLINE)
-def _pick(a, row, low, per_unit, base):
-    take = a <= row[0]
-    return (row[1] if take else low), (row[2] if take else per_unit), (row[3] if take else base)
+def decode_signed(code, scale):
+    """``exp_avg`` value of the int8 ``code`` (two's complement, -127..127): (code * (1 / 127)) * scale. The first
+    product is exact at +-127 (127 * float32(1 / 127) == 1), so the block's absmax element reads back exactly."""
+    return (np.float32(np.int8(code)) * _INV127) * scale
 
 
 @njit(**_INLINE)
-def _on_grid(a, rows):
-    """(``a`` in grid steps above its decade's ``low``, clamped to [0, 256] and NaN -> 0; the decade's base)."""
-    low, per_unit, base = rows[0][1], rows[0][2], rows[0][3]
-    low, per_unit, base = _pick(a, rows[1], low, per_unit, base)
-    low, per_unit, base = _pick(a, rows[2], low, per_unit, base)
-    low, per_unit, base = _pick(a, rows[3], low, per_unit, base)
-    low, per_unit, base = _pick(a, rows[4], low, per_unit, base)
-    low, per_unit, base = _pick(a, rows[5], low, per_unit, base)
-    low, per_unit, base = _pick(a, rows[6], low, per_unit, base)
-    low, per_unit, base = _pick(a, rows[7], low, per_unit, base)
-    u = (a - low) * per_unit
-    return min(max(u, np.float32(0.0)) if u == u else np.float32(0.0), np.float32(256.0)), base
+def encode_signed(x, inv):
+    """int8 code of ``exp_avg`` element ``x``: x * inv rounded to the nearest integer, ties to even (``inv`` = 127 /
+    the block's scale, so the result is in -127..127); ``fma(x, inv, 1.5 * 2**23)`` puts that integer in the low
+    byte of the float32's bits, in two's complement."""
+    return np.uint8(np.float32(_fma(x, inv, _MAGIC)).view(np.uint32))
 
 
 @njit(**_INLINE)
-def _code_index(index):
-    return np.uint8(min(max(index, np.float32(0.0)), np.float32(255.0)))
+def decode_unsigned(code, scale):
+    """``exp_avg_sq`` value of E4M3 ``code`` (sign bit 0)."""
+    return _f16_bits_to_f32(np.uint16(np.uint32(code) << _U7)) * scale
 
 
-@njit(nogil=True, error_model="numpy")
-def grid_code_unsigned(y):
-    """Code of ``y`` (float32 in [0, 1]) on the unsigned map, without a table (see the module docstring)."""
-    u, base = _on_grid(y, U_ROWS)
-    return _code_index(base + np.ceil(u - _HALF))
+@njit(**_INLINE)
+def encode_unsigned(v, inv):
+    """E4M3 code of ``exp_avg_sq`` element ``v >= 0``; ``inv`` = 1 / the block's scale (v * inv <= 1, E4M3 256).
+    Nearest, ties away from zero (float16 of v * inv truncated to float16's precision, exact where float16 is normal;
+    its bits 7..14 rounded half up), and at least 1 for v > 0 (the zero guard)."""
+    h = _f16_trunc(v * inv)
+    mag = np.uint32(np.uint32(h + _HALF7) >> _U7)
+    return np.uint8(max(mag, np.uint32(v > _ZERO)))
 
 
-@njit(nogil=True, error_model="numpy")
-def grid_code_signed(y):
-    """Code of ``y`` (float32 in [-1, 1]) on the signed map, without a table (see the module docstring).
+@njit(**_INLINE)
+def block_scale(top):
+    """A block's stored scale from the absmax of its new values: 0 stays 0, NaN stays NaN, else >= SCALE_MIN."""
+    if top >= SCALE_MIN:
+        return top
+    return SCALE_MIN if top > _ZERO else top
 
-    Negative values mirror the positive codes (index 255 - i), ties going to the larger magnitude (the lower
-    code), except below 1e-6, where the negative side has only -1e-6 and 0."""
-    bits = np.float32(y).view(np.uint32)
-    a = np.uint32(bits & _ABS).view(np.float32)
-    u, base = _on_grid(a, S_ROWS)
-    positive = base + np.ceil(u - _HALF)
-    small = np.float32(128.0) + (np.float32(1.0) if a >= _NEG_SMALL_MID else np.float32(0.0))
-    negative = np.float32(255.0) - (small if a <= S_ROWS[6][0] else base + np.floor(u + _HALF))
-    return _code_index(negative if bits >= _SIGN else positive)
+
+@njit(**_INLINE)
+def _inverse(top, scale):
+    """top / scale, 0 for a zero scale (finite: scale >= SCALE_MIN)."""
+    return top / scale if scale != _ZERO else _ZERO
 
 
 @njit(**_INLINE)
@@ -194,68 +130,36 @@ def _absmax(x, length):
     """max |x[:length]| via the integer order of the float32 bits (vectorizes; a NaN propagates)."""
     top = np.uint32(0)
     for j in range(length):
-        bits = np.float32(x[j]).view(np.uint32) & _ABS
-        top = np.uint32(max(top, bits))
+        top = np.uint32(max(top, np.float32(x[j]).view(np.uint32) & _ABS))
     return np.uint32(top).view(np.float32)
 
 
-@njit(**_INLINE)
-def _requantize(x, length, out, start, table, zero_code, floor):
-    """out[start + j] = nearest code of x[j] / absmax, at least ``floor`` for x[j] > 0; returns the block's new
-    absmax. ``floor`` 1 (the unsigned map of exp_avg_sq): a positive second moment is never stored as 0 (see
-    :mod:`cpu_ops.adamw8`, "the zero guard"); 0: nearest code only."""
-    amax = _absmax(x, length)
-    if amax > np.float32(0.0):
-        for j in range(length):
-            code = quantize_value(x[j] / amax, table)
-            positive = np.uint8(np.uint8(x[j] > np.float32(0.0)) & floor)
-            out[np.uint64(start + j)] = max(code, positive)
-    else:
-        for j in range(length):
-            out[np.uint64(start + j)] = zero_code
-    return amax
-
-
-@njit(**_INLINE)
-def _requantize_on_grid(x, length, out, start, signed):
-    """:func:`_requantize` with the table-free codes; the zero guard for the unsigned map."""
-    amax = _absmax(x, length)
-    if amax > np.float32(0.0):
-        for j in range(length):
-            y = x[j] / amax
-            if signed:
-                out[np.uint64(start + j)] = grid_code_signed(y)
-            else:
-                out[np.uint64(start + j)] = max(grid_code_unsigned(y), np.uint8(x[j] > np.float32(0.0)))
-    else:
-        for j in range(length):
-            out[np.uint64(start + j)] = S_ZERO if signed else U_ZERO
-    return amax
-
-
 @njit(**KERNEL_OPTIONS)
-def quantize_kernel(x, q, absmax, block, chunks, signed, grid):
-    """Block-wise quantization of ``x`` into codes ``q`` and per-block ``absmax`` (signed or unsigned map);
-    ``grid``: with the fused update's table-free codes (tests compare them with the exact ones)."""
+def quantize_kernel(x, q, scales, block, chunks, signed):
+    """Block-wise codes ``q`` and ``scales`` of ``x``: ``exp_avg`` (signed) or ``exp_avg_sq`` (x >= 0)."""
     n = x.shape[0]
-    nblocks = absmax.shape[0]
+    nblocks = scales.shape[0]
     for c in prange(chunks):
         for b in range(c * nblocks // chunks, (c + 1) * nblocks // chunks):
             s = b * block
             e = min(s + block, n)
-            if grid:
-                absmax[b] = _requantize_on_grid(x[s:e], e - s, q, s, signed)
-            elif signed:
-                absmax[b] = _requantize(x[s:e], e - s, q, s, S_TABLE, S_ZERO, np.uint8(0))
-            else:
-                absmax[b] = _requantize(x[s:e], e - s, q, s, U_TABLE, U_ZERO, np.uint8(1))
+            top = _absmax(x[s:e], e - s)
+            saturate = top > MOMENT_MAX  # NaN: False
+            scale = block_scale(MOMENT_MAX if saturate else top)
+            inv = _inverse(_LIN if signed else np.float32(1.0), scale)
+            for j in range(e - s):
+                xj = x[s + j]
+                if saturate:
+                    xj = min(max(xj, -MOMENT_MAX), MOMENT_MAX)
+                q[np.uint64(s + j)] = encode_signed(xj, inv) if signed else encode_unsigned(xj, inv)
+            scales[b] = scale
 
 
 @njit(**KERNEL_OPTIONS)
-def dequantize_kernel(q, absmax, out, block, signed):
-    """out[i] = code[q[i]] * absmax[i // block] (the signed or the unsigned map)."""
+def dequantize_kernel(q, scales, out, block, signed):
+    """out[i] = the value of code q[i] with the scale of block i // block."""
     for i in prange(q.shape[0]):
-        out[i] = (S_CODE[q[i]] if signed else U_CODE[q[i]]) * absmax[i // block]
+        out[i] = decode_signed(q[i], scales[i // block]) if signed else decode_unsigned(q[i], scales[i // block])
 
 
 @njit(**_INLINE)
@@ -272,13 +176,92 @@ def _first_segment(segments, s):
 
 
 @njit(**_INLINE)
-def _dequantize_range(mq, vq, m, v, s, first, last, am, av):
-    """Scratch rows m, v (block-relative) of elements first..last-1 from their codes (a frozen gap)."""
+def _decode_range(mq, vq, m, r, s, first, last, scale_m, scale_v):
+    """Scratch rows (block-relative) of the frozen elements first..last-1; returns the tops of their m and v."""
+    top_m = np.uint32(0)
+    top_v = np.uint32(0)
     for t in range(last - first):
         i = np.uint64(first + t)  # unsigned indices: no wraparound code, so the loops vectorize
         j = np.uint64(first - s + t)
-        m[j] = S_CODE[mq[i]] * am
-        v[j] = U_CODE[vq[i]] * av
+        mm = decode_signed(mq[i], scale_m)
+        vv = decode_unsigned(vq[i], scale_v)
+        m[j] = mm
+        r[j] = vv
+        top_m = np.uint32(max(top_m, np.float32(mm).view(np.uint32) & _ABS))
+        top_v = np.uint32(max(top_v, np.float32(vv).view(np.uint32) & _ABS))
+    return top_m, top_v
+
+
+@njit(**_INLINE)
+def _update_range(
+    param,
+    mq,
+    vq,
+    m,
+    r,
+    grads,
+    bf16_out,
+    s,
+    first,
+    last,
+    scale_m,
+    scale_v,
+    grad_scale,
+    decay,
+    weight_decay,
+    lerp_small,
+    lerp_coeff,
+    beta2,
+    one_minus_beta2,
+    inv_bc2_sqrt,
+    eps,
+    neg_step_size,
+):
+    """AdamW on elements first..last-1 from their decoded moments (torch's ``_single_tensor_adam`` operation order,
+    see :mod:`cpu_ops._kernels`, except the denominator); new m and v to the scratch rows; returns their tops.
+
+    ``decay`` is 1 and ``weight_decay`` 0 where a group has none (exact identities), so the loop has no flag branch;
+    ``lerp_small`` is a compile-time constant at each call site. ``sqrt(v) / bias_correction2_sqrt + eps`` is
+    ``fma(sqrt(v), 1 / bias_correction2_sqrt, eps)``: one division less per element, within 1 ulp of the FP32
+    kernel's denominator."""
+    top_m = np.uint32(0)
+    top_v = np.uint32(0)
+    for t in range(last - first):
+        i = np.uint64(first + t)
+        j = np.uint64(first - s + t)
+        g = _summed_grad(grads, i, grad_scale)
+        mm = decode_signed(mq[i], scale_m)
+        vv = decode_unsigned(vq[i], scale_v)
+        p = param[i] * decay  # param.mul_(1 - lr * weight_decay)
+        g = _fma(p, weight_decay, g)  # grad.add(param, alpha=weight_decay)
+        mm = _fma(lerp_coeff, g - mm, mm if lerp_small else g)  # exp_avg.lerp_(grad, 1 - beta1)
+        vv = _fma(one_minus_beta2 * g, g, vv * beta2)  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+        p = p + (neg_step_size * mm) / _fma(np.sqrt(vv), inv_bc2_sqrt, eps)  # param.addcdiv_(exp_avg, denom, ...)
+        param[i] = p
+        if bf16_out is not None:
+            bf16_out[i] = f32_to_bf16_bits(p)
+        m[j] = mm
+        r[j] = vv
+        top_m = np.uint32(max(top_m, np.float32(mm).view(np.uint32) & _ABS))
+        top_v = np.uint32(max(top_v, np.float32(vv).view(np.uint32)))
+    return top_m, top_v
+
+
+@njit(**_INLINE)
+def _saturate(m, r, length):
+    """Bring a block's scratch rows into the format's range (only called when a top exceeds it): v above MOMENT_MAX
+    is stored as MOMENT_MAX, and where it overflowed to inf (FP32 Adam's update of that element is 0 from then on)
+    its m is stored as 0; |m| above MOMENT_MAX is stored as MOMENT_MAX. NaN stays NaN."""
+    for j in range(length):
+        if r[j] > MOMENT_MAX:
+            if r[j] == np.inf:
+                m[j] = _ZERO
+            r[j] = MOMENT_MAX
+        if m[j] > MOMENT_MAX:
+            m[j] = MOMENT_MAX
+        elif m[j] < -MOMENT_MAX:
+            m[j] = -MOMENT_MAX
+    return _absmax(m, length), _absmax(r, length)
 
 
 @njit(**KERNEL_OPTIONS)
@@ -286,8 +269,8 @@ def adamw8_kernel(
     param,
     mq,
     vq,
-    m_absmax,
-    v_absmax,
+    m_scale,
+    v_scale,
     grads,
     bf16_out,
     segments,
@@ -296,27 +279,29 @@ def adamw8_kernel(
     block,
     chunks,
 ):
-    """Fused 8-bit AdamW: per block dequantize, update the segments' elements, requantize.
+    """Fused 8-bit AdamW: per block decode, update the segments' elements, encode with the new scales.
 
-    ``hyper[group]`` holds the float32 scalars of :func:`cpu_ops.adamw._hyperparameters` without
-    ``grad_scale`` (flags as 0/1).  ``bf16_out`` is None or a uint16 array (pruned at compile time).
-    One pass over the block's elements in order: frozen gaps are dequantized, segment pieces are
-    dequantized and updated in the same loop; then both moments are requantized from the scratch rows.
+    ``hyper[group]`` holds the float32 scalars of :func:`cpu_ops.adamw._hyperparameters` without ``grad_scale``
+    (flags as 0/1). ``bf16_out`` is None or a uint16 array (pruned at compile time). One pass over the block's
+    elements in order (frozen gaps decoded, segment pieces decoded and updated); then both moments are encoded
+    from the scratch rows.
     """
     n = param.shape[0]
-    nblocks = m_absmax.shape[0]
+    nblocks = m_scale.shape[0]
     nseg = segments.shape[0]
     for c in prange(chunks):
         b0 = c * nblocks // chunks
         b1 = (c + 1) * nblocks // chunks
         m = np.empty(block, np.float32)
-        v = np.empty(block, np.float32)
+        r = np.empty(block, np.float32)
         k0 = _first_segment(segments, b0 * block)
         for b in range(b0, b1):
             s = b * block
             e = min(s + block, n)
-            am = m_absmax[b]
-            av = v_absmax[b]
+            scale_m = m_scale[b]
+            scale_v = v_scale[b]
+            top_m = np.uint32(0)
+            top_v = np.uint32(0)
             while k0 < nseg and segments[k0, 1] <= s:
                 k0 += 1
             k = k0
@@ -325,51 +310,43 @@ def adamw8_kernel(
                 first = max(segments[k, 0], s)
                 last = min(segments[k, 1], e)
                 if first > pos:
-                    _dequantize_range(mq, vq, m, v, s, pos, first, am, av)
+                    tm, tv = _decode_range(mq, vq, m, r, s, pos, first, scale_m, scale_v)
+                    top_m, top_v = max(top_m, tm), max(top_v, tv)
                 h = hyper[segments[k, 2]]
-                apply_decay = h[0] != 0
-                decay = h[1]
-                apply_l2 = h[2] != 0
-                weight_decay = h[3]
-                lerp_small = h[4] != 0
-                lerp_coeff = h[5]
-                beta2 = h[6]
-                one_minus_beta2 = h[7]
-                bc2_sqrt = h[8]
-                eps = h[9]
-                neg_step_size = h[10]
-                for t in range(last - first):
-                    i = np.uint64(first + t)
-                    j = np.uint64(first - s + t)
-                    g = _summed_grad(grads, i, grad_scale)
-                    p, mm, vv = _adam_element(
-                        param[i],
-                        S_CODE[mq[i]] * am,
-                        U_CODE[vq[i]] * av,
-                        g,
-                        apply_decay,
-                        decay,
-                        apply_l2,
-                        weight_decay,
-                        lerp_small,
-                        lerp_coeff,
-                        beta2,
-                        one_minus_beta2,
-                        bc2_sqrt,
-                        eps,
-                        neg_step_size,
-                    )
-                    param[i] = p
-                    m[j] = mm
-                    v[j] = vv
-                    if bf16_out is not None:
-                        bf16_out[i] = f32_to_bf16_bits(p)
+                decay = h[1] if h[0] != 0 else np.float32(1.0)
+                weight_decay = h[3] if h[2] != 0 else np.float32(0.0)
+                inv_bc2_sqrt = np.float32(1.0) / h[8]
+                if h[4] != 0:  # torch's is_lerp_weight_small: one loop per branch, no select inside
+                    tm, tv = _update_range(
+                        param, mq, vq, m, r, grads, bf16_out, s, first, last, scale_m, scale_v, grad_scale, decay,
+                        weight_decay, True, h[5], h[6], h[7], inv_bc2_sqrt, h[9], h[10],
+                    )  # fmt: skip
+                else:
+                    tm, tv = _update_range(
+                        param, mq, vq, m, r, grads, bf16_out, s, first, last, scale_m, scale_v, grad_scale, decay,
+                        weight_decay, False, h[5], h[6], h[7], inv_bc2_sqrt, h[9], h[10],
+                    )  # fmt: skip
+                top_m, top_v = max(top_m, tm), max(top_v, tv)
                 pos = last
                 k += 1
             if e > pos:
-                _dequantize_range(mq, vq, m, v, s, pos, e, am, av)
-            m_absmax[b] = _requantize_on_grid(m, e - s, mq, s, True)
-            v_absmax[b] = _requantize_on_grid(v, e - s, vq, s, False)
+                tm, tv = _decode_range(mq, vq, m, r, s, pos, e, scale_m, scale_v)
+                top_m, top_v = max(top_m, tm), max(top_v, tv)
+            am = np.uint32(top_m).view(np.float32)
+            av = np.uint32(top_v).view(np.float32)
+            if am > MOMENT_MAX or av > MOMENT_MAX:
+                am, av = _saturate(m, r, e - s)
+            new_m = block_scale(am)
+            new_v = block_scale(av)
+            inv_m = _inverse(_LIN, new_m)
+            inv_v = _inverse(np.float32(1.0), new_v)
+            m_scale[b] = new_m
+            v_scale[b] = new_v
+            for t in range(e - s):
+                i = np.uint64(s + t)
+                j = np.uint64(t)
+                mq[i] = encode_signed(m[j], inv_m)
+                vq[i] = encode_unsigned(r[j], inv_v)
 
 
 @njit(**KERNEL_OPTIONS)

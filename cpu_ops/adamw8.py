@@ -1,39 +1,41 @@
-"""AdamW with 8-bit moments: block-wise dynamic quantization (Dettmers et al., "8-bit Optimizers via
-Block-wise Quantization", 2021, arXiv 2110.02861), fused into one Numba pass per block.
+"""AdamW with 8-bit moments: block-wise int8 (``exp_avg``) and FP8 E4M3 (``exp_avg_sq``) codes, one fused Numba pass.
 
-Scheme:
+Format (:data:`MOMENT_FORMAT` ``"int8-e4m3"``): per block of :data:`QUANT_BLOCK` elements and per moment, one uint8
+code per element and one float32 scale, the block's absmax (regions ``exp_avg_absmax``, ``exp_avg_sq_absmax``):
 
-* ``exp_avg`` uses the *signed dynamic tree* map: after the sign bit, the number of leading zero bits
-  ``e`` (0..6) is a decimal exponent, the first one bit is an indicator and the remaining ``6 - e`` bits
-  are a linear fraction in (0.1, 1]: ``value = ±10**-e * (0.1 + 0.9 * (k + 1) / 2**(6 - e))``.  That is
-  127 magnitudes from 1e-6 to 1 per sign, plus 0; the pattern that would be -0 encodes +1e-7 (the next
-  exponent) so that the 256 values are distinct.
-* ``exp_avg_sq`` (never negative) uses the *unsigned dynamic* map: no sign bit, the fraction gets that bit
-  instead (``7 - e`` bits for e = 0..6, and 1e-7 for e = 7), plus 0.
-* Both maps contain -1 (signed), 0 and 1 exactly, so a block's absmax element and zeros are exact.
-* The zero guard (our addition to the paper's scheme): a positive ``exp_avg_sq`` is stored as at least the
-  unsigned map's smallest non-zero code (1e-7 of its block's absmax), never as 0. Nearest rounding would store
-  every value below 5e-8 of the block's absmax as 0, and an element whose gradient then stays small (a rarely
-  used embedding row beside frequent ones) would step by ``lr * exp_avg / eps`` with an ``exp_avg`` that itself
-  sits at its block's smallest code: steps hundreds of times FP32 Adam's. Rounded up, the denominator can only
-  grow, so such a step can only be smaller than FP32 Adam's.
-* Each block of :data:`QUANT_BLOCK` elements has one float32 absmax per moment; a value is stored as the
-  code nearest to ``x / absmax`` (ties to the lower code) and read back as ``code[q] * absmax``.
-  :func:`quantize_blockwise` finds that code exactly; the fused update finds it without a table (so that its
-  loop vectorizes), which can take the other neighbour where ``x / absmax`` lies within a few float32 ulps of
-  the midpoint of two codes (see :mod:`cpu_ops._kernels8`).
+* ``exp_avg``: linear signed int8 (two's complement, -127..127): ``code = round(m * (127 / scale))``, ties to even;
+  read back as ``(code * float32(1 / 127)) * scale`` (exact at +-127, so the absmax element reads back exactly).
+* ``exp_avg_sq``: FP8 E4M3 (OCP: 4 exponent bits, 3 mantissa bits, subnormals; "FP8 Formats for Deep Learning",
+  arXiv 2209.05433) of ``v * (1 / scale) * 2**8``: the absmax maps to E4M3 256 (codes up to 0x78; the values above
+  it are unused), nearest, ties away from zero; read back as ``e4m3(code) * (scale * 2**-8)``. 1/16 relative error
+  over 14 binades below the absmax, then subnormals down to 2**-17 of it. Where the float16 of ``v / scale`` is
+  subnormal (under 2**-14 of the absmax), the kernel rounds twice (float16, then E4M3): one code off at most.
+* The zero guard: a positive ``exp_avg_sq`` is never stored as 0 (at least the smallest code), 0 is stored as 0.
+  A second moment read back as 0 would make the next step ``lr * exp_avg / eps``, hundreds of times FP32 Adam's
+  (the zero-point problem of Li et al., "Memory Efficient Optimizers with 4-bit States", NeurIPS 2023); rounded up,
+  the denominator can only grow. A small ``exp_avg`` rounds to 0, which can only shrink a step.
+* A zero block has scale 0 (all codes 0: the code of 0 is 0 in both moments); a non-zero scale is at least 2**-96,
+  so that ``127 / scale`` is finite. A NaN moment makes its block's scale NaN: the whole block reads back as NaN.
+* Range (never a non-finite state, nor weight, from finite gradients where FP32 Adam's weights stay finite): a
+  stored ``|m|`` or ``v`` is at most 2**127; where FP32 Adam's ``v`` overflows to inf (gradients of about 1e20 and
+  more, whose update FP32 Adam makes 0 from then on), the state stores ``v`` = 2**127 and ``m`` = 0, which keeps
+  that element's steps at ~0, while finite. That step's update is FP32 Adam's.
 
-Block size: the paper quantizes in blocks of 2048 and shows that block-wise quantization with that size
-matches 32-bit Adam, because a block's absmax confines an outlier's precision loss to its own block.  The
-ledger's shards start on 1024-element boundaries, so the block must divide 1024; we take 1024, the divisor
-closest to the paper's validated setting (half its span, so each element's error bound, which scales with its
-own block's absmax, is at least as tight).  Its scales cost 8 bytes per 1024 parameters, and the per-block
-work of the fused kernel (segment lookup, loop set-up) is spread over 4x more elements than with 256-element
-blocks, which took 13 % less time (docs/PERFORMANCE.md).
+Why this format (measured side by side against the dynamic tree map of 8-bit Adam, Dettmers et al., "8-bit
+Optimizers via Block-wise Quantization", arXiv 2110.02861, FP8 for both moments, and a square-root mapping of ``v``;
+docs/PERFORMANCE.md): the int8 code is one fused multiply-add each way and the E4M3 code one float16 conversion and
+an integer rounding each way, so the update vectorizes without tables and keeps up with the FP32 kernel, which the
+dynamic tree (table lookups) and FP8 ``exp_avg`` do not. Linear int8 keeps ``exp_avg`` within 1/254 of its block's
+absmax, as the dequantized state must be (within 5 % of each tensor's max), where FP8's 3 or 2 mantissa bits put a
+value up to 6 % or 12 % off; elements far below their block's absmax round to 0, which can only shrink a step.
+``exp_avg_sq``, a denominator, needs relative precision and range: E4M3 gives 1/16 over 14 binades.
 
-The update of an element is exactly the FP32 kernel's (:func:`cpu_ops.adamw_update`): dequantize m and v,
-then the same float32 operations, then requantize.  A NaN moment makes its block's absmax NaN, so the whole
-block reads back as NaN on the next step.  See docs/PERFORMANCE.md for its speed.
+Block size: 1024 elements (the ledger's shards start on 1024-element boundaries, so it must divide 1024); its
+scales cost 8 bytes per 1024 parameters.
+
+The update of an element is the FP32 kernel's (:func:`cpu_ops.adamw_update`, torch's operation order) on the
+decoded moments, except that ``sqrt(v) / bias_correction2_sqrt + eps`` is computed as
+``fma(sqrt(v), 1 / bias_correction2_sqrt, eps)`` (one division less; within 1 ulp).
 """
 
 from __future__ import annotations
@@ -44,32 +46,21 @@ import numba
 import numpy as np
 
 from cpu_ops import _kernels8
-from cpu_ops._kernels8 import S_CODE, U_CODE
 from cpu_ops._validate import BF16_BITS, FP32, check_array, check_vector
 from cpu_ops.adamw import _GRAD_DTYPES, _hyperparameters, grad_rows
 
 __all__ = [
+    "MOMENT_FORMAT",
     "QUANT_BLOCK",
     "adamw8_update",
     "dequantize_blockwise",
     "quantize_blockwise",
-    "signed_map",
-    "unsigned_map",
 ]
 
 QUANT_BLOCK: int = 1024
+MOMENT_FORMAT: str = "int8-e4m3"  # names the code format above: a checkpoint records which format wrote it
 CODES = np.dtype(np.uint8)
 _CHUNKS_PER_THREAD = 4
-
-
-def signed_map() -> np.ndarray:
-    """The signed dynamic tree map of ``exp_avg``: 256 sorted float32 values in [-1, 1], with 0."""
-    return S_CODE.copy()
-
-
-def unsigned_map() -> np.ndarray:
-    """The unsigned dynamic map of ``exp_avg_sq``: 256 sorted float32 values in [0, 1]."""
-    return U_CODE.copy()
 
 
 def _check_signed(signed: object) -> bool:
@@ -79,7 +70,7 @@ def _check_signed(signed: object) -> bool:
 
 
 def num_blocks(n: int) -> int:
-    """Number of absmax scales of an n-element array: ceil(n / QUANT_BLOCK)."""
+    """Number of block scales of an n-element array: ceil(n / QUANT_BLOCK)."""
     return -(-n // QUANT_BLOCK)
 
 
@@ -88,24 +79,27 @@ def _chunks(nblocks: int) -> int:
 
 
 def quantize_blockwise(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Codes (uint8, n) and per-block absmax (float32, ceil(n / QUANT_BLOCK)) of a float32 vector.
+    """Codes (uint8, n) and per-block scales (float32, ceil(n / QUANT_BLOCK)) of a float32 vector.
 
-    ``signed=True`` is the ``exp_avg`` map, ``False`` the ``exp_avg_sq`` map (x must then be >= 0).
+    ``signed=True``: ``exp_avg`` (int8 codes), ``False``: ``exp_avg_sq`` (E4M3 codes; x must be >= 0). The scale is
+    the block's absmax; the codes of 0 are 0 in both.
     """
     _check_signed(signed)
     check_vector("x", x, None, (FP32,))
     n = x.shape[0]
     if not signed and n and float(np.min(x)) < 0.0:
-        raise ValueError("x has negative values; the unsigned map (signed=False) is for exp_avg_sq only")
+        raise ValueError("x has negative values; signed=False is for exp_avg_sq only")
     q = np.empty(n, CODES)
-    absmax = np.empty(num_blocks(n), np.float32)
+    scales = np.empty(num_blocks(n), np.float32)
     if n:
-        _kernels8.quantize_kernel(x, q, absmax, QUANT_BLOCK, _chunks(absmax.shape[0]), signed, False)
-    return q, absmax
+        _kernels8.quantize_kernel(x, q, scales, QUANT_BLOCK, _chunks(scales.shape[0]), signed)
+    return q, scales
 
 
 def dequantize_blockwise(q: np.ndarray, absmax: np.ndarray, signed: bool) -> np.ndarray:
-    """float32 ``code[q[i]] * absmax[i // QUANT_BLOCK]`` (the inverse of :func:`quantize_blockwise`)."""
+    """float32 values of codes ``q`` with their block scales ``absmax`` (the inverse of :func:`quantize_blockwise`):
+    ``(int8(q[i]) * float32(1 / 127)) * absmax[b]`` for ``exp_avg``, ``e4m3(q[i]) * (absmax[b] * 2**-8)`` for
+    ``exp_avg_sq``, b = i // QUANT_BLOCK."""
     _check_signed(signed)
     check_vector("q", q, None, (CODES,))
     check_vector("absmax", absmax, num_blocks(q.shape[0]), (FP32,))
@@ -177,13 +171,14 @@ def adamw8_update(
     """In-place fused AdamW step with block-wise 8-bit moments, per parameter group.
 
     ``param`` float32 (n,); ``exp_avg_q`` / ``exp_avg_sq_q`` uint8 codes (n,); ``exp_avg_absmax`` /
-    ``exp_avg_sq_absmax`` float32 (ceil(n / QUANT_BLOCK),).  Element 0 must be a block start (views of the
+    ``exp_avg_sq_absmax`` float32 block scales (ceil(n / QUANT_BLOCK),), each its block's absmax (see the module
+    docstring).  Element 0 must be a block start (views of the
     ledger start on block boundaries); only the last block may be short.  ``grad``: float32 or uint16 (bf16
     bits), (n,) or (R, n) rows summed in row order after ``* grad_scale`` (as :func:`cpu_ops.adamw_update_sum`).
     ``segments``: int64 (S, 3) of sorted, non-overlapping ``[start, stop, group]`` ranges; ``hyper[group]`` =
     ``(lr, beta1, beta2, eps, weight_decay, decoupled)``.  Elements in a segment get their group's AdamW step
     (and their bf16 bits in ``bf16_out``); the others keep param and ``bf16_out``, and their moments are only
-    requantized with the block's new absmax.
+    requantized with the block's new scales.
     """
     check_vector("param", param, None, (FP32,), writeable=True)
     n = param.shape[0]

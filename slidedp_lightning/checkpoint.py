@@ -56,6 +56,7 @@ from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, Tensor
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from cpu_ops.adamw8 import MOMENT_FORMAT
 from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
 from slidedp_lightning.runtime.compat import CheckedFileSystemReader, UnsafeCheckpointError
 from slidedp_lightning.runtime.host_os import format_bytes, process_start_time
@@ -189,18 +190,30 @@ def _pieces(held: list[tuple[str, int, int, torch.Tensor]]) -> list[tuple[str, i
 
 
 def ledger_mode(engine) -> dict[str, Any]:
-    """What the ledger holds, recorded in ``meta.json``: the moments' form and whether a BF16 copy is kept."""
-    return {"optimizer_state": engine.config.optimizer_state, "bf16_copy": engine.config.bf16_copy}
+    """What the ledger holds, recorded in ``meta.json``: the moments' form (with int8 moments, the code that wrote
+    them, :data:`cpu_ops.adamw8.MOMENT_FORMAT`) and whether a BF16 copy is kept."""
+    mode = {"optimizer_state": engine.config.optimizer_state, "bf16_copy": engine.config.bf16_copy}
+    if engine.config.optimizer_state == "int8":
+        mode["moment_format"] = MOMENT_FORMAT
+    return mode
 
 
 def check_mode(path: Path, info: dict[str, Any], engine) -> None:
-    """Refuse a checkpoint whose moments are in another form than this run's ledger (older ones: fp32)."""
+    """Refuse a checkpoint whose moments are in another form than this run's ledger (older ones: fp32), or int8
+    moments of another code than this release reads (older ones: the dynamic tree, which it no longer decodes)."""
     saved, mine = info.get("optimizer_state", "fp32"), engine.config.optimizer_state
     if saved != mine:
         raise ValueError(
             f"checkpoint {path} holds optimizer_state={saved!r} Adam moments, and this run's ledger keeps "
             f"optimizer_state={mine!r} ones: resume with SlideDPStrategy(optimizer_state={saved!r}) (the "
             "bf16_copy option may differ)."
+        )
+    code = info.get("moment_format", "dynamic-tree")
+    if mine == "int8" and code != MOMENT_FORMAT:
+        raise ValueError(
+            f"checkpoint {path} holds int8 Adam moments in the {code!r} code, and this release reads "
+            f"{MOMENT_FORMAT!r} codes: resume it with the release that wrote it, or start the moments afresh "
+            "(load its weights alone: slidedp_lightning.export it, then from_pretrained)."
         )
 
 

@@ -4,6 +4,7 @@ ledger, their state views and checkpoints, and the option rules."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -226,5 +227,33 @@ def test_int8_with_frozen_parameters(bf16_copy: bool) -> None:
             elif name.endswith("proj.weight"):
                 assert not torch.equal(weights[name], initial[name]), f"{name} did not train"
         assert len(engine.optimizer_state_dict(opt)["state"]) == len(opt.param_groups[0]["params"])
+    finally:
+        engine.close(restore=False)
+
+
+@pytest.mark.parametrize("recorded", [None, "dynamic-tree"], ids=["unrecorded", "another-code"])
+def test_int8_moments_of_another_code_are_refused_naming_both(tmp_path: Path, recorded: str | None) -> None:
+    """A checkpoint's int8 codes are read only by the code that wrote them (``cpu_ops.adamw8.MOMENT_FORMAT``,
+    recorded in meta.json); one of the earlier dynamic-tree code, which records none, is refused by name."""
+    ck = tmp_path / "ck"
+    run(EngineConfig(optimizer_state="int8"), steps=2, ck=ck)
+    meta_file = ck / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["slidedp"]["moment_format"] == cpu_ops.adamw8.MOMENT_FORMAT
+    if recorded is None:
+        del meta["slidedp"]["moment_format"]
+    else:
+        meta["slidedp"]["moment_format"] = recorded
+    meta_file.write_text(json.dumps(meta))
+    model = tiny_model(False, seed=5, layers=3)
+    engine = SlideDPEngine(model, EngineConfig(optimizer_state="int8"), device=CPU, compute_dtype=torch.float32)
+    try:
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(
+                ValueError, match=rf"'dynamic-tree' code, and this release reads '{cpu_ops.adamw8.MOMENT_FORMAT}'"
+            ):
+                checkpoint.load(engine, ck)
     finally:
         engine.close(restore=False)
