@@ -250,9 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     searches: list[Search] = []
     t0 = time.perf_counter()
+    # each system's share of the time: as the parameters of its first guess (a deeper model's attempt takes longer)
+    weight = {label: shape.with_layers(first_guess(label, shape, limit)).num_params for label in args.systems}
     for i, label in enumerate(args.systems):
         left = args.minutes * 60 - (time.perf_counter() - t0)
-        searches.append(search(label, shape, ckpts, out, limit, left / (len(args.systems) - i)))
+        share = weight[label] / sum(weight[x] for x in args.systems[i:])
+        searches.append(search(label, shape, ckpts, out, limit, left * share))
         text = table(searches, shape, limit)  # written after every system: an interrupted run keeps its rows
         (out / "capacity.md").write_text(text + "\n")
         data = [{"label": s.label, "attempts": [a.__dict__ for a in s.attempts]} for s in searches]
