@@ -80,11 +80,11 @@ class Search:
         return max(fitting, key=lambda a: a.layers) if fitting else None
 
     def slope_gb_per_b(self) -> float | None:
-        """Host GB per billion parameters between the two deepest fitting attempts."""
+        """Host GB per billion parameters between the shallowest and the deepest fitting attempts."""
         fitting = sorted((a for a in self.attempts if a.fits), key=lambda a: a.layers)
         if len(fitting) < 2:
             return None
-        a, b = fitting[-2], fitting[-1]
+        a, b = fitting[0], fitting[-1]
         return (b.result["host_peak_run"] - a.result["host_peak_run"]) / GB / ((b.params - a.params) / 1e9)
 
 
@@ -194,6 +194,8 @@ def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, 
             break
         else:
             layers = (lo + hi) // 2
+    if lo > 1 and not any(a.fits and a.layers <= lo // 2 for a in found.attempts):
+        found.attempts.append(attempt(label, shape, lo // 2, ckpts, out, limit))  # a second size for the slope
     return found
 
 
@@ -233,6 +235,38 @@ def table(searches: list[Search], shape: ModelShape, limit: int) -> str:
     return "\n".join(rows)
 
 
+# the paper's hosts (arXiv 2609.34162, §4): ranks and host memory
+PAPER_HOSTS = {"4x RTX 4090, 256 GB": (4, 256), "8x H100, 2 TB": (8, 2048)}
+QWEN3_SIZES_B = {"Qwen3-0.6B": 0.6, "Qwen3-1.7B": 1.7, "Qwen3-4B": 4.0, "Qwen3-8B": 8.0, "Qwen3-14B": 14.8}
+QWEN3_SIZES_B |= {"Qwen3-32B": 32.8, "Qwen3-30B-A3B": 30.5, "Qwen3-235B-A22B": 235.0}
+
+
+def extrapolate(searches: list[Search], usable: float = 0.9) -> str:
+    """The largest Qwen3 each system would fine-tune on the paper's hosts, from this run: host GB per billion
+    parameters (the slope between its two deepest fitting models) and the rest of its peak at the deepest one
+    (everything but slope x params: interpreters and per-rank buffers of R = 2 ranks, taken per rank), with
+    ``usable`` of the host's memory. An upper bound for what a GPU host keeps per rank on the host."""
+    rows = [
+        f"Extrapolated from the table ({100 * usable:.0f} % of host memory usable): host GB = slope x B params + "
+        "per-rank rest x ranks.",
+        "",
+        "| system | GB per B | per-rank rest GB | " + " | ".join(PAPER_HOSTS) + " |",
+        "|---|---|---|" + "---|" * len(PAPER_HOSTS),
+    ]
+    for s in searches:
+        a, slope = s.largest, s.slope_gb_per_b()
+        if a is None or slope is None:
+            continue
+        rest = max(0.0, (a.result["host_peak_run"] / GB - slope * a.params / 1e9) / RANKS)
+        cells = []
+        for ranks, host_gb in PAPER_HOSTS.values():
+            billions = (usable * host_gb - rest * ranks) / slope
+            fits = [name for name, b in QWEN3_SIZES_B.items() if b <= billions]
+            cells.append(f"{billions:.0f} B ({max(fits, key=QWEN3_SIZES_B.get) if fits else 'none'})")
+        rows.append(f"| {s.label} | {slope:.1f} | {rest:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
@@ -256,11 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         left = args.minutes * 60 - (time.perf_counter() - t0)
         share = weight[label] / sum(weight[x] for x in args.systems[i:])
         searches.append(search(label, shape, ckpts, out, limit, left * share))
-        text = table(searches, shape, limit)  # written after every system: an interrupted run keeps its rows
+        text = table(searches, shape, limit) + "\n\n" + extrapolate(searches)  # after every system: rows kept
         (out / "capacity.md").write_text(text + "\n")
         data = [{"label": s.label, "attempts": [a.__dict__ for a in s.attempts]} for s in searches]
         (out / "capacity.json").write_text(json.dumps(data, indent=1, default=str))
-    print(table(searches, shape, limit))
+    print(table(searches, shape, limit) + "\n\n" + extrapolate(searches))
     print(f"\n{time.perf_counter() - t0:.0f} s; results in {out}")
     return 0
 
