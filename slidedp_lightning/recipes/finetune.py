@@ -1,15 +1,20 @@
-"""Fine-tune a causal LM on a synthetic task with PyTorch Lightning.
+"""``slidedp-finetune``: fine-tune a causal LM on a synthetic task with PyTorch Lightning (the CLI).
 
-The job evaluates the model, trains it, evaluates it again and prints the
-task's loss and answer-token accuracy before and after.  By default it
-random-initializes a tiny Qwen3 from ``configs/qwen3_tiny.json`` and trains
-it with ``strategy="slidedp"`` on 2 CPU processes; ``--model DIR`` fine-tunes
-a local Hugging Face checkpoint instead, and ``--strategy ddp`` runs the same
-job with Lightning's DDP for comparison.
+The job is one ``Trainer.fit`` (one launch of the rank processes, one ledger, one checkpoint read): it evaluates the
+model over the whole validation set before the first step (Lightning's sanity check, its metrics kept), trains, and
+evaluates again at the last step, then prints the task's loss and answer-token accuracy before and after.  By default
+it random-initializes a tiny Qwen3 from ``configs/qwen3_tiny.json`` (on the meta device, each unit initialized
+straight into the ledger) and trains it with ``strategy="slidedp"`` on 2 CPU processes; ``--model DIR`` fine-tunes
+a local Hugging Face checkpoint instead, and ``--strategy ddp`` runs the same job with Lightning's DDP for
+comparison.
 
-Multi-process strategies on CPU re-run this script (``sys.argv``) once per
-extra rank, so call :func:`main` from a script or the ``slidedp-finetune``
-console command rather than with a hand-made ``argv`` when ``--devices > 1``.
+This module imports neither torch nor Lightning nor transformers: every flag is parsed and checked (a bad one
+refused in one line, exit status 2) before :mod:`slidedp_lightning.recipes.job` is imported and any process
+starts.  The LightningModule is :class:`slidedp_lightning.recipes.module.FinetuneModule` (also importable from
+here).
+
+Multi-process strategies on CPU re-run this script (``sys.argv``) once per extra rank, so call :func:`main` from a
+script or the ``slidedp-finetune`` console command rather than with a hand-made ``argv`` when ``--devices > 1``.
 
 Run ``slidedp-finetune --help`` for the flags.
 """
@@ -21,28 +26,30 @@ import json
 import math
 import os
 import sys
-import time
-import warnings
-from collections.abc import Mapping, Sequence
-from importlib import resources
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import lightning.pytorch as L
-import torch
-from lightning.pytorch.callbacks import LearningRateMonitor
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
-from torch.utils.data import DataLoader
+from slidedp_lightning.recipes.task import TaskSpec
 
-import slidedp_lightning  # noqa: F401  (registers strategy="slidedp")
-from slidedp_lightning import LaneTrace, SaveHuggingFace, SlideDPStrategy
-from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
+if TYPE_CHECKING:
+    from slidedp_lightning import SlideDPStrategy
+    from slidedp_lightning.recipes.module import FinetuneModule, checkpoint_vocab_size, load_tiny_config
+
+__all__ = [
+    "FinetuneModule",
+    "build_parser",
+    "check_args",
+    "check_vocab",
+    "checkpoint_vocab_size",
+    "load_tiny_config",
+    "main",
+    "strategy_for",
+]
 
 DEFAULT_CONFIG = "qwen3_tiny.json"
 
-# Task and data-set sizes.  Reversal of 12 symbols out of 60 (vocabulary of
-# 64 ids): a random model scores ~1/60 per answer token, a trained tiny model
-# close to 1.0.
+# Task and data-set sizes.  Reversal of 12 symbols out of 60 (vocabulary of 64 ids): a random model scores ~1/60 per
+# answer token, a trained tiny model close to 1.0.
 TASK = TaskSpec(task="reverse", num_symbols=60, length=12)
 TRAIN_SIZE = 20_000
 EVAL_SIZE = 1_024
@@ -56,11 +63,50 @@ DEFAULT_LR = 3e-3
 DEFAULT_DATA_LR = 1e-5  # --data: a pretrained checkpoint
 DEFAULT_WEIGHT_DECAY = 0.01
 DEFAULT_SEED = 1234
-PRECISIONS = ("bf16-mixed", "32-true")
+DEFAULT_SEQ_LEN = 256
+PRECISIONS = ("bf16-mixed", "16-mixed", "32-true")
 STRATEGIES = ("slidedp", "ddp")
+ACCELERATORS = ("cpu", "cuda", "gpu", "auto")
 PARAM_ROUTES = ("full", "sharded", "replicated", "auto")
 GRAD_ROUTES = ("gpu_reduce", "host_reduce", "auto")
 EXPORT_DTYPES = ("bfloat16", "float32")
+
+_LAZY = {"FinetuneModule", "checkpoint_vocab_size", "load_tiny_config"}
+
+
+def __getattr__(name: str) -> Any:
+    """The LightningModule and its helpers, from :mod:`slidedp_lightning.recipes.module` (imported when asked)."""
+    if name in _LAZY:
+        from slidedp_lightning.recipes import module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
+    if vocab_size < spec.vocab_size:
+        raise ValueError(
+            f"{where} has a vocabulary of {vocab_size} token ids but the synthetic task needs "
+            f"{spec.vocab_size} (ids 0..{spec.vocab_size - 1}); use a model with a larger vocabulary"
+        )
+
+
+# ---------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    """argparse's conventions (exit status 2 for a bad command line), in one line: no usage block before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """One default per flag: appended only where the help text does not state it and there is one to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _chunk_bytes(text: str) -> int | str:
@@ -75,194 +121,21 @@ def _chunk_bytes(text: str) -> int | str:
     return value
 
 
-def load_tiny_config(name: str = DEFAULT_CONFIG) -> tuple[Any, str]:
-    """Return ``(Qwen3Config, attn_implementation)`` for a config shipped in ``configs/``."""
-    from transformers import Qwen3Config
-
-    text = resources.files("slidedp_lightning.recipes").joinpath("configs", name).read_text()
-    data = json.loads(text)
-    attn = data.pop("attn_implementation", "sdpa")
-    return Qwen3Config.from_dict(data), attn
-
-
-def checkpoint_vocab_size(model_dir: str) -> int:
-    """Vocabulary size of a local Hugging Face checkpoint directory (reads only its config)."""
-    from transformers import AutoConfig
-
-    if not os.path.isdir(model_dir):
-        raise ValueError(f"{model_dir!r} is not a directory (expected a local Hugging Face checkpoint)")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text_config.vocab_size)
-
-
-def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
-    if vocab_size < spec.vocab_size:
-        raise ValueError(
-            f"{where} has a vocabulary of {vocab_size} token ids but the synthetic task needs "
-            f"{spec.vocab_size} (ids 0..{spec.vocab_size - 1}); use a model with a larger vocabulary"
-        )
-
-
-class FinetuneModule(L.LightningModule):
-    """Causal-LM fine-tuning on :class:`~slidedp_lightning.recipes.synthetic.SyntheticTaskDataset`.
-
-    The model is built in :meth:`configure_model` (idempotent), not in
-    ``__init__``, so strategies can control where and how it is created.
-    """
-
-    def __init__(
-        self,
-        model_dir: str | None = None,
-        config_name: str = DEFAULT_CONFIG,
-        task: str = TASK.task,
-        num_symbols: int = TASK.num_symbols,
-        length: int = TASK.length,
-        train_size: int = TRAIN_SIZE,
-        eval_size: int = EVAL_SIZE,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        eval_batch_size: int = EVAL_BATCH_SIZE,
-        lr: float = DEFAULT_LR,
-        weight_decay: float = DEFAULT_WEIGHT_DECAY,
-        warmup_steps: int | None = None,
-        seed: int = DEFAULT_SEED,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.spec = TaskSpec(task=task, num_symbols=num_symbols, length=length)
-        self.model: torch.nn.Module | None = None
-        self._nonfinite_steps: torch.Tensor | None = None  # count, kept on the loss's device (no per-step sync)
-        self._train_set: SyntheticTaskDataset | None = None
-        self._eval_set: SyntheticTaskDataset | None = None
-
-    @property
-    def hp(self) -> Any:
-        """The saved hyperparameters (attribute access)."""
-        return self.hparams
-
-    # ----------------------------------------------------------------- model
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        from transformers import AutoModelForCausalLM
-
-        hp = self.hp
-        # Same weights on every rank, whatever RNG state the caller left.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(hp.seed)
-            if hp.model_dir is not None:  # under SlideDP: a meta skeleton, the checkpoint read into the ledger
-                model: Any = slidedp_lightning.from_pretrained(hp.model_dir, attn_implementation="sdpa")
-            else:
-                config, attn = load_tiny_config(hp.config_name)
-                model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-        self.check_model(model)
-        model.train()  # from_pretrained returns the model in eval mode
-        if getattr(model.config, "use_cache", False):
-            model.config.use_cache = False
-        self.model = model
-
-    def check_model(self, model: Any) -> None:
-        """Refuse a model whose vocabulary the data cannot use."""
-        vocab = model.get_input_embeddings().num_embeddings
-        check_vocab(vocab, self.spec, self.hp.model_dir or self.hp.config_name)
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
-    ):
-        assert self.model is not None, "configure_model() has not run"
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
-
-    # ------------------------------------------------------------------ data
-    def train_set(self) -> SyntheticTaskDataset:
-        if self._train_set is None:
-            self._train_set = SyntheticTaskDataset(self.spec, self.hp.train_size, seed=self.hp.seed)
-        return self._train_set
-
-    def eval_set(self) -> SyntheticTaskDataset:
-        if self._eval_set is None:
-            seed = self.hp.seed + EVAL_SEED_OFFSET
-            self._eval_set = SyntheticTaskDataset(self.spec, self.hp.eval_size, seed=seed)
-        return self._eval_set
-
-    def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.hp.seed)
-        return DataLoader(self.train_set(), batch_size=self.hp.batch_size, shuffle=True, drop_last=True, generator=gen)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.eval_set(), batch_size=self.hp.eval_batch_size, shuffle=False)
-
-    @property
-    def nonfinite_loss_steps(self) -> int:
-        """Training steps on this rank whose loss was NaN or inf."""
-        return 0 if self._nonfinite_steps is None else int(self._nonfinite_steps.item())
-
-    # -------------------------------------------------------------- training
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(**batch).loss
-        bad = (~torch.isfinite(loss.detach())).long()
-        self._nonfinite_steps = bad if self._nonfinite_steps is None else self._nonfinite_steps + bad
-        self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self(**batch)
-        correct, total, exact = answer_accuracy_counts(out.logits, batch["labels"])
-        n = batch["input_ids"].shape[0]
-        # Every example has the same number of answer tokens, so batch-size
-        # weighted means of these per-batch values are exact over the set.
-        self.log("val_loss", out.loss, sync_dist=True, batch_size=n)
-        self.log("val_acc", correct.float() / total.clamp_min(1), prog_bar=True, sync_dist=True, batch_size=n)
-        self.log("val_exact", exact.float() / n, sync_dist=True, batch_size=n)
-
-    def configure_optimizers(self):
-        decay: list[torch.nn.Parameter] = []
-        no_decay: list[torch.nn.Parameter] = []
-        for name, p in self.named_parameters():
-            if not p.requires_grad:
-                continue
-            is_norm_or_bias = p.ndim < 2 or "norm" in name.lower() or name.endswith(".bias")
-            (no_decay if is_norm_or_bias else decay).append(p)
-        groups = [
-            {"params": decay, "weight_decay": self.hp.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hp.lr, betas=(0.9, 0.95))
-
-        total = self.trainer.max_steps
-        if total is None or total < 0:
-            total = int(self.trainer.estimated_stepping_batches)
-        total = max(1, int(total))
-        warmup = self.hp.warmup_steps
-        if warmup is None:
-            warmup = max(1, total // 10)
-        warmup = max(0, min(int(warmup), total))
-
-        def lr_lambda(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
-
-
-# ---------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="slidedp-finetune",
         description=(
             f"Train a causal LM on a synthetic task ({TASK.task} {TASK.length} of {TASK.num_symbols} symbols) "
-            "and report answer-token loss/accuracy before and after."
+            "or on your JSONL data, and report loss/accuracy before and after."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "--model",
         metavar="DIR",
         default=None,
-        help="local Hugging Face checkpoint directory to fine-tune; default: random-init tiny Qwen3 "
-        f"from configs/{DEFAULT_CONFIG}",
+        help="local Hugging Face checkpoint directory (config.json + safetensors) to fine-tune; default: a "
+        f"random-init tiny Qwen3 from configs/{DEFAULT_CONFIG}",
     )
     p.add_argument(
         "--data",
@@ -272,11 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(needs --model: its tokenizer and chat template; loss on completion / assistant tokens only); "
         "default: the synthetic task",
     )
-    p.add_argument("--val-data", metavar="FILE", default=None, help="JSONL validation data (default: --data)")
+    p.add_argument(
+        "--val-data", metavar="FILE", default=None, help="--data only: JSONL validation data (default: --data)"
+    )
     p.add_argument(
         "--seq-len",
         type=int,
-        default=256,
+        default=DEFAULT_SEQ_LEN,
         help="--data only: tokens per row; each example is its own row, right-padded (no packing); "
         "an example longer than this is refused with its file and line",
     )
@@ -293,12 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of --export (default: float32 with --precision 32-true, else bfloat16)",
     )
     p.add_argument("--results", metavar="FILE", default=None, help="write the before/after metrics as JSON here")
-    p.add_argument("--devices", type=int, default=2, help="number of processes/devices")
-    p.add_argument("--accelerator", default="cpu", help='Lightning accelerator ("cpu", "gpu", ...)')
-    p.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
-    p.add_argument("--strategy", default="slidedp", choices=STRATEGIES)
+    p.add_argument("--devices", type=int, default=2, help="number of processes (ranks) / devices")
+    p.add_argument("--accelerator", default="cpu", choices=ACCELERATORS, help="Lightning accelerator")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        choices=PRECISIONS,
+        help="bf16-mixed: BF16 compute on an FP32 master; 16-mixed: FP16 autocast with dynamic loss scaling "
+        "(--strategy slidedp on CPU, any strategy on CUDA); 32-true: FP32 throughout",
+    )
+    p.add_argument(
+        "--strategy",
+        default="slidedp",
+        choices=STRATEGIES,
+        help="slidedp: weights in a host ledger, layers streamed to the devices; ddp: Lightning's DDP, for comparison",
+    )
     p.add_argument(
         "--trace-dir",
+        metavar="DIR",
         default=None,
         help="slidedp only: record the lanes (TensorBoard scalars + Gantt, Chrome trace) under this folder",
     )
@@ -314,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--chunk-bytes",
         type=_chunk_bytes,
+        metavar="N|auto",
         default=None,
         help='slidedp only: gradient chunk size in bytes, or "auto" (default: whole units)',
     )
@@ -326,9 +214,57 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"peak AdamW learning rate (default: {DEFAULT_LR:g}, {DEFAULT_DATA_LR:g} with --data)",
     )
     p.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (default: 10%% of --max-steps)")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    p.add_argument("--log-dir", default=os.path.join("runs", "finetune"), help="TensorBoard log directory")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the data order, the weights and dropout")
+    p.add_argument(
+        "--log-dir", metavar="DIR", default=os.path.join("runs", "finetune"), help="TensorBoard log directory"
+    )
     return p
+
+
+def config_vocab_size(model_dir: str) -> int | None:
+    """The vocabulary size that ``model_dir/config.json`` states (top level or ``text_config``), or None when it
+    states none (then transformers' ``AutoConfig`` knows where it is)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError("config.json does not hold a JSON object")
+    for where in (config, config.get("text_config")):
+        if isinstance(where, dict) and isinstance(where.get("vocab_size"), int):
+            return int(where["vocab_size"])
+    return None
+
+
+def _model_problem(model_dir: str, synthetic: bool) -> str | None:
+    """Why ``--model model_dir`` cannot be fine-tuned (one line), or None."""
+    if not os.path.isdir(model_dir):
+        what = "is not a directory" if os.path.exists(model_dir) else "does not exist"
+        return f"--model {model_dir} {what}: pass a local Hugging Face checkpoint directory (save_pretrained)"
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return (
+            f"--model {model_dir} has no config.json: not a Hugging Face checkpoint directory "
+            "(save_pretrained writes config.json and the safetensors files)"
+        )
+    try:
+        vocab = config_vocab_size(model_dir)
+        if vocab is None and synthetic:
+            from slidedp_lightning.recipes.module import checkpoint_vocab_size
+
+            vocab = checkpoint_vocab_size(model_dir)
+        if vocab is not None and synthetic:
+            check_vocab(vocab, TASK, model_dir)
+    except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        return f"--model {model_dir}: {' '.join(str(err).split())}"
+    return None
+
+
+def _input_file_problem(flag: str, path: str) -> str | None:
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory: pass a JSONL file"
+    if not os.path.isfile(path):
+        return f"{flag} {path} does not exist"
+    if not os.access(path, os.R_OK):
+        return f"{flag} {path} cannot be read (permissions)"
+    return None
 
 
 def _writable_file(flag: str, path: str) -> str | None:
@@ -378,159 +314,85 @@ def check_outputs(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _custom_routes(args: argparse.Namespace) -> bool:
+    return (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why the parsed flags cannot make a run (one line naming the flag, the value and what to pass), or None.
+    Reads only the file system (config.json, the data files' presence): nothing heavy is imported."""
+    for flag, value, low in (
+        ("--devices", args.devices, 1),
+        ("--max-steps", args.max_steps, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--seq-len", args.seq_len, 2),
+        ("--warmup-steps", args.warmup_steps, 0),
+    ):
+        if value is not None and value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr must be a positive number, got {args.lr:g}"
+    if args.trace_dir and args.strategy != "slidedp":
+        return "--trace-dir traces SlideDP's lanes: use it with --strategy slidedp"
+    if _custom_routes(args) and args.strategy != "slidedp":
+        return "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
+    if args.precision == "16-mixed" and args.accelerator == "cpu" and args.strategy != "slidedp":
+        return (
+            f"--precision 16-mixed with --strategy {args.strategy} on --accelerator cpu: Lightning runs bf16 there "
+            "instead; use --strategy slidedp (FP16 autocast with loss scaling on the CPU too) or --precision bf16-mixed"
+        )
+    if args.data is None:
+        for flag, value in (
+            ("--val-data", args.val_data),
+            ("--export", args.export),
+            ("--export-dtype", args.export_dtype),
+        ):
+            if value is not None:
+                return f"{flag} goes with --data (your JSONL data): the synthetic task has its own validation set"
+        if args.seq_len != DEFAULT_SEQ_LEN:
+            return f"--seq-len goes with --data: the synthetic task's rows are {TASK.seq_len} tokens"
+    elif args.model is None:
+        return "--data needs --model DIR: the tokenizer and chat template come from DIR"
+    for flag, path in (("--data", args.data), ("--val-data", args.val_data)):
+        problem = _input_file_problem(flag, path) if path is not None else None
+        if problem is not None:
+            return problem
+    if args.model is not None:
+        problem = _model_problem(args.model, synthetic=args.data is None)
+        if problem is not None:
+            return problem
+    return check_outputs(args)
+
+
 def strategy_for(args: argparse.Namespace) -> SlideDPStrategy | str:
-    """The strategy the parsed flags ask for (a configured SlideDPStrategy, or the registered name)."""
-    custom = (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
-    if args.strategy != "slidedp" or not custom:
+    """The strategy the parsed flags ask for: the registered name, or a configured SlideDPStrategy. The synthetic
+    task's random-init model is built on the meta device (``meta_init``: each unit initialized straight into the
+    ledger, no rank holding the whole model), as SlideDP advises for random weights."""
+    if args.strategy != "slidedp":
         return args.strategy
-    return SlideDPStrategy(param_route=args.param_route, grad_route=args.grad_route, chunk_bytes=args.chunk_bytes)
+    meta_init = args.model is None
+    if not _custom_routes(args) and not meta_init:
+        return args.strategy
+    from slidedp_lightning import SlideDPStrategy
 
-
-@rank_zero_only
-def _report(lines: Sequence[str]) -> None:
-    print("\n".join(lines), flush=True)
-
-
-def _metrics(results: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    m = results[0] if results else {}
-    return {k: float(m.get(k, float("nan"))) for k in ("val_loss", "val_acc", "val_exact")}
+    return SlideDPStrategy(
+        param_route=args.param_route, grad_route=args.grad_route, chunk_bytes=args.chunk_bytes, meta_init=meta_init
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # own_data builds on FinetuneModule: imported here, not at the top (no import cycle)
-    from slidedp_lightning.recipes.data import DataError
-    from slidedp_lightning.recipes.own_data import DataFinetuneModule, TokenThroughput, export
-
+    """Parse and check the flags (a bad one: one line on stderr, exit status 2, before anything heavy is
+    imported), then run the job (:func:`slidedp_lightning.recipes.job.run`); returns its exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_steps < 1:
-        parser.error("--max-steps must be >= 1")
-    if args.trace_dir and args.strategy != "slidedp":
-        parser.error("--trace-dir traces SlideDP's lanes: use it with --strategy slidedp")
-    custom = (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
-    if custom and args.strategy != "slidedp":
-        parser.error(
-            "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
-        )
-    if args.data is None and (args.val_data or args.export or args.export_dtype):
-        parser.error("--val-data, --export and --export-dtype go with --data")
-    if args.data is not None and args.model is None:
-        parser.error("--data needs --model DIR: the tokenizer and chat template come from DIR")
-    if args.seq_len < 2:
-        parser.error("--seq-len must be >= 2")
-    if args.model is not None and args.data is None:
-        try:
-            check_vocab(checkpoint_vocab_size(args.model), TASK, args.model)
-        except (OSError, ValueError) as err:
-            parser.error(f"--model {args.model}: {err}")
-    problem = check_outputs(args)
-    if problem is not None:  # before any process starts or any step trains: the run's weights must have a place
+    problem = check_args(args)
+    if problem is not None:  # before any process starts or any step trains
         parser.error(problem)
 
-    # Known, harmless Lightning hints: the data are small in-memory tensors, and
-    # the eval set size is a multiple of the default world size.
-    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=r".*it is recommended to use `Trainer\(devices=1.*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    from slidedp_lightning.recipes.job import run
 
-    L.seed_everything(args.seed, workers=True, verbose=False)
-    module: FinetuneModule
-    if args.data is not None:
-        try:
-            module = DataFinetuneModule(
-                model_dir=args.model,
-                data=args.data,
-                val_data=args.val_data,
-                seq_len=args.seq_len,
-                batch_size=args.batch_size,
-                lr=DEFAULT_DATA_LR if args.lr is None else args.lr,
-                warmup_steps=args.warmup_steps,
-                seed=args.seed,
-            )
-        except (DataError, OSError, ValueError) as err:  # before any process is started
-            print(f"slidedp-finetune: error: {err}", file=sys.stderr, flush=True)
-            return 2
-    else:
-        module = FinetuneModule(
-            model_dir=args.model,
-            batch_size=args.batch_size,
-            lr=DEFAULT_LR if args.lr is None else args.lr,
-            warmup_steps=args.warmup_steps,
-            seed=args.seed,
-        )
-    export_dtype = getattr(torch, args.export_dtype or ("float32" if args.precision == "32-true" else "bfloat16"))
-    export_cb = [SaveHuggingFace(args.export, export_dtype)] if args.export and args.strategy == "slidedp" else []
-    logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
-    trainer = L.Trainer(
-        strategy=strategy_for(args),
-        accelerator=args.accelerator,
-        devices=args.devices,
-        precision=args.precision,
-        max_steps=args.max_steps,
-        logger=logger,
-        callbacks=[
-            LearningRateMonitor(logging_interval="step"),
-            TokenThroughput(),
-            *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
-            *export_cb,
-        ],
-        use_distributed_sampler=args.data is None,  # --data: the module shards its own data
-        enable_checkpointing=False,
-        log_every_n_steps=10,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=None,
-        val_check_interval=max(1, args.max_steps // 4),
-        enable_progress_bar=True,
-        enable_model_summary=True,
-    )
-
-    t0 = time.perf_counter()
-    before = _metrics(trainer.validate(module, verbose=False))
-    t1 = time.perf_counter()
-    trainer.fit(module)
-    t2 = time.perf_counter()
-    last = trainer.callback_metrics.get("train_loss")  # last step's, synced across ranks
-    train_loss = float(last) if last is not None else float("nan")
-    if args.export and isinstance(module, DataFinetuneModule):
-        export(trainer, module, args.export, export_dtype)
-    after = _metrics(trainer.validate(module, verbose=False))
-    t3 = time.perf_counter()
-    finite = module.nonfinite_loss_steps == 0 and math.isfinite(train_loss) and math.isfinite(after["val_loss"])
-
-    world = trainer.world_size
-    if args.results and trainer.is_global_zero:
-        with open(args.results, "w") as f:
-            json.dump({"before": before, "after": after, "train_loss": train_loss, "steps": trainer.global_step}, f)
-    task = f"{TASK.task} {TASK.length} symbols of {TASK.num_symbols}" if args.data is None else f"{args.data}"
-    _report(
-        [
-            "",
-            f"task: {task} | model: {args.model or DEFAULT_CONFIG} | "
-            f"strategy: {args.strategy} x{world} | precision: {args.precision} | steps: {trainer.global_step} | "
-            f"global batch: {args.batch_size * world}",
-            f"{'':8s}{'loss':>9s}{'acc':>8s}{'exact':>8s}",
-            f"{'before':8s}{before['val_loss']:9.4f}{before['val_acc']:8.3f}{before['val_exact']:8.3f}",
-            f"{'after':8s}{after['val_loss']:9.4f}{after['val_acc']:8.3f}{after['val_exact']:8.3f}",
-            f"before: loss {before['val_loss']:.3f} acc {before['val_acc']:.3f} | "
-            f"after: loss {after['val_loss']:.3f} acc {after['val_acc']:.3f} | last train_loss {train_loss:.4f}",
-            f"time: eval {t1 - t0:.1f}s, fit {t2 - t1:.1f}s, eval {t3 - t2:.1f}s",
-            f"TensorBoard logs: {logger.log_dir}",
-            *([f"exported ({args.export_dtype or export_dtype}): {args.export}"] if args.export else []),
-        ]
-    )
-    # leave no gloo/NCCL threads to static destructors at interpreter exit (they can abort the process)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    if not finite:
-        _report(
-            [
-                f"ERROR: non-finite loss (non-finite training steps on rank 0: {module.nonfinite_loss_steps}, "
-                f"last train_loss {train_loss}, val_loss {after['val_loss']})"
-            ]
-        )
-        return 1
-    return 0
+    return run(args)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Fine-tuning on the user's own JSONL data (``slidedp-finetune --model DIR --data train.jsonl``).
 
-:class:`DataFinetuneModule` is :class:`~slidedp_lightning.recipes.finetune.FinetuneModule` with its data from
+:class:`DataFinetuneModule` is :class:`~slidedp_lightning.recipes.module.FinetuneModule` with its data from
 :mod:`slidedp_lightning.recipes.data` and exact validation metrics (summed over every loss token of the set, across
 ranks, each example counted once).  :class:`TokenThroughput` logs training tokens/s; :func:`export` writes the
 trained model and the tokenizer as a ``save_pretrained`` directory.
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from slidedp_lightning.recipes.data import EvalShard, JsonlDataset
-from slidedp_lightning.recipes.finetune import FinetuneModule
+from slidedp_lightning.recipes.module import FinetuneModule
 from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,6 @@ class DataFinetuneModule(FinetuneModule):
         # read and checked now, in every process, before any Trainer work: bad data fails fast with file:line
         self.train_data = JsonlDataset(data, self.tokenizer, seq_len)
         self.val_data = JsonlDataset(val_data, self.tokenizer, seq_len) if val_data else self.train_data
-        self._sums: torch.Tensor | None = None
 
     def check_model(self, model: Any) -> None:
         vocab = model.get_input_embeddings().num_embeddings
@@ -113,18 +112,13 @@ class DataFinetuneModule(FinetuneModule):
         rank, world = self._rank_world()
         return DataLoader(EvalShard(self.val_data, rank, world), batch_size=self.hp.eval_batch_size)
 
-    def on_validation_epoch_start(self) -> None:
-        self._sums = None
-
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        sums = sum_metrics(out.logits, batch["labels"])
-        self._sums = sums if self._sums is None else self._sums + sums
+        self._add_sums(sum_metrics(out.logits, batch["labels"]))
 
     def on_validation_epoch_end(self) -> None:
-        sums = self._sums if self._sums is not None else torch.zeros(5, dtype=torch.float64, device=self.device)
-        sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        for name, value in metrics_from_sums(sums).items():
+        self.val_metrics = metrics_from_sums(self._reduced_sums())
+        for name, value in self.val_metrics.items():
             self.log(name, value, prog_bar=name == "val_acc", sync_dist=True)  # equal on all ranks: mean is exact
 
 

@@ -5,6 +5,7 @@ read that no attribute shows is refused by name at the first training forward, n
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,48 @@ def test_a_read_no_attribute_shows_is_refused_by_name_at_the_first_forward() -> 
             loss_fn(model, x)
     finally:
         engine.close()
+
+
+class TwoStack(nn.Module):
+    """Blocks in two lists, neither holding most parameters: the automatic split refuses it as ambiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.lower = nn.ModuleList(Block(WIDTH, 2) for _ in range(2))
+        self.upper = nn.ModuleList(Block(WIDTH, 2) for _ in range(2))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in (*self.lower, *self.upper):
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def test_the_readme_adapter_example_streams_a_model_the_automatic_split_refuses() -> None:
+    from slidedp_lightning.models import adapter as adapter_module
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- register-adapter-example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    torch.manual_seed(0)
+    model = TwoStack()
+    with pytest.raises(UnsupportedModelError, match="ambiguous"):
+        adapter_for(model)
+    before = list(adapter_module._ADAPTERS)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    try:
+        assert isinstance(adapter_for(model), namespace["TwoStackAdapter"])
+        assert [s.name for s in adapter_for(model).units(model)] == [
+            "embed",
+            "layers.0",
+            "layers.1",
+            "layers.2",
+            "layers.3",
+            "head",
+        ]
+        train_and_compare(model, loss_fn, token_batches(3, 2, 12), steps=3)
+    finally:
+        adapter_module._ADAPTERS[:] = before

@@ -172,6 +172,7 @@ def test_messages_need_a_chat_template(tmp_path):
 def test_cli_reports_bad_data_before_training(tok, tmp_path, capsys):
     model = tmp_path / "model"
     tok.save_pretrained(model)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))  # the CLI checks that it is a model
     bad = _write(tmp_path / "train.jsonl", [GOOD, "{oops"])
     assert main(["--model", str(model), "--data", bad, "--devices", "1"]) == 2
     assert f"{bad}:2: invalid JSON" in capsys.readouterr().err

@@ -28,6 +28,7 @@ def _refused(capsys, argv: list[str]) -> str:
 
 def test_an_export_path_that_is_a_file_is_refused_before_training(tmp_path, capsys):
     (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen3"}')  # checked before the outputs
     (tmp_path / "data.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     (tmp_path / "out").write_text("not a directory")
     base = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl")]

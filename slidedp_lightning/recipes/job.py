@@ -1,0 +1,292 @@
+"""The run behind ``slidedp-finetune`` (:func:`run`, called by :func:`slidedp_lightning.recipes.finetune.main` once
+the flags are checked): one ``Trainer.fit``, so one launch of the rank processes, one process group, one ledger and
+one checkpoint read.
+
+The "before" evaluation is Lightning's sanity check over the whole validation set (``num_sanity_val_steps=-1``);
+the "after" one is the validation pass at the last step (:class:`BeforeAfter` asks Lightning for it). Both keep the
+module's :attr:`~slidedp_lightning.recipes.module.FinetuneModule.val_metrics`. The output is kept to what the user
+needs: rank 0 only, none of Lightning's hardware and tip lines, a step bar on a terminal only (elsewhere one log
+line per evaluation), and the before/after table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, TQDMProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from slidedp_lightning import LaneTrace, SaveHuggingFace, SlideDPPrecision
+from slidedp_lightning.recipes.finetune import (
+    DEFAULT_CONFIG,
+    DEFAULT_DATA_LR,
+    DEFAULT_LR,
+    TASK,
+    strategy_for,
+)
+from slidedp_lightning.recipes.module import FinetuneModule
+
+log = logging.getLogger(__name__)
+
+METRICS = ("val_loss", "val_acc", "val_exact")
+# Lightning's lines that say nothing about this job (its hardware table, tips, the fit's end, the process-group
+# block after the "Initializing distributed" banner, the AMP notice: the table states the precision)
+_DROPPED = (
+    "GPU available",
+    "TPU available",
+    "HPU available",
+    "\N{ELECTRIC LIGHT BULB} Tip",
+    "`Trainer.fit` stopped",
+    "----------",
+    "Using bfloat16 Automatic Mixed Precision",
+    "Using 16bit Automatic Mixed Precision",
+)
+
+
+class _DropLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).lstrip().startswith(_DROPPED)
+
+
+def quiet_logs() -> None:
+    """Rank 0 keeps one "Initializing distributed" banner and SlideDP's setup lines; the other ranks log
+    warnings only (they would repeat rank 0's lines)."""
+    drop = _DropLines()
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for logger in (logging.getLogger(name), logging.getLogger(f"{name}.utilities.rank_zero")):
+            logger.addFilter(drop)
+            for handler in logger.handlers:
+                handler.addFilter(drop)
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        for name in ("lightning.pytorch", "lightning.fabric", "slidedp_lightning"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    # known, harmless Lightning hints: the data are small in-memory tensors, the eval set size is a multiple of the
+    # default world size
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=r".*it is recommended to use `Trainer\(devices=1.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+
+
+def _nan_metrics() -> dict[str, float]:
+    return dict.fromkeys(METRICS, float("nan"))
+
+
+class BeforeAfter(L.Callback):
+    """Keeps the metrics of the sanity check (``before``: the whole validation set before the first step) and of the
+    last step's validation pass (``after``), with their times; makes Lightning validate at the last step (it
+    validates every ``val_check_interval`` steps, which need not divide ``max_steps``). Without a progress bar
+    (``report=True``) rank 0 logs one line per evaluation."""
+
+    def __init__(self, report: bool) -> None:
+        self.report = report
+        self.before: dict[str, float] = _nan_metrics()
+        self.after: dict[str, float] = _nan_metrics()
+        self.after_step = -1
+        self.seconds = {"before": float("nan"), "after": float("nan")}
+        self._t0 = 0.0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        took = time.perf_counter() - self._t0
+        metrics = dict(getattr(pl_module, "val_metrics", None) or _nan_metrics())
+        if trainer.sanity_checking:
+            self.before, self.seconds["before"] = metrics, took
+            where = "before training"
+        else:
+            self.after, self.seconds["after"], self.after_step = metrics, took, trainer.global_step
+            train_loss = trainer.callback_metrics.get("train_loss")
+            where = f"step {trainer.global_step}/{trainer.max_steps}" + (
+                f", train_loss {float(train_loss):.4f}" if train_loss is not None else ""
+            )
+        if self.report and trainer.is_global_zero:
+            log.info(
+                "%s: val_loss %.4f, val_acc %.3f, val_exact %.3f (%.1f s)",
+                where,
+                metrics["val_loss"],
+                metrics["val_acc"],
+                metrics["val_exact"],
+                took,
+            )
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True  # Lightning validates on this batch, then stops (max_steps)
+
+
+class StepBar(TQDMProgressBar):
+    """Lightning's bar counting optimizer steps to ``max_steps`` (not batches of an epoch), without ``v_num``;
+    the sanity check shows as the evaluation before training."""
+
+    @property
+    def sanity_check_description(self) -> str:
+        return "Evaluating before training"
+
+    @property
+    def validation_description(self) -> str:
+        return "Evaluating"
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        if trainer.current_epoch == 0 or self.train_progress_bar.total != trainer.max_steps:
+            self.train_progress_bar.reset(total=trainer.max_steps)
+            self.train_progress_bar.initial = 0
+            self.train_progress_bar.set_description("Training")
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        bar = self.train_progress_bar
+        if self._should_update(trainer.global_step, trainer.max_steps):
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module))
+            bar.refresh()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+def _module(args: argparse.Namespace) -> FinetuneModule:
+    if args.data is None:
+        return FinetuneModule(
+            model_dir=args.model,
+            batch_size=args.batch_size,
+            lr=DEFAULT_LR if args.lr is None else args.lr,
+            warmup_steps=args.warmup_steps,
+            seed=args.seed,
+        )
+    from slidedp_lightning.recipes.own_data import DataFinetuneModule
+
+    return DataFinetuneModule(
+        model_dir=args.model,
+        data=args.data,
+        val_data=args.val_data,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        lr=DEFAULT_DATA_LR if args.lr is None else args.lr,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+    )
+
+
+def _precision(args: argparse.Namespace) -> dict[str, Any]:
+    """The Trainer's precision arguments: on the CPU Lightning turns "16-mixed" into bf16, so SlideDP's own plugin
+    is passed for it there."""
+    if args.precision == "16-mixed" and args.accelerator == "cpu":
+        return {"plugins": [SlideDPPrecision("16-mixed")]}
+    return {"precision": args.precision}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fine-tune as the checked flags ``args`` say and print the before/after table (rank 0); returns the exit
+    status: 0, 1 for a non-finite loss, 2 for data that cannot be used (before any process starts)."""
+    from slidedp_lightning.recipes.data import DataError
+    from slidedp_lightning.recipes.own_data import DataFinetuneModule, TokenThroughput, export
+
+    quiet_logs()
+    L.seed_everything(args.seed, workers=True, verbose=False)
+    try:
+        module = _module(args)
+    except (DataError, OSError, ValueError) as err:  # before any process is started
+        print(f"slidedp-finetune: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+    export_dtype = getattr(torch, args.export_dtype or ("float32" if args.precision == "32-true" else "bfloat16"))
+    export_cb = [SaveHuggingFace(args.export, export_dtype)] if args.export and args.strategy == "slidedp" else []
+    bar = sys.stderr.isatty()
+    evals = BeforeAfter(report=not bar)
+    logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
+    trainer = L.Trainer(
+        strategy=strategy_for(args),
+        accelerator=args.accelerator,
+        devices=args.devices,
+        **_precision(args),
+        max_steps=args.max_steps,
+        logger=logger,
+        callbacks=[
+            evals,
+            LearningRateMonitor(logging_interval="step"),
+            TokenThroughput(),
+            *([StepBar()] if bar else []),
+            *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
+            *export_cb,
+        ],
+        use_distributed_sampler=args.data is None,  # --data: the module shards its own data
+        enable_checkpointing=False,
+        log_every_n_steps=10,
+        num_sanity_val_steps=-1,  # the "before" evaluation: the whole validation set, inside the one fit
+        check_val_every_n_epoch=None,
+        val_check_interval=max(1, args.max_steps // 4),
+        enable_progress_bar=bar,
+        enable_model_summary=False,  # the table states the parameter count
+    )
+
+    t_fit = time.perf_counter()
+    trainer.fit(module)
+    fit_s = time.perf_counter() - t_fit
+    last = trainer.callback_metrics.get("train_loss")  # last step's, synced across ranks
+    train_loss = float(last) if last is not None else float("nan")
+    if args.export and isinstance(module, DataFinetuneModule):
+        export(trainer, module, args.export, export_dtype)
+    # leave no gloo/NCCL threads to static destructors at interpreter exit (they can abort the process)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+    before, after = evals.before, evals.after
+    if evals.after_step != trainer.global_step:  # the fit ended before its last step was evaluated
+        after = _nan_metrics()
+    finite = module.nonfinite_loss_steps == 0 and math.isfinite(train_loss) and math.isfinite(after["val_loss"])
+    if not trainer.is_global_zero:
+        return 0 if finite else 1
+
+    world = trainer.world_size
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump({"before": before, "after": after, "train_loss": train_loss, "steps": trainer.global_step}, f)
+    params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+    task = f"{TASK.task} {TASK.length} symbols of {TASK.num_symbols}" if args.data is None else args.data
+    lines = [
+        "",
+        f"task: {task} | model: {args.model or DEFAULT_CONFIG} ({params:,} params) | "
+        f"strategy: {args.strategy} x{world} | precision: {args.precision} | steps: {trainer.global_step} | "
+        f"global batch: {args.batch_size * world}",
+        f"{'':8s}{'loss':>9s}{'acc':>8s}{'exact':>8s}",
+        *(
+            f"{name:8s}{m['val_loss']:9.4f}{m['val_acc']:8.3f}{m['val_exact']:8.3f}"
+            for name, m in (("before", before), ("after", after))
+        ),
+        f"last train_loss {train_loss:.4f} | time: eval before {evals.seconds['before']:.1f} s, fit {fit_s:.1f} s "
+        f"(both evals included), eval after {evals.seconds['after']:.1f} s",
+        f"TensorBoard logs: {logger.log_dir}",
+        *(
+            [f"exported ({args.export_dtype or str(export_dtype).removeprefix('torch.')}): {args.export}"]
+            if args.export
+            else []
+        ),
+    ]
+    if not finite:
+        lines.append(
+            f"ERROR: non-finite loss (non-finite training steps on rank 0: {module.nonfinite_loss_steps}, "
+            f"last train_loss {train_loss}, val_loss {after['val_loss']})"
+        )
+    sys.stderr.flush()
+    print("\n".join(lines), flush=True)  # the job's result: the user's output, last
+    return 0 if finite else 1
