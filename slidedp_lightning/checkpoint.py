@@ -190,6 +190,17 @@ def _pieces(held: list[tuple[str, int, int, torch.Tensor]]) -> list[tuple[str, i
     return out
 
 
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (a contiguous slice of the ledger) as a tensor whose storage is exactly its bytes, aliasing the same
+    memory. DCP's writer clones a tensor whose storage is larger than it and keeps every tensor of a file until the
+    file is written (torch 2.13, for its safetensors option): given slices of the ledger, each rank would copy its
+    whole share of the checkpoint into memory at every save."""
+    if view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    as_bytes = view.reshape(-1).view(torch.uint8).numpy()  # the same memory, as numpy sees it
+    return torch.from_numpy(as_bytes).view(view.dtype).view(view.shape)  # a storage of exactly these bytes
+
+
 def ledger_mode(engine) -> dict[str, Any]:
     """What the ledger holds, recorded in ``meta.json``: the moments' form (with int8 moments, the code that wrote
     them, :data:`cpu_ops.adamw8.MOMENT_FORMAT`) and whether a BF16 copy is kept."""
@@ -506,7 +517,7 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     try:
         try:
             dcp.save(
-                {piece_key(k, a, b): v for k, a, b, v in _pieces(_held(engine))},
+                {piece_key(k, a, b): own_storage(v) for k, a, b, v in _pieces(_held(engine))},
                 checkpoint_id=tmp,
                 process_group=_job_group(engine),
             )
