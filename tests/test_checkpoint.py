@@ -16,20 +16,9 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from slidedp_lightning import SlideDPStrategy
-from slidedp_lightning.checkpoint import (
-    FORMAT,
-    LEGACY_META,
-    META,
-    TENSORS,
-    CheckpointContentError,
-    decode,
-    encode,
-    parse_piece,
-    piece_key,
-    read_meta,
-    read_ranges,
-    share,
-)
+from slidedp_lightning.checkpoint import FORMAT, LEGACY_META, META, TENSORS, read_meta, share
+from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
+from slidedp_lightning.checkpoint_ranges import parse_piece, piece_key, read_ranges
 from slidedp_lightning.export import export_checkpoint
 from slidedp_lightning.runtime.compat import DCP_METADATA, UnsafeCheckpointError
 from tests.trainers import (
@@ -296,7 +285,7 @@ def test_parameters_are_stored_in_bounded_pieces_and_read_back_alike(saved, tmp_
 
 
 def test_every_file_of_a_checkpoint_is_recorded_with_its_size_and_crc(saved):
-    from slidedp_lightning.checkpoint import CHECKSUMS, file_checksum
+    from slidedp_lightning.checkpoint_files import CHECKSUMS, file_checksum
 
     recorded = json.loads((saved / META).read_text())["slidedp"][CHECKSUMS]
     files = {p.name for p in saved.iterdir()} - {META}
@@ -306,7 +295,7 @@ def test_every_file_of_a_checkpoint_is_recorded_with_its_size_and_crc(saved):
 
 @pytest.mark.parametrize("where", ["distcp", "metadata", "tensors"])
 def test_a_byte_flipped_in_a_checkpoint_file_is_refused_naming_the_file(saved, tmp_path, where):
-    from slidedp_lightning.checkpoint import CorruptCheckpointError
+    from slidedp_lightning.checkpoint_files import CorruptCheckpointError
 
     ck = _copy(saved, tmp_path)
     name = {"distcp": next(p.name for p in ck.glob("*.distcp")), "metadata": DCP_METADATA, "tensors": TENSORS}[where]

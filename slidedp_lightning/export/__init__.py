@@ -65,7 +65,7 @@ def check_export_target(directory: str | os.PathLike) -> Path:
     """Where an export to ``directory`` goes (a symbolic link's target); raises, in one line naming the cause
     and the fix, when it cannot be written there: a file, a directory holding something other than a model, or
     a parent that cannot be written."""
-    from slidedp_lightning.checkpoint import write_target
+    from slidedp_lightning.checkpoint_files import write_target
 
     path = write_target(Path(directory).absolute())
     if path.exists() and not path.is_dir():
@@ -115,22 +115,22 @@ def _link_or_copy(src: str, dst: str) -> None:
 def export_directory(directory: str | os.PathLike) -> Generator[Path, None, None]:
     """A hidden sibling of ``directory`` to write an export into; on success it replaces ``directory`` (what of an
     earlier model there an export does not replace is carried over), on failure it is removed."""
-    from slidedp_lightning import checkpoint as sharded
+    from slidedp_lightning import checkpoint_files
 
     path = check_export_target(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
-    sharded.remove_stale_saves(path)
-    tmp = sharded._hidden(path, "tmp")
+    checkpoint_files.remove_stale_saves(path)
+    tmp = checkpoint_files.hidden_sibling(path, "tmp")
     tmp.mkdir()
     try:
         yield tmp
         if path.is_dir():
             _carry_over(path, tmp)
-        sharded._swap_in(tmp, path)
+        checkpoint_files.swap_in(tmp, path)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not isinstance(err, (KeyboardInterrupt, SystemExit)) and sharded._no_space(err, path.parent):
-            raise sharded._space_error(err, path, "Hugging Face export", 0) from None
+        if not isinstance(err, (KeyboardInterrupt, SystemExit)) and checkpoint_files.no_space(err, path.parent):
+            raise checkpoint_files.space_error(err, path, "Hugging Face export", 0) from None
         raise
 
 

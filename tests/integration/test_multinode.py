@@ -95,7 +95,8 @@ def test_two_nodes_of_two_ranks_equal_ddp_on_four(layouts_job, references, layou
             a, b = reference.losses(r), res.losses(r)
             assert len(a) == len(b) == STEPS
             assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= RTOL, f"rank {r}: losses differ from DDP"
-        from slidedp_lightning.checkpoint import read_meta, read_ranges
+        from slidedp_lightning.checkpoint import read_meta
+        from slidedp_lightning.checkpoint_ranges import read_ranges
 
         want = reference.state()
         names = list(read_meta(res.out / "ck")["slidedp"]["params"])
