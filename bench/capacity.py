@@ -176,7 +176,7 @@ def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, 
     lo, hi = 0, None  # deepest known to fit, shallowest known not to (or to fail otherwise)
     layers = first_guess(label, shape, limit)
     step = max(1, round(layers * 0.05))  # the guess is close: small steps first, doubling
-    while time.perf_counter() - t0 < budget_s:
+    while not found.attempts or time.perf_counter() - t0 < budget_s:  # one attempt at least, however late
         a = attempt(label, shape, layers, ckpts, out, limit)
         found.attempts.append(a)
         log.info("capacity %s: %d layers (%.2f B params): %s", label, layers, a.params / 1e9, a.status)
@@ -212,7 +212,8 @@ def table(searches: list[Search], shape: ModelShape, limit: int) -> str:
         a = s.largest
         tried = ", ".join(f"{x.layers}:{'ok' if x.fits else x.status.split(':')[0]}" for x in s.attempts)
         if a is None:
-            rows.append(f"| {s.label} | — | does not fit at any depth tried | | | | | | | | | {tried} |")
+            why = "not run: the run's time was used up" if not s.attempts else "fits at no depth tried"
+            rows.append(f"| {s.label} | — | {why} | | | | | | | | | {tried} |")
             continue
         r, x = a.result, a.result.get("extra", {})
         load = x.get("load_s")
