@@ -111,6 +111,13 @@ class InitialWeights:
                 f"{self.source.describe()} does not match the streamed model"
                 + (f"; missing {len(missing)} parameter(s): {missing[:8]}" if missing else "")
                 + (f"; shape mismatch: {mismatched[:8]}" if mismatched else "")
+                + (
+                    " (parameters added after from_pretrained must get their values where they are created: peft's "
+                    "plain LoRA adapters do; variants such as DoRA are computed from weights the meta skeleton does "
+                    "not hold, load the model with transformers' from_pretrained for those)"
+                    if missing
+                    else ""
+                )
             )
         return out
 

@@ -270,14 +270,13 @@ class SafetensorsWeights:
     def for_model(self, model: nn.Module) -> SafetensorsWeights:
         """This source for ``model`` as it is now (the skeleton it was made for, perhaps wrapped by peft since): a
         parameter inside a peft wrapper reads its base layer's stored tensor, an adapter peft added takes the
-        values it was created with. When every parameter is on the meta device (the source will be read) and one
-        has no value, raises :class:`CheckpointError` naming it."""
+        values it was created with. A parameter left without a value is refused when the source is read, with the
+        checkpoint's other mismatches (:meth:`~slidedp_lightning.runtime.ledger.initial_weights.InitialWeights`)."""
         fitted = copy.copy(self)
         fitted._tensors, fitted._initial = dict(self._tensors), dict(self._initial)
         fitted._handles, fitted._maps = {}, {}
         params = dict(model.named_parameters(remove_duplicate=False))
         cache: dict[str, dict[str, torch.Tensor]] = {}
-        unknown = []
         for name, param in params.items():
             if name in fitted._tensors or name in fitted._initial:
                 continue
@@ -294,15 +293,6 @@ class SafetensorsWeights:
                 value = _peft_initial(model, owner_name, cache).get(name)
             if value is not None and tuple(value.shape) == tuple(param.shape):
                 fitted._initial[name] = value.detach()
-            else:
-                unknown.append(name)
-        if unknown and all(p.is_meta for p in params.values()):
-            raise CheckpointError(
-                f"{len(unknown)} parameter(s) of the model are neither in {self._description} nor initialized, e.g. "
-                f"{unknown[:4]}: parameters added after from_pretrained must get their values where they are created "
-                "(peft's plain LoRA adapters do; LoRA variants such as DoRA are computed from weights the meta "
-                "skeleton does not hold: load the model with transformers' from_pretrained for those)."
-            )
         return fitted
 
     def __getstate__(self) -> dict[str, Any]:  # a copied model carries the source, not its open files
