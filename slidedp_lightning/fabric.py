@@ -76,13 +76,6 @@ class SlideDPFabricStrategy(SlideDPLifecycle, ParallelStrategy):
         self._closed_by_clip = False  # clip_gradients closed this step; optimizer.step() only marks it
         self._at_exit = False
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("slidedp", cls, description="SlideDP host-resident layer streaming")
-        strategy_registry.register(
-            "slidedp_spawn", cls, description="SlideDP, processes started with spawn", start_method="spawn"
-        )
-
     # -- precision, ranks, launch --------------------------------------------------------------------
     @property
     def precision(self) -> SlideDPFabricPrecision:

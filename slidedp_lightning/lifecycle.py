@@ -66,6 +66,14 @@ class SlideDPLifecycle:
     # the front end's script launcher class: the ``procs`` of an instance are the rank processes this one started
     script_launcher: ClassVar[type[Any]]
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register the front end as "slidedp" and "slidedp_spawn" (on the Trainer's or Fabric's registry)."""
+        strategy_registry.register("slidedp", cls, description="SlideDP host-resident layer streaming")
+        strategy_registry.register(
+            "slidedp_spawn", cls, description="SlideDP, processes started with spawn", start_method="spawn"
+        )
+
     def _init_lifecycle(self, options: SlideDPOptions, start_method: StartMethod, timeout: timedelta | None) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}.")

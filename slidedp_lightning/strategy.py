@@ -94,14 +94,6 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
         self._init_lifecycle(options, start_method, timeout)
         self._clip: tuple[float | None, str | None] = (None, None)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("slidedp", cls, description="SlideDP host-resident layer streaming")
-        strategy_registry.register(
-            "slidedp_spawn", cls, description="SlideDP, processes started with spawn", start_method="spawn"
-        )
-
     # -- ranks, devices and the process group: SlideDPLifecycle --------------------------------------
     @property
     @override
