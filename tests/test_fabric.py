@@ -5,8 +5,6 @@ and a two-rank Fabric loop against Fabric DDP + ``torch.optim.AdamW`` with a bit
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -18,7 +16,7 @@ import slidedp_lightning
 from slidedp_lightning import SlideDPFabricPrecision, SlideDPFabricStrategy
 from slidedp_lightning.runtime.lanes.update import UnsupportedOptimizerError
 from tests.helpers import nanogpt, token_batches
-from tests.integration.conftest import clean_env
+from tests.integration.conftest import JobServer
 from tests.trainers import adamw, quiet_and_clean  # noqa: F401  (autouse)
 
 JOB = Path(__file__).parent / "integration" / "fabric_job.py"
@@ -308,14 +306,8 @@ def test_full_checkpoint_round_trip(fabrics, tmp_path: Path) -> None:
 def run_fabric_job(out: Path, timeout: float = 240, **cfg) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"out": str(out), "steps": STEPS, **cfg}))
-    proc = subprocess.run(
-        [sys.executable, str(JOB), str(out / "config.json")],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=clean_env(),
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    code, output = JobServer.run(out / "config.json", cfg.get("devices", 2), {}, timeout, script=JOB.name)
+    assert code == 0, output[-4000:]
     return out
 
 

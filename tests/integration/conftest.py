@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
@@ -16,6 +17,7 @@ import torch
 from tests.integration.job_config import JobConfig, check_keys
 
 JOB = Path(__file__).with_name("job.py")
+SERVER = Path(__file__).with_name("job_server.py")
 # what a process aborting at interpreter exit prints (a collective backend's thread destroyed while joinable); the
 # strategy destroys its process groups at teardown, so a job showing it fails like any other non-zero exit
 EXIT_ABORT = "terminate called without an active exception"
@@ -62,18 +64,91 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**base, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
 
 
-def run_job(tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, **cfg) -> JobResult:
-    """Run one job (``cfg``: JobConfig fields; ``out`` defaults to ``tmp``); an unknown key raises before it starts."""
+class JobServer:
+    """The client of ``job_server.py``: started on first use, one per test session, ended with it."""
+
+    _proc: subprocess.Popen | None = None
+
+    @classmethod
+    def run(
+        cls, config: Path, devices: int, env: dict[str, str], timeout: float, script: str = "job.py"
+    ) -> tuple[int, str]:
+        """Run ``script``'s job of configuration file ``config``: (the first non-zero rank status or 0, its output);
+        raises ``subprocess.TimeoutExpired`` as ``subprocess.run`` does."""
+        proc = cls._start()
+        log = config.with_name("job.log")
+        log.write_text("")
+        request = {"script": script, "config": str(config), "devices": devices, "env": env, "log": str(log)}
+        request["timeout"] = timeout
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            cls._proc = None
+            raise RuntimeError(f"the job server ended (status {proc.wait()}) while running {config}")
+        reply = json.loads(line)
+        output = log.read_text()
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired([script, str(config)], timeout, output=output)
+        return next((c for c in reply["codes"] if c != 0), 0), output
+
+    @classmethod
+    def _start(cls) -> subprocess.Popen:
+        if cls._proc is None or cls._proc.poll() is not None:
+            proc = subprocess.Popen(
+                [sys.executable, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=clean_env()
+            )
+            assert proc.stdout is not None
+            if "ready" not in proc.stdout.readline():
+                raise RuntimeError(f"the job server did not start (status {proc.wait()})")
+            cls._proc = proc
+            atexit.register(cls._stop)
+        return cls._proc
+
+    @classmethod
+    def _stop(cls) -> None:
+        if cls._proc is not None and cls._proc.stdin is not None:
+            cls._proc.stdin.close()
+            try:
+                cls._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                cls._proc.kill()
+        cls._proc = None
+
+
+def forked(config: JobConfig, env: dict[str, str]) -> bool:
+    """Whether a job's ranks can be forked from the job server: not when it tests the launcher (several hosts,
+    injected faults), measures memory, uses a GPU or sets an environment variable read at import time."""
+    return (
+        config.num_nodes == 1
+        and config.accelerator == "cpu"
+        and not config.record_memory
+        and config.raise_at_step < 0
+        and config.kill_at_step < 0
+        and config.kill_in_save is None
+        and all(k.startswith("SLIDEDP_") for k in env)
+    )
+
+
+def run_job(
+    tmp: Path, timeout: float = 240, env: dict[str, str] | None = None, launch: str = "auto", **cfg
+) -> JobResult:
+    """Run one job (``cfg``: JobConfig fields; ``out`` defaults to ``tmp``); an unknown key raises before it starts.
+    ``launch="script"`` starts it as ``python job.py`` (Lightning's script launcher starts the other ranks);
+    ``"auto"`` forks its ranks from the job server where :func:`forked` allows."""
     config = JobConfig.from_dict({"out": str(tmp), **cfg})
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(config.to_json())
-    env = clean_env(**(env or {}))
+    if launch == "auto" and forked(config, env or {}):
+        code, output = JobServer.run(tmp / "config.json", config.devices, env or {}, timeout)
+        return JobResult(code, output, tmp, config.devices)
     proc = subprocess.run(
         [sys.executable, str(JOB), str(tmp / "config.json")],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
+        env=clean_env(**(env or {})),
     )
     output = proc.stdout + proc.stderr
     return JobResult(proc.returncode, output, tmp, config.devices)
@@ -137,10 +212,12 @@ def job_runner(tmp_path_factory):
     ``cfg`` are checked on every call, so a misspelt one fails even when the name's result is cached."""
     cache: dict[str, JobResult] = {}
 
-    def run(name: str, env: dict[str, str] | None = None, timeout: float = 240, **cfg) -> JobResult:
+    def run(
+        name: str, env: dict[str, str] | None = None, timeout: float = 240, launch: str = "auto", **cfg
+    ) -> JobResult:
         check_keys(cfg)
         if name not in cache:
-            cache[name] = run_job(tmp_path_factory.mktemp(name), timeout=timeout, env=env, **cfg)
+            cache[name] = run_job(tmp_path_factory.mktemp(name), timeout=timeout, env=env, launch=launch, **cfg)
         return cache[name]
 
     return run

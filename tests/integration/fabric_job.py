@@ -96,5 +96,10 @@ def main(cfg: dict) -> None:
         torch.save({k: v.detach().clone() for k, v in weights.items()}, out / "final_state.pt")
 
 
+def run(path: str) -> None:
+    """The job of the configuration file ``path`` (its keys over :data:`DEFAULTS`)."""
+    main({**DEFAULTS, **json.loads(Path(path).read_text())})
+
+
 if __name__ == "__main__":
-    main({**DEFAULTS, **json.loads(Path(sys.argv[1]).read_text())})
+    run(sys.argv[1])
