@@ -156,7 +156,14 @@ class SlideDPLifecycle:
     def _topology(self) -> Topology:
         """Every process group the runtime uses, created once per process (collectively, on every rank)."""
         if self.topology is None:
-            self.topology = self.options.topology(self.global_rank, self.local_rank, self.num_processes, self.num_nodes)
+            self.topology = Topology.for_routes(
+                self.options.base_engine_config(),
+                global_rank=self.global_rank,
+                local_rank=self.local_rank,
+                ranks_per_host=self.num_processes,
+                hosts=self.num_nodes,
+                host_layout=self.options.host_layout,
+            )
         return self.topology
 
     # -- the model and the engine ---------------------------------------------------------------------

@@ -26,7 +26,6 @@ from slidedp_lightning.constants import (
 )
 from slidedp_lightning.runtime.activation_policy import ActivationPolicy, UnitPolicy
 from slidedp_lightning.runtime.config import EngineConfig
-from slidedp_lightning.runtime.topology import Topology
 
 ActivationOption = str | dict | ActivationPolicy | UnitPolicy | AutoPolicy | None
 
@@ -172,19 +171,6 @@ class SlideDPOptions:
                 f"('full' or 'sharded') and chunk_bytes (got {cfg.grad_route!r}, {cfg.param_route!r}, "
                 f"{cfg.chunk_bytes!r})."
             )
-
-    def topology(self, global_rank: int, local_rank: int, ranks_per_host: int, hosts: int) -> Topology:
-        """This rank's :class:`Topology` for these options, its process groups created (collective: every rank)."""
-        routes = self.base_engine_config()
-        return Topology.build(
-            global_rank=global_rank,
-            local_rank=local_rank,
-            ranks_per_host=ranks_per_host,
-            hosts=hosts,
-            host_layout=self.host_layout,
-            ledger_per_rank=routes.param_route == "replicated" and hosts * ranks_per_host > 1,
-            param_group=routes.param_route in ("sharded", "auto"),
-        )
 
     def engine_config(
         self, *, clipping: bool, scales_loss: bool, accumulate: int, timeout_s: float, trace_dir: str | None

@@ -15,11 +15,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from slidedp_lightning.constants import HostLayout
+
+if TYPE_CHECKING:
+    from slidedp_lightning.runtime.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,30 @@ class Topology:
             )
 
     # -- construction -------------------------------------------------------------------------------
+    @classmethod
+    def for_routes(
+        cls,
+        routes: EngineConfig,
+        *,
+        global_rank: int,
+        local_rank: int,
+        ranks_per_host: int,
+        hosts: int = 1,
+        host_layout: HostLayout = "replicated",
+    ) -> Topology:
+        """The groups a job with these routes needs (collective, see :meth:`build`): a ledger per rank for
+        ``param_route="replicated"`` on more than one rank, the all-gather group for the sharded route (and for
+        its measurement under ``"auto"``)."""
+        return cls.build(
+            global_rank=global_rank,
+            local_rank=local_rank,
+            ranks_per_host=ranks_per_host,
+            hosts=hosts,
+            host_layout=host_layout,
+            ledger_per_rank=routes.param_route == "replicated" and hosts * ranks_per_host > 1,
+            param_group=routes.param_route in ("sharded", "auto"),
+        )
+
     @classmethod
     def build(
         cls,
