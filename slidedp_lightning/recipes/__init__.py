@@ -1,15 +1,17 @@
 """Example recipes built on the slidedp strategy.
 
 * :mod:`slidedp_lightning.recipes.synthetic`: a seed-deterministic synthetic
-  sequence task (data set and answer-token accuracy); its shape in :mod:`slidedp_lightning.recipes.task`.
-* :mod:`slidedp_lightning.recipes.finetune`: the fine-tuning job's CLI (``slidedp-finetune`` command,
-  ``experiments/finetune.py``); :mod:`slidedp_lightning.recipes.module` its LightningModule,
-  :mod:`slidedp_lightning.recipes.job` the run (one ``Trainer.fit``).
+  sequence task (data set and answer-token accuracy); its shape in :mod:`slidedp_lightning_cli.task`.
+* :mod:`slidedp_lightning.recipes.finetune`: the fine-tuning job (``slidedp-finetune`` command,
+  ``experiments/finetune.py``) from the library's side: the strategy its flags ask for, and the command line's
+  names, which :mod:`slidedp_lightning_cli.finetune` parses and checks without importing Lightning;
+  :mod:`slidedp_lightning.recipes.module` its LightningModule, :mod:`slidedp_lightning.recipes.job` the run
+  (one ``Trainer.fit``).
 * :mod:`slidedp_lightning.recipes.data`: JSONL prompt/completion and chat data (``--data``): checks, label
   masks, padded rows.
 * :mod:`slidedp_lightning.recipes.own_data`: the fine-tuning module for that data, tokens/s logging, export.
 
-Nothing here imports torch until it is used (the CLI parses and checks its flags first).
+The package's names (the synthetic task's) are imported when first used.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, answer_accuracy
-    from slidedp_lightning.recipes.task import TaskSpec
+    from slidedp_lightning_cli.task import TaskSpec
 
 __all__ = ["SyntheticTaskDataset", "TaskSpec", "answer_accuracy"]
 

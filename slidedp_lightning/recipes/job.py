@@ -1,4 +1,4 @@
-"""The run behind ``slidedp-finetune`` (:func:`run`, called by :func:`slidedp_lightning.recipes.finetune.main` once
+"""The run behind ``slidedp-finetune`` (:func:`run`, called by :func:`slidedp_lightning_cli.finetune.main` once
 the flags are checked): one ``Trainer.fit``, so one launch of the rank processes, one process group, one ledger and
 one checkpoint read.
 

@@ -20,7 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import slidedp_lightning
-from slidedp_lightning.recipes.finetune import (
+from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
+from slidedp_lightning_cli.finetune import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_CONFIG,
     DEFAULT_LR,
@@ -33,7 +34,6 @@ from slidedp_lightning.recipes.finetune import (
     TRAIN_SIZE,
     check_vocab,
 )
-from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
 
 __all__ = ["FinetuneModule", "checkpoint_vocab_size", "load_tiny_config", "metrics_of_sums"]
 

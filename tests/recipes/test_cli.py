@@ -1,6 +1,7 @@
-"""``slidedp-finetune``'s command line: every bad value refused in one line (exit status 2) before anything heavy is
-imported or any process starts; ``--help`` fast, one default per flag, help for every flag; and the main job as one
-launch (one banner, one ledger, one checkpoint read), quiet, its before/after table last."""
+"""``slidedp-finetune``'s command line (:mod:`slidedp_lightning_cli.finetune`): every bad value refused in one line
+(exit status 2) before anything heavy is imported or any process starts; ``--help`` fast, one default per flag, help
+for every flag; ``import slidedp_lightning`` still registering the strategy; and the main job as one launch (one
+banner, one ledger, one checkpoint read), quiet, its before/after table last."""
 
 from __future__ import annotations
 
@@ -14,28 +15,26 @@ from pathlib import Path
 
 import pytest
 
-from slidedp_lightning.recipes.finetune import _HelpFormatter, build_parser
+from slidedp_lightning_cli.finetune import _HelpFormatter, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).with_name("slidedp-finetune")
 
-# Runs the CLI module with its parent package stubbed: what the CLI itself costs and imports, apart from
-# ``import slidedp_lightning`` (whose __init__ imports Lightning and registers the strategy; measured separately).
-STUBBED = """
-import os, sys, time, types
+# Runs the installed console script (the file pip wrote) in this interpreter, then reports what it imported: the
+# heavy libraries and the package ``slidedp_lightning`` (whose __init__ imports Lightning to register the strategy).
+RUNNER = """
+import runpy, sys, time
 t0 = time.perf_counter()
-pkg = types.ModuleType("slidedp_lightning")
-pkg.__path__ = [os.path.join({root!r}, "slidedp_lightning")]
-sys.modules["slidedp_lightning"] = pkg
-from slidedp_lightning.recipes import finetune
+sys.argv = sys.argv[1:]
 code = 0
 try:
-    finetune.main(sys.argv[1:])
+    runpy.run_path(sys.argv[0], run_name="__main__")
 except SystemExit as e:
     code = e.code
-heavy = sorted(m for m in ("torch", "lightning", "transformers") if m in sys.modules)
-print("RESULT", code, ",".join(heavy) or "-", f"{{time.perf_counter() - t0:.3f}}", file=sys.stderr)
+heavy = sorted(m for m in ("torch", "lightning", "transformers", "slidedp_lightning") if m in sys.modules)
+print("RESULT", code, ",".join(heavy) or "-", f"{time.perf_counter() - t0:.3f}", file=sys.stderr)
 """
+HEAVY = ("torch", "lightning", "transformers")
 
 
 def _ckpt_without_config(tmp: Path) -> str:
@@ -66,6 +65,12 @@ BAD = {
     "16-mixed under ddp on cpu": (["--precision", "16-mixed", "--strategy", "ddp"], "Lightning runs bf16 there"),
     "not an int": (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
     "warmup -1": (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    "chunk-bytes below the engine's": (["--chunk-bytes", "63"], "argument --chunk-bytes: must be >= 64 bytes, got 63"),
+    "replicated with host_reduce": (
+        ["--param-route", "replicated", "--grad-route", "host_reduce"],
+        "reduces gradients with an all-reduce on the devices: use --grad-route gpu_reduce",
+    ),
+    "results a directory": (["--results", "{tmp}"], "--results {tmp} is a directory: pass a file path"),
 }
 
 
@@ -84,12 +89,15 @@ def paths(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def _stubbed(tmp: str, argv: list[str]) -> tuple[int, str, float, str]:
-    """(exit status, stderr without the result line, seconds of the whole subprocess, heavy modules imported)."""
-    script = Path(tmp) / "stubbed_cli.py"
-    script.write_text(STUBBED.format(root=str(ROOT)))
+def _run_cli(tmp: str, argv: list[str]) -> tuple[int, str, float, str]:
+    """The console script run with ``argv``: (exit status, stderr without the result line, seconds of the whole
+    subprocess, the heavy modules it imported, comma-separated, or "-")."""
+    runner = Path(tmp) / "run_cli.py"
+    runner.write_text(RUNNER)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(runner), str(CLI), *argv], capture_output=True, text=True, timeout=120, cwd=tmp
+    )
     seconds = time.perf_counter() - t0
     lines = proc.stderr.strip().splitlines()
     result = lines.pop().split()
@@ -101,7 +109,7 @@ def _stubbed(tmp: str, argv: list[str]) -> tuple[int, str, float, str]:
 def test_a_bad_value_is_refused_in_one_line_with_status_2(paths, case, record_property):
     argv, expected = BAD[case]
     argv = [a.format(**paths) for a in argv]
-    code, err, seconds, heavy = _stubbed(paths["tmp"], argv)
+    code, err, seconds, heavy = _run_cli(paths["tmp"], argv)
     record_property("seconds", round(seconds, 3))
     assert code == 2, (case, err)
     assert len(err.splitlines()) == 1 and err.startswith("slidedp-finetune: error: "), err
@@ -122,24 +130,64 @@ def test_the_real_command_refuses_in_one_line(paths, record_property):
 
 
 def test_help_is_fast(paths, record_property):
-    """The CLI module itself answers --help without torch/Lightning/transformers (< 2 s with the interpreter). The
-    installed command also imports the package ``slidedp_lightning``, whose __init__ imports Lightning: it may take
-    no more than about 2 s beyond that import (measured here too; with slack for a loaded machine)."""
-    code, _, stubbed_s, heavy = _stubbed(paths["tmp"], ["--help"])
-    assert code == 0 and heavy == "-", heavy
-    assert stubbed_s < 2.0, stubbed_s
+    """``slidedp-finetune --help`` imports neither torch, Lightning, transformers nor ``slidedp_lightning`` and
+    answers in under 2 s: the best of three runs of the installed command (the best, so that a loaded machine's
+    pauses do not decide; the import check above holds whatever the load)."""
+    code, out, _, heavy = _run_cli(paths["tmp"], ["--help"])
+    assert code == 0 and heavy == "-", f"--help imported {heavy}"
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        proc = subprocess.run([str(CLI), "--help"], capture_output=True, text=True, timeout=120, cwd=paths["tmp"])
+        times.append(time.perf_counter() - t0)
+        assert proc.returncode == 0 and "--precision" in proc.stdout, proc.stderr
+    record_property("help_s", round(min(times), 3))
+    print("--help: " + ", ".join(f"{t:.2f} s" for t in times))
+    assert min(times) < 2.0, times
 
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import slidedp_lightning"], check=True, capture_output=True, timeout=120)
-    package_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    proc = subprocess.run([str(CLI), "--help"], capture_output=True, text=True, timeout=120)
-    help_s = time.perf_counter() - t0
-    for name, value in (("cli_module_s", stubbed_s), ("package_import_s", package_s), ("help_s", help_s)):
-        record_property(name, round(value, 3))
-    print(f"--help: CLI module {stubbed_s:.2f} s, import slidedp_lightning {package_s:.2f} s, command {help_s:.2f} s")
-    assert proc.returncode == 0 and "--precision" in proc.stdout
-    assert help_s < 1.5 * package_s + 2.0, (help_s, package_s)  # the import varies by seconds on a loaded machine
+
+def test_the_package_import_still_registers_the_strategy(tmp_path):
+    """The console script avoids ``import slidedp_lightning``; that import itself still registers
+    ``strategy="slidedp"`` with the Trainer and Fabric, before the user imports Lightning (a fresh interpreter)."""
+    script = (
+        "import slidedp_lightning\n"
+        "import lightning as L\n"
+        "trainer = L.Trainer(strategy='slidedp', accelerator='cpu', devices=1, logger=False)\n"
+        "assert isinstance(trainer.strategy, slidedp_lightning.SlideDPStrategy), type(trainer.strategy)\n"
+        "fabric = L.Fabric(strategy='slidedp', accelerator='cpu', devices=1)\n"
+        "assert isinstance(fabric.strategy, slidedp_lightning.SlideDPFabricStrategy), type(fabric.strategy)\n"
+        "print('registered')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("registered"), proc.stderr[-3000:]
+
+
+def test_the_command_line_modules_import_nothing_heavy(tmp_path):
+    """Importing every module of ``slidedp_lightning_cli`` loads neither the library nor torch, Lightning or
+    transformers (a fresh interpreter)."""
+    modules = sorted(p.stem for p in (ROOT / "slidedp_lightning_cli").glob("*.py") if p.stem != "__init__")
+    assert {"finetune", "task"} <= set(modules)
+    script = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module('slidedp_lightning_cli.' + name)\n"
+        f"print(sorted(m for m in {(*HEAVY, 'slidedp_lightning')!r} if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_the_command_line_refuses_what_the_strategy_refuses():
+    """The values the CLI lets through are the strategy's: the smallest gradient chunk, the routes that combine."""
+    from slidedp_lightning import SlideDPStrategy
+    from slidedp_lightning_cli.finetune import MIN_CHUNK_BYTES
+
+    SlideDPStrategy(chunk_bytes=MIN_CHUNK_BYTES)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        SlideDPStrategy(chunk_bytes=MIN_CHUNK_BYTES - 1)
+    with pytest.raises(ValueError, match="grad_route"):
+        SlideDPStrategy(param_route="replicated", grad_route="host_reduce")
 
 
 def test_every_flag_has_help_and_one_default():
@@ -150,7 +198,7 @@ def test_every_flag_has_help_and_one_default():
             continue
         text = formatter._get_help_string(action)
         assert action.help, f"{action.option_strings} has no help"
-        assert text.count("default:") <= 1, text
+        assert text.count("default:") == 1 and text.endswith(")"), text
     assert "(default: None)" not in parser.format_help()
 
 

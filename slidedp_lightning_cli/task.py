@@ -1,5 +1,5 @@
-"""The synthetic task's shape and token ids (no torch: the CLI reads them before it imports anything heavy);
-the data and the metric are in :mod:`slidedp_lightning.recipes.synthetic`."""
+"""The synthetic task's shape and token ids (plain Python: the CLI reads them before it imports anything heavy);
+the data and the metric are in :mod:`slidedp_lightning.recipes.synthetic`, which re-exports these names."""
 
 from __future__ import annotations
 

@@ -1,0 +1,370 @@
+"""``slidedp-finetune``: fine-tune a causal LM on a synthetic task with PyTorch Lightning (the command line).
+
+The job is one ``Trainer.fit`` (one launch of the rank processes, one ledger, one checkpoint read): it evaluates the
+model over the whole validation set before the first step (Lightning's sanity check, its metrics kept), trains, and
+evaluates again at the last step, then prints the task's loss and answer-token accuracy before and after.  By default
+it random-initializes a tiny Qwen3 from ``slidedp_lightning/recipes/configs/qwen3_tiny.json`` (on the meta device,
+each unit initialized straight into the ledger) and trains it with ``strategy="slidedp"`` on 2 CPU processes;
+``--model DIR`` fine-tunes a local Hugging Face checkpoint instead, and ``--strategy ddp`` runs the same job with
+Lightning's DDP for comparison.
+
+This module imports neither torch nor Lightning nor transformers, nor the package :mod:`slidedp_lightning` (whose
+``__init__`` imports Lightning to register the strategy): every flag is parsed and checked (a bad one refused in one
+line, exit status 2) before :mod:`slidedp_lightning.recipes.job` is imported and any process starts.  Two checks
+need the library and import it when they run: an ``--export`` target (what a model directory holds) and a
+``--model`` whose ``config.json`` states no vocabulary size.
+
+Multi-process strategies on CPU re-run this script (``sys.argv``) once per extra rank, so call :func:`main` from a
+script or the ``slidedp-finetune`` console command rather than with a hand-made ``argv`` when ``--devices > 1``.
+
+Run ``slidedp-finetune --help`` for the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from slidedp_lightning_cli.task import TaskSpec
+
+__all__ = [
+    "build_parser",
+    "check_args",
+    "check_outputs",
+    "check_vocab",
+    "config_vocab_size",
+    "custom_routes",
+    "main",
+]
+
+DEFAULT_CONFIG = "qwen3_tiny.json"
+
+# Task and data-set sizes.  Reversal of 12 symbols out of 60 (vocabulary of 64 ids): a random model scores ~1/60 per
+# answer token, a trained tiny model close to 1.0.
+TASK = TaskSpec(task="reverse", num_symbols=60, length=12)
+TRAIN_SIZE = 20_000
+EVAL_SIZE = 1_024
+EVAL_BATCH_SIZE = 256
+EVAL_SEED_OFFSET = 1_000_003  # eval examples come from a different random stream
+
+# Defaults (tuned on 2 CPU cores, 2 ranks).
+DEFAULT_MAX_STEPS = 200
+DEFAULT_BATCH_SIZE = 32  # per rank
+DEFAULT_LR = 3e-3
+DEFAULT_DATA_LR = 1e-5  # --data: a pretrained checkpoint
+DEFAULT_WEIGHT_DECAY = 0.01
+DEFAULT_SEED = 1234
+DEFAULT_SEQ_LEN = 256
+PRECISIONS = ("bf16-mixed", "16-mixed", "32-true")
+STRATEGIES = ("slidedp", "ddp")
+ACCELERATORS = ("cpu", "cuda", "gpu", "auto")
+PARAM_ROUTES = ("full", "sharded", "replicated", "auto")
+GRAD_ROUTES = ("gpu_reduce", "host_reduce", "auto")
+EXPORT_DTYPES = ("bfloat16", "float32")
+MIN_CHUNK_BYTES = 64  # the engine's smallest gradient chunk (slidedp_lightning.runtime.config.EngineConfig)
+
+
+def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
+    """Raise ``ValueError`` (naming ``where`` and the fix) when a vocabulary of ``vocab_size`` ids cannot hold
+    the task's token ids."""
+    if vocab_size < spec.vocab_size:
+        raise ValueError(
+            f"{where} has a vocabulary of {vocab_size} token ids but the synthetic task needs "
+            f"{spec.vocab_size} (ids 0..{spec.vocab_size - 1}); use a model with a larger vocabulary"
+        )
+
+
+# ---------------------------------------------------------------------- CLI
+class _Parser(argparse.ArgumentParser):
+    """argparse's conventions (exit status 2 for a bad command line), in one line: no usage block before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """One default per flag: ``(default: X)`` appended from the flag's value unless the help text states its own
+    (a flag without a value, ``None``, states what happens without it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _chunk_bytes(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected a positive integer or "auto", got {text!r}') from None
+    if value < MIN_CHUNK_BYTES:
+        raise argparse.ArgumentTypeError(f"must be >= {MIN_CHUNK_BYTES} bytes, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``slidedp-finetune``'s flags: one help line each, its default stated once (see :class:`_HelpFormatter`)."""
+    p = _Parser(
+        prog="slidedp-finetune",
+        description=(
+            f"Train a causal LM on a synthetic task ({TASK.task} {TASK.length} of {TASK.num_symbols} symbols) "
+            "or on your JSONL data, and report loss/accuracy before and after."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    add = p.add_argument
+    add(
+        "--model",
+        metavar="DIR",
+        help="local Hugging Face checkpoint directory (config.json + safetensors) to fine-tune "
+        f"(default: a random-init tiny Qwen3, configs/{DEFAULT_CONFIG})",
+    )
+    add(
+        "--data",
+        metavar="FILE",
+        help="JSONL training data, one {prompt, completion} or {messages: [{role, content}, ...]} object a line; "
+        "needs --model (its tokenizer and chat template); loss on completion / assistant tokens only "
+        "(default: the synthetic task)",
+    )
+    add("--val-data", metavar="FILE", help="--data only: JSONL validation data (default: --data)")
+    add(
+        "--seq-len",
+        type=int,
+        metavar="N",
+        default=DEFAULT_SEQ_LEN,
+        help="--data only: tokens per row, each example its own right-padded row (no packing); a longer example is "
+        "refused with its file and line",
+    )
+    add(
+        "--export",
+        metavar="OUT",
+        help="--data only: write the trained model and the tokenizer to OUT, a save_pretrained directory "
+        "(default: no export)",
+    )
+    add(
+        "--export-dtype",
+        choices=EXPORT_DTYPES,
+        help="dtype of --export (default: float32 with --precision 32-true, else bfloat16)",
+    )
+    add("--results", metavar="FILE", help="write the before/after metrics as JSON to FILE (default: not written)")
+    add("--devices", type=int, metavar="N", default=2, help="number of processes (ranks), one device each")
+    add("--accelerator", default="cpu", choices=ACCELERATORS, help="Lightning accelerator")
+    add(
+        "--precision",
+        default="bf16-mixed",
+        choices=PRECISIONS,
+        help="bf16-mixed: BF16 compute on an FP32 master; 16-mixed: FP16 autocast with dynamic loss scaling "
+        "(--strategy slidedp on CPU, any strategy on CUDA); 32-true: FP32 throughout",
+    )
+    add(
+        "--strategy",
+        default="slidedp",
+        choices=STRATEGIES,
+        help="slidedp: weights in a host ledger, layers streamed to the devices; ddp: Lightning's DDP, for comparison",
+    )
+    add(
+        "--trace-dir",
+        metavar="DIR",
+        help="slidedp only: record the lanes (TensorBoard scalars, Gantt figure, Chrome trace) under DIR "
+        "(default: no trace)",
+    )
+    add("--param-route", default="full", choices=PARAM_ROUTES, help="slidedp only: how parameters reach the devices")
+    add(
+        "--grad-route",
+        default="gpu_reduce",
+        choices=GRAD_ROUTES,
+        help="slidedp only: how gradients are reduced and returned to the host",
+    )
+    add(
+        "--chunk-bytes",
+        type=_chunk_bytes,
+        metavar="N|auto",
+        help='slidedp only: gradient chunk size in bytes, or "auto" to measure it at setup (default: whole units)',
+    )
+    add("--max-steps", type=int, metavar="N", default=DEFAULT_MAX_STEPS, help="optimizer steps")
+    add("--batch-size", type=int, metavar="N", default=DEFAULT_BATCH_SIZE, help="examples per device per step")
+    add(
+        "--lr",
+        type=float,
+        help=f"peak AdamW learning rate (default: {DEFAULT_LR:g}; {DEFAULT_DATA_LR:g} with --data)",
+    )
+    add("--warmup-steps", type=int, metavar="N", help="linear warm-up steps (default: 10%% of --max-steps)")
+    add("--seed", type=int, metavar="N", default=DEFAULT_SEED, help="seed of the data order, the weights and dropout")
+    add("--log-dir", metavar="DIR", default=os.path.join("runs", "finetune"), help="TensorBoard log directory")
+    return p
+
+
+def config_vocab_size(model_dir: str) -> int | None:
+    """The vocabulary size that ``model_dir/config.json`` states (top level or ``text_config``), or None when it
+    states none (then transformers' ``AutoConfig`` knows where it is)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError("config.json does not hold a JSON object")
+    for where in (config, config.get("text_config")):
+        if isinstance(where, dict) and isinstance(where.get("vocab_size"), int):
+            return int(where["vocab_size"])
+    return None
+
+
+def _model_problem(model_dir: str, synthetic: bool) -> str | None:
+    """Why ``--model model_dir`` cannot be fine-tuned (one line), or None."""
+    if not os.path.isdir(model_dir):
+        what = "is not a directory" if os.path.exists(model_dir) else "does not exist"
+        return f"--model {model_dir} {what}: pass a local Hugging Face checkpoint directory (save_pretrained)"
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return (
+            f"--model {model_dir} has no config.json: not a Hugging Face checkpoint directory "
+            "(save_pretrained writes config.json and the safetensors files)"
+        )
+    try:
+        vocab = config_vocab_size(model_dir)
+        if vocab is None and synthetic:
+            from slidedp_lightning.recipes.module import checkpoint_vocab_size
+
+            vocab = checkpoint_vocab_size(model_dir)
+        if vocab is not None and synthetic:
+            check_vocab(vocab, TASK, model_dir)
+    except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+        return f"--model {model_dir}: {' '.join(str(err).split())}"
+    return None
+
+
+def _input_file_problem(flag: str, path: str) -> str | None:
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory: pass a JSONL file"
+    if not os.path.isfile(path):
+        return f"{flag} {path} does not exist"
+    if not os.access(path, os.R_OK):
+        return f"{flag} {path} cannot be read (permissions)"
+    return None
+
+
+def _writable_file(flag: str, path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (one line), or None."""
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory: pass a file path"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"{flag} {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{flag} {path} cannot be written (permissions)"
+    return None
+
+
+def _writable_dir(flag: str, path: str) -> str | None:
+    """Why a directory cannot be created or written at ``path`` (one line), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{flag} {path} exists and is not a directory: choose a directory path"
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        return f"{flag} {path} cannot be created or written: {probe} is not a writable directory"
+    return None
+
+
+def check_outputs(args: argparse.Namespace) -> str | None:
+    """Why one of the run's output paths cannot be written (one line naming the flag, the cause and the fix), or
+    None: checked before training, so that a run's weights are never trained and then lost."""
+    if args.export:
+        from slidedp_lightning.export import check_export_target  # the library: what a model directory holds
+
+        try:
+            check_export_target(args.export)
+        except OSError as err:
+            return f"--export {args.export}: {err}"
+        if args.results and os.path.abspath(args.results).startswith(os.path.abspath(args.export) + os.sep):
+            return f"--results {args.results} is inside --export {args.export}, which the export replaces"
+    for flag, value, check in (
+        ("--results", args.results, _writable_file),
+        ("--log-dir", args.log_dir, _writable_dir),
+        ("--trace-dir", args.trace_dir, _writable_dir),
+    ):
+        problem = check(flag, value) if value else None
+        if problem is not None:
+            return problem
+    return None
+
+
+def custom_routes(args: argparse.Namespace) -> bool:
+    """Whether the flags change SlideDP's routes or gradient chunks from the strategy's defaults."""
+    return (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why the parsed flags cannot make a run (one line naming the flag, the value and what to pass), or None.
+    Reads only the file system (config.json, the data files' presence); the library is imported only to check an
+    ``--export`` target or a ``config.json`` without a vocabulary size."""
+    for flag, value, low in (
+        ("--devices", args.devices, 1),
+        ("--max-steps", args.max_steps, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--seq-len", args.seq_len, 2),
+        ("--warmup-steps", args.warmup_steps, 0),
+    ):
+        if value is not None and value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        return f"--lr must be a positive number, got {args.lr:g}"
+    if args.trace_dir and args.strategy != "slidedp":
+        return "--trace-dir traces SlideDP's lanes: use it with --strategy slidedp"
+    if args.param_route == "replicated" and args.grad_route == "host_reduce":
+        return (
+            "--param-route replicated (a ledger per rank) reduces gradients with an all-reduce on the devices: "
+            "use --grad-route gpu_reduce or auto"
+        )
+    if custom_routes(args) and args.strategy != "slidedp":
+        return "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
+    if args.precision == "16-mixed" and args.accelerator == "cpu" and args.strategy != "slidedp":
+        return (
+            f"--precision 16-mixed with --strategy {args.strategy} on --accelerator cpu: Lightning runs bf16 there "
+            "instead; use --strategy slidedp (FP16 autocast with loss scaling on the CPU too) or --precision bf16-mixed"
+        )
+    if args.data is None:
+        for flag, value in (
+            ("--val-data", args.val_data),
+            ("--export", args.export),
+            ("--export-dtype", args.export_dtype),
+        ):
+            if value is not None:
+                return f"{flag} goes with --data (your JSONL data): the synthetic task has its own validation set"
+        if args.seq_len != DEFAULT_SEQ_LEN:
+            return f"--seq-len goes with --data: the synthetic task's rows are {TASK.seq_len} tokens"
+    elif args.model is None:
+        return "--data needs --model DIR: the tokenizer and chat template come from DIR"
+    for flag, path in (("--data", args.data), ("--val-data", args.val_data)):
+        problem = _input_file_problem(flag, path) if path is not None else None
+        if problem is not None:
+            return problem
+    if args.model is not None:
+        problem = _model_problem(args.model, synthetic=args.data is None)
+        if problem is not None:
+            return problem
+    return check_outputs(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse and check the flags (a bad one: one line on stderr, exit status 2, before anything heavy is
+    imported), then run the job (:func:`slidedp_lightning.recipes.job.run`); returns its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem is not None:  # before any process starts or any step trains
+        parser.error(problem)
+
+    from slidedp_lightning.recipes.job import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
