@@ -85,14 +85,19 @@ CASES = {
         False,
         {"freeze": ["model.layers.1."], "layers": 3, "param_route": "sharded", "grad_route": "host_reduce"},
     ),
+    # a vocabulary whose embedding is over twice a block: an outlier unit, reduced piece by piece
+    "tied-large-vocab": (True, {"vocab": 2048}),
+    "tied-large-vocab-chunk4KiB-sharded": (True, {"vocab": 2048, "chunk_bytes": 4096, "param_route": "sharded"}),
 }
 
 
 # knobs of the model itself, not of the strategy: the reference job takes them too
-MODEL_KNOBS = ("freeze", "layers")
+MODEL_KNOBS = ("freeze", "layers", "vocab")
 
 
 FROZEN = tuple(c for c in CASES if "freeze" in CASES[c][1])
+# another model than the P1 path's: compared with DDP only
+OTHER_VOCAB = tuple(c for c in CASES if "vocab" in CASES[c][1])
 
 
 # the one case of the fast tier (pytest -m "not slow"): sharded parameters, host reduction, window 3, tied weights

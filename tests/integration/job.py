@@ -34,14 +34,14 @@ from tests.integration.job_config import JobConfig  # noqa: E402
 VOCAB, SEQ = 96, 24
 
 
-def tiny_config(tied: bool, layers: int = 2) -> Qwen3Config:
+def tiny_config(tied: bool, layers: int = 2, vocab: int = VOCAB) -> Qwen3Config:
     """The job's dense model: ``tests.helpers.tiny_config`` at the job's vocabulary and sequence length."""
-    return helpers.tiny_config(tied, layers, vocab=VOCAB, max_positions=SEQ)
+    return helpers.tiny_config(tied, layers, vocab=vocab, max_positions=SEQ)
 
 
-def tiny_moe_config(layers: int = 2) -> Qwen3MoeConfig:
+def tiny_moe_config(layers: int = 2, vocab: int = VOCAB) -> Qwen3MoeConfig:
     """The job's MoE model: ``tests.helpers.tiny_moe_config`` at the job's vocabulary and sequence length."""
-    return helpers.tiny_moe_config(layers, vocab=VOCAB, max_positions=SEQ)
+    return helpers.tiny_moe_config(layers, vocab=vocab, max_positions=SEQ)
 
 
 class TinyLM(L.LightningModule):
@@ -59,14 +59,14 @@ class TinyLM(L.LightningModule):
         if cfg.pretrained:  # SlideDP: read into the ledger; DDP: transformers' from_pretrained
             self.model = slidedp_lightning.from_pretrained(cfg.pretrained, attn_implementation="eager")
         elif cfg.library:
-            self.model = library_models.build(cfg.library, vocab=VOCAB, seq=SEQ)
+            self.model = library_models.build(cfg.library, vocab=cfg.vocab, seq=SEQ)
         elif cfg.model:
-            config = helpers.family_config(cfg.model, cfg.tied, cfg.layers, vocab=VOCAB, max_positions=SEQ)
+            config = helpers.family_config(cfg.model, cfg.tied, cfg.layers, vocab=cfg.vocab, max_positions=SEQ)
             self.model = AutoModelForCausalLM.from_config(config)
         elif cfg.arch == "moe":
-            self.model = Qwen3MoeForCausalLM(tiny_moe_config(cfg.layers))
+            self.model = Qwen3MoeForCausalLM(tiny_moe_config(cfg.layers, cfg.vocab))
         else:
-            self.model = Qwen3ForCausalLM(tiny_config(cfg.tied, cfg.layers))
+            self.model = Qwen3ForCausalLM(tiny_config(cfg.tied, cfg.layers, cfg.vocab))
         if cfg.loss_chunk:
             from slidedp_lightning import use_chunked_loss
 
@@ -123,9 +123,9 @@ class TinyLM(L.LightningModule):
         cfg = self.cfg
         per_batch = cfg.batch * cfg.devices * cfg.num_nodes
         n_batches = cfg.steps if cfg.data_batches is None else cfg.data_batches
-        data = Tokens(n_batches * per_batch, seed=7, vocab=VOCAB, seq=SEQ)
+        data = Tokens(n_batches * per_batch, seed=7, vocab=cfg.vocab, seq=SEQ)
         if cfg.constant_data:  # every sample the same: batch order and sharding cannot matter
-            data.data = Tokens(1, seed=7, vocab=VOCAB, seq=SEQ).data.expand_as(data.data).clone()
+            data.data = Tokens(1, seed=7, vocab=cfg.vocab, seq=SEQ).data.expand_as(data.data).clone()
         if cfg.drop_batch is not None:  # batch k leaves the data; later batches move up (every rank loads all data)
             assert not cfg.distributed_sampler, "Lightning's sampler shuffles: order would change"
             k, per_batch = cfg.drop_batch, cfg.batch

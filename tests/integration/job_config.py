@@ -60,6 +60,7 @@ class JobConfig:
     model: str | None = None  # a transformers model_type: tests.helpers.family_config's tiny model (instead of arch)
     library: str | None = None  # a model of another library by name: tests/integration/library_models.py (instead)
     layers: int = 2
+    vocab: int = 96  # the model's vocabulary (the data's tokens): 2048 makes the embedding an outlier unit
     init_seed: int = 1234
     init_from: str | None = None  # a LightningModule state dict to start from
     pretrained: str | None = None  # a save_pretrained directory, loaded with slidedp_lightning.from_pretrained

@@ -24,6 +24,7 @@ from tests.integration.equivalence_cases import (
     FROZEN,
     MATRIX,
     MATRIX_STEPS,
+    OTHER_VOCAB,
     case_reference,
     case_result,
     differing,
@@ -106,7 +107,8 @@ ARITHMETIC = ("tied-chunked-loss", "untied-chunked-loss-full-offload")
 @pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "case", sorted(c for c in CASES if c not in ("tied-gpu_reduce", "untied-gpu_reduce") + ARITHMETIC + FROZEN)
+    "case",
+    sorted(c for c in CASES if c not in ("tied-gpu_reduce", "untied-gpu_reduce") + ARITHMETIC + FROZEN + OTHER_VOCAB),
 )
 def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner, case, trace_dir):
     """Routes, chunking, windows and tracing change where and when the arithmetic runs, never its result."""

@@ -343,3 +343,79 @@ def test_a_unit_far_larger_than_the_others_does_not_size_every_pooled_buffer() -
         assert 1 <= pool.buffers <= 2
     finally:
         engine.close()
+
+
+def _outlier_dispatch(rank: int, port: int, out: str) -> None:
+    """Two ranks of one host reduce a tied embedding 16x a block's size, recording every FP32 buffer made."""
+    import os
+
+    import torch.distributed as dist
+
+    from slidedp_lightning.runtime.lanes.liveness import Liveness
+    from slidedp_lightning.runtime.topology import Topology
+    from tests.helpers import tiny_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    lanes = CpuLanes(torch.device("cpu"))
+    try:
+        layout = layout_of(Qwen3ForCausalLM(tiny_config(tied=True, vocab=8192)), world_size=2)
+        topology = Topology.build(global_rank=rank, local_rank=rank, ranks_per_host=2)
+        route = GradRoute(
+            route="gpu_reduce",
+            layout=layout,
+            ledger=None,
+            lanes=lanes,
+            liveness=Liveness(lambda: [], 60.0),
+            topology=topology,
+            chunk_elems=3000,
+        )
+        u = max(range(len(layout.units)), key=lambda i: layout.units[i].padded)
+        unit = layout.units[u]
+        g = torch.Generator().manual_seed(rank)
+        grads = [torch.randn(s.shape, generator=g) for s in unit.slots]
+        made: list[int] = []
+        empty = torch.empty
+
+        def recording(*size, **kw):
+            t = empty(*size, **kw)
+            if t.dtype == torch.float32:
+                made.append(t.numel())
+            return t
+
+        torch.empty = recording
+        try:
+            chunks = route.dispatch(u, list(grads), 0)
+        finally:
+            torch.empty = empty
+        shard = torch.cat([torch.from_numpy(src.get().copy()) for _, _, src in chunks])
+        flat = torch.zeros(unit.padded)
+        _fill_flat(flat, unit, grads)
+        torch.save(
+            (flat, shard, unit.shard(rank), unit.padded, route.pool_elems, made, len(chunks)), f"{out}/r{rank}.pt"
+        )
+        dist.barrier()
+    finally:
+        lanes.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawns a process group
+def test_an_outlier_unit_is_reduced_piece_by_piece_without_a_flat_gradient_of_the_whole_unit(tmp_path):
+    """gloo, a tied embedding 16x a block: each rank gets the mean of both ranks' gradients over its shard, in
+    chunks, and no FP32 buffer larger than its shard is made (no flat gradient of the whole unit)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_outlier_dispatch, args=(port, str(tmp_path)), nprocs=2)
+    flats = [torch.load(tmp_path / f"r{r}.pt")[0] for r in range(2)]
+    for rank in range(2):
+        _, shard, (lo, hi), padded, pooled, made, chunks = torch.load(tmp_path / f"r{rank}.pt")
+        assert padded > 2 * pooled, "the embedding is an outlier unit"
+        assert torch.equal(shard, flats[0][lo:hi] / 2 + flats[1][lo:hi] / 2), f"rank {rank}"
+        assert chunks == -(-(hi - lo) // 3000)
+        assert max(made) <= hi - lo < padded, f"rank {rank}: FP32 buffers of {made} elements for a {padded} unit"
