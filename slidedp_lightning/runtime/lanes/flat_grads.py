@@ -57,11 +57,11 @@ class FlatPool:
     20x the copy itself). The pool hands a buffer to one unit's reduction (:meth:`take`) and gets it back once
     the last shard reading it has been released; it holds as many buffers of the units' common size (``elems``) as
     units were ever in flight at once (``max_units_in_flight``). A unit larger than those (an outlier: a large
-    vocabulary's embedding or untied head, reduced once a step) gets a buffer of its own size for that one
-    reduction, freed with its last user: kept, it would hold that unit's FP32 gradient for the whole run, and at
-    the end of backward beside the gradients autograd is still summing for it (1.24 GB per rank, twice, at a
-    152K vocabulary of width 2048). CUDA's caching allocator does this for device buffers, so streams do not use
-    it.
+    vocabulary's embedding or untied head, reduced once a step) never takes a pooled buffer: kept, one would hold
+    that unit's FP32 gradient for the whole run (1.24 GB per rank at a 152K vocabulary of width 2048). On gloo
+    it is reduced piece by piece into a buffer of this rank's shard (``GradRoute._reduce_outlier``); on one rank
+    or across hosts it gets a buffer of its own size for that one reduction, freed with its last user. CUDA's
+    caching allocator does this for device buffers, so streams do not use it.
     """
 
     def __init__(self, elems: int, device: torch.device) -> None:
