@@ -9,7 +9,7 @@ a job of their own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.baselines.workload import SYSTEMS, JobSpec, ModelShape
@@ -66,6 +66,21 @@ class Scale:
     timeout_s: float
     moe_shape: ModelShape | None = None  # MoE table: every system on a Qwen3-MoE shape
     long_seq: int = 0  # long-sequence table: SlideDP (chunked loss + offload) vs the others at this length
+    # every system runs at the first ``systems_sizes`` slope shapes (0: at all of them); SlideDP and the replicated
+    # mode at all, for the host-memory slope
+    systems_sizes: int = 0
+
+    @property
+    def systems_shapes(self) -> tuple[ModelShape, ...]:
+        """The shapes at which every system runs (the throughput and memory tables)."""
+        return self.slope_shapes[: self.systems_sizes or len(self.slope_shapes)]
+
+    def systems_at(self, shape: ModelShape) -> tuple[str, ...]:
+        """The systems that run at one of the slope shapes."""
+        return SYSTEMS if shape in self.systems_shapes else SLOPE_SYSTEMS
+
+
+SLOPE_SYSTEMS = ("slidedp", "replicated")  # the host-memory slope's acceptance compares these two
 
 
 def _moe(name: str, hidden: int, layers: int, experts: int, top: int, moe_inter: int, vocab: int) -> ModelShape:
@@ -88,7 +103,16 @@ def _moe(name: str, hidden: int, layers: int, experts: int, top: int, moe_inter:
     )
 
 
-def scale(name: str, ranks: int | None = None) -> Scale:
+def quick(sc: Scale) -> Scale:
+    """``--bench-quick``: every table of the paper comparison in minutes. Every system at the first two model
+    sizes, SlideDP and the replicated mode also at the third (the slope needs three); same steps and batches."""
+    return replace(sc, name=f"{sc.name}-quick", slope_shapes=sc.slope_shapes[:3], systems_sizes=2)
+
+
+def scale(name: str, ranks: int | None = None, fast: bool = False) -> Scale:
+    """The configurations of scale ``name`` (``fast``: :func:`quick`'s subset)."""
+    if fast:
+        return quick(scale(name, ranks))
     if name == "cpu":
         slope = tuple(_shape(f"h512-L{n}", 512, n, 1408, 8, 4, 4096) for n in (2, 8, 14, 20, 26))
         return Scale(
@@ -148,6 +172,7 @@ ROUTES = {
     "auto": {"param_route": "auto", "grad_route": "auto"},
 }
 DEFAULT_ROUTE = "full+gpu_reduce"  # SlideDPStrategy's defaults
+TRACE_RUN = "trace/slidedp"
 
 
 def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
@@ -175,7 +200,7 @@ def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
 
     jobs: list[Job] = []
     for shape in sc.slope_shapes:
-        for system in SYSTEMS:
+        for system in sc.systems_at(shape):
             name = f"systems/{shape.name}/{system}"
             jobs.append(Job(name, [Run(name, spec(system, shape), f"systems/{shape.name}")], memory=True))
     small = sc.slope_shapes[0]
@@ -191,6 +216,9 @@ def plan(sc: Scale, init_root: Path, init=None) -> list[Job]:
     for label, chunk in (("on", sc.chunk_bytes), ("auto", "auto")):
         knobs = {"chunk_bytes": chunk}
         variants.runs.append(Run(f"chunking/{label}", spec("slidedp", small, global_batch=g, knobs=knobs), "variants"))
+    # the lanes of one SlideDP run, for the Gantt plot; last, so that tracing slows no measured run
+    trace = spec("slidedp", small, global_batch=g, knobs={"lane_trace": True})
+    variants.runs.append(Run(TRACE_RUN, trace, "variants"))
     autopolicy = Job("autopolicy")
     for label, policy in (("off", "full"), ("on", "auto")):
         knobs = {"activation_policy": policy}

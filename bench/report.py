@@ -1,15 +1,24 @@
-"""Benchmark results: one directory with markdown tables, JSON and TensorBoard scalars, and the machine."""
+"""Benchmark results: one directory with markdown tables, JSON, CSV, plots and TensorBoard scalars, and the machine.
+
+Targets (speed ratios, memory slopes, loss bounds) are :class:`Verdict` s: written at the top of ``report.md``,
+never a reason to stop a run. :meth:`BenchReport.write` may be called at any time (after every job, on
+interrupt): it rewrites the tables from what has been recorded so far.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import platform
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from functools import cache
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,25 @@ class Ratio:
     def ok(self) -> bool:
         return self.value >= self.target
 
+    def verdict(self) -> Verdict:
+        return Verdict(self.suite, self.label, f"{self.size_m}M x{self.threads}T", f"{self.value:.3f}",
+                       f">= {self.target:g}", self.ok)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One target checked against a measurement: reported, and enforced only with ``--bench-strict``."""
+
+    suite: str
+    label: str
+    config: str
+    value: str
+    target: str
+    ok: bool
+
+    def line(self) -> str:
+        return f"{self.suite}: {self.label} ({self.config}) = {self.value}, target {self.target}"
+
 
 @dataclass(frozen=True)
 class Table:
@@ -74,6 +102,7 @@ class Table:
         return re.sub(r"[^A-Za-z0-9]+", "-", f"{self.suite}-{self.title}").strip("-").lower()
 
 
+@cache
 def machine() -> dict[str, object]:
     import torch
 
@@ -108,6 +137,11 @@ class BenchReport:
     tables: list[Table] = field(default_factory=list)
     scalars: list[tuple[str, float, int]] = field(default_factory=list)  # TensorBoard: (tag, value, step)
     runs: dict[str, dict] = field(default_factory=dict)  # run name -> its summary (results.json)
+    checks: list[Verdict] = field(default_factory=list)  # targets other than the kernel suites' ratios
+    timings: dict[str, float] = field(default_factory=dict)  # what took how long (one-time costs, jobs), seconds
+    plots: list[Path] = field(default_factory=list)  # written by the last write with plots
+    strict: bool = False  # --bench-strict: a missed target fails its test
+    plot_error: str = ""  # why the last plots were not written ("" when they were)
 
     def add(self, m: Measurement) -> None:
         self.measurements.append(m)
@@ -148,7 +182,56 @@ class BenchReport:
             self.notes[suite].append(text)
 
     def table(self, t: Table) -> None:
+        """Add ``t``, or replace the table of the same suite and title (a table rebuilt as its runs finish)."""
+        for i, old in enumerate(self.tables):
+            if old.slug == t.slug:
+                self.tables[i] = t
+                return
         self.tables.append(t)
+
+    def verdict(self, v: Verdict) -> None:
+        self.checks = [c for c in self.checks if (c.suite, c.label, c.config) != (v.suite, v.label, v.config)]
+        self.checks.append(v)
+
+    def check(self, verdicts: list[Verdict], record: bool = True) -> list[str]:
+        """Record ``verdicts`` (``record=False``: they are recorded already) and write the report; returns the
+        missed ones that must fail the run: none unless ``strict``."""
+        for v in verdicts if record else []:
+            self.verdict(v)
+        self.write()
+        return [v.line() for v in verdicts if not v.ok] if self.strict else []
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        """Every target checked so far: the kernel suites' ratios that have one, then the other checks."""
+        return [r.verdict() for r in self.ratios if r.applies] + self.checks
+
+    def verdict_section(self) -> str:
+        vs = self.verdicts
+        if not vs:
+            return "## Verdicts\n\nno target checked yet\n"
+        missed = [v for v in vs if not v.ok]
+        lines = [
+            "## Verdicts",
+            "",
+            f"{len(vs) - len(missed)} of {len(vs)} targets met"
+            + (f"; missed: {', '.join(f'{v.suite}: {v.label} ({v.config})' for v in missed)}" if missed else "")
+            + " (a missed target fails the run only with --bench-strict)",
+            "",
+            "| suite | target | config | value | required | met |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {v.suite} | {v.label} | {v.config} | {v.value} | {v.target} | {'yes' if v.ok else 'NO'} |" for v in vs
+        ]
+        return "\n".join(lines) + "\n"
+
+    def timing_section(self) -> str:
+        if not self.timings:
+            return ""
+        lines = ["## Times", "", "| what | seconds |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in self.timings.items()]
+        return "\n".join(lines) + "\n"
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         self.scalars.append((tag, float(value), int(step)))
@@ -181,21 +264,53 @@ class BenchReport:
                     lines.append(f"| {r.label} | {r.size_m}M x{r.threads}T | {r.value:.3f} | {target} | {met} |")
             lines += [""] + [f"- {n}" for n in self.notes.get(suite, [])]
             out.append("\n".join(lines))
+        shown = {t.suite for t in self.tables} | {m.suite for m in self.measurements}
+        for name, texts in self.notes.items():  # suites with notes only (one-time costs, capacity's table)
+            if name not in shown and texts:
+                out.append(f"### {name}\n\n" + "\n\n".join(texts))
         return out
 
-    def write(self) -> list[Path]:
+    def write(self, final: bool = False, plots: bool = False) -> list[Path]:
+        """Write report.md, results.json and the CSVs from what is recorded; ``plots`` (or ``final``) also the
+        plots (PNG, drawn from results.json by ``bench/plots.py``); ``final`` also the TensorBoard scalars (once:
+        a second write would repeat every scalar)."""
         self.out.mkdir(parents=True, exist_ok=True)
         info = machine()
         md = self.out / "report.md"
-        head = f"# Benchmark results\n\nmachine: {json.dumps(info)}\n\n"
-        md.write_text(head + "\n\n".join(self.markdown_sections()) + "\n")
         js = self.out / "results.json"
-        js.write_text(
+        self._write_json(js, info)
+        if final or plots:
+            from bench.plots import write_plots
+
+            try:
+                self.plots, self.plot_error = write_plots(self.out), ""
+            except Exception as exc:  # a plot must never cost the tables
+                log.exception("plots not written")
+                self.plot_error = f"plots not written: {type(exc).__name__}: {exc}"
+        head = f"# Benchmark results\n\nmachine: {json.dumps(info)}\n\n{self.verdict_section()}\n"
+        if self.plots or self.plot_error:
+            images = [f"![{p.stem}]({p.relative_to(self.out)})" for p in self.plots]
+            head += "## Plots\n\n" + "\n".join(images + [self.plot_error]).strip() + "\n\n"
+        body = "\n\n".join(self.markdown_sections())
+        tmp = md.with_suffix(".md.tmp")
+        tmp.write_text(head + body + "\n\n" + self.timing_section())
+        tmp.replace(md)
+        self._write_csv()
+        paths = [md, js] + ([self.out / "csv"] if self.tables else []) + self.plots
+        if final:
+            paths.append(self._write_tensorboard())
+        return paths
+
+    def _write_json(self, js: Path, info: dict) -> None:
+        tmp = js.with_suffix(".json.tmp")
+        tmp.write_text(
             json.dumps(
                 {
                     "machine": info,
                     "measurements": [asdict(m) | {"gparam_s": m.gparam_s, "gb_s": m.gb_s} for m in self.measurements],
                     "ratios": [asdict(r) | {"ok": r.ok} for r in self.ratios],
+                    "verdicts": [asdict(v) for v in self.verdicts],
+                    "timings": self.timings,
                     "notes": dict(self.notes),
                     "tables": [asdict(t) for t in self.tables],
                     "runs": self.runs,
@@ -204,6 +319,9 @@ class BenchReport:
                 default=str,
             )
         )
+        tmp.replace(js)
+
+    def _write_csv(self) -> None:
         csv_dir = self.out / "csv"
         if self.tables:
             csv_dir.mkdir(exist_ok=True)
@@ -212,6 +330,8 @@ class BenchReport:
                 w = csv.writer(f)
                 w.writerow(t.headers)
                 w.writerows(t.rows)
+
+    def _write_tensorboard(self) -> Path:
         from torch.utils.tensorboard import SummaryWriter
 
         tb = self.out / "tensorboard"
@@ -222,4 +342,4 @@ class BenchReport:
                 writer.add_scalar(f"{r.suite}/ratio/{r.label}/{r.threads}T", r.value, global_step=r.size_m)
             for tag, value, step in self.scalars:
                 writer.add_scalar(tag, value, global_step=step)
-        return [md, js, tb] + ([csv_dir] if self.tables else [])
+        return tb

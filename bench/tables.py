@@ -1,10 +1,12 @@
 """The paper's tables (arXiv 2609.34162, §4) built from run results; shared by ``bench/test_systems.py`` and
 ``experiments/``. Every function returns :class:`~bench.report.Table` objects and never invents a value: a
-run that did not finish appears with its status, and its reason is in the table's notes."""
+run that did not finish (or has not run yet) appears with its status, and its reason is in the table's notes.
+``res`` maps run names to results; a system that the scale does not run at a size has no entry."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from bench.baselines.hostmem import INTERVAL_S
@@ -19,7 +21,12 @@ SUITE = "systems"
 
 
 def _why(results: list[RunResult]) -> list[str]:
-    return [f"{r.name}: {r.status}: {r.reason}" for r in results if r.reason]
+    """``name: reason`` of each run that has one (a reason starts with its status; else the status is added)."""
+    return [
+        f"{r.name}: {r.reason if r.reason.startswith(r.status) else f'{r.status}: {r.reason}'}"
+        for r in results
+        if r.reason
+    ]
 
 
 def _tps(r: RunResult) -> str | float:
@@ -42,13 +49,14 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def system_runs(res: dict[str, RunResult], sc: Scale) -> dict[str, dict[str, RunResult]]:
-    """shape name -> system -> result."""
-    return {sh.name: {s: res[f"systems/{sh.name}/{s}"] for s in SYSTEMS} for sh in sc.slope_shapes}
+def system_runs(res: Mapping[str, RunResult], sc: Scale, shapes=None) -> dict[str, dict[str, RunResult]]:
+    """shape name -> system -> result, over ``shapes`` (default: every slope shape) and the systems run there."""
+    names = {sh.name: {s: f"systems/{sh.name}/{s}" for s in SYSTEMS} for sh in shapes or sc.slope_shapes}
+    return {sh: {s: res[n] for s, n in by.items() if n in res} for sh, by in names.items()}
 
 
-def throughput(res: dict[str, RunResult], sc: Scale) -> list[Table]:
-    by = system_runs(res, sc)
+def throughput(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
+    by = system_runs(res, sc, sc.systems_shapes)
     first = next(iter(by.values()))["slidedp"].spec
     head = (
         f"{sc.ranks} ranks, global batch {first.global_batch}, seq {first.seq}, {first.precision}, full-layer "
@@ -103,8 +111,8 @@ def _device(r: RunResult) -> str:
     )
 
 
-def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:
-    shape = sc.slope_shapes[-1]
+def memory(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
+    shape = sc.systems_shapes[-1]
     runs = system_runs(res, sc)[shape.name]
     rows = []
     for system, r in runs.items():
@@ -140,6 +148,10 @@ def memory(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     ]
 
 
+def _host_cell(r: RunResult) -> str | float:
+    return round(r.host_peak / GB, 3) if r.ok else r.status
+
+
 class HostSlopes(NamedTuple):
     """The host-memory slope table and the slopes in it (GB per billion parameters, per system)."""
 
@@ -148,17 +160,19 @@ class HostSlopes(NamedTuple):
     ledger: dict[str, float]  # the ledgers' memory (SlideDP and its replicated mode), measured after the steps
 
 
-def host_slopes(res: dict[str, RunResult], sc: Scale) -> HostSlopes:
+def host_slopes(res: Mapping[str, RunResult], sc: Scale) -> HostSlopes:
     by = system_runs(res, sc)
     shapes = list(by)
     total: dict[str, float] = {}
     ledger: dict[str, float] = {}
     rows = []
     for system in SYSTEMS:
-        rs = [by[s][system] for s in shapes]
-        cells = [round(r.host_peak / GB, 3) if r.ok else r.status for r in rs]
+        rs = [by[s][system] for s in shapes if system in by[s]]
+        if not rs:
+            continue
+        cells = [_host_cell(by[s][system]) if system in by[s] else "not run at this size" for s in shapes]
         xs = [r.spec.model.num_params / 1e9 for r in rs]
-        if all(r.ok for r in rs):
+        if len(rs) >= 2 and all(r.ok for r in rs):
             b, a = slope(xs, [r.host_peak / GB for r in rs])
             total[system] = b
             row = [system, *cells, round(b, 2), round(a, 3)]
@@ -183,7 +197,14 @@ def host_slopes(res: dict[str, RunResult], sc: Scale) -> HostSlopes:
         "rest of the host slope is private memory of the ranks",
         "SlideDP's ledger holds 14 B/param (FP32 master + 2 FP32 moments + BF16 copy) once per host; the "
         "replicated mode one ledger per rank; paper: SlideDP 14.2 GB/B vs 19.8-22.9 GB/B for the baselines",
-    ] + _why([r for v in by.values() for r in v.values()])
+    ]
+    if len(sc.systems_shapes) < len(shapes):
+        notes.append(
+            f"this scale ({sc.name}) runs every system at the first {len(sc.systems_shapes)} sizes and SlideDP and "
+            f"the replicated mode at all {len(shapes)}: the other systems' slopes are lines through "
+            f"{len(sc.systems_shapes)} points"
+        )
+    notes += _why([r for v in by.values() for r in v.values()])
     headers = [
         "system",
         *[f"{s} ({by[s]['slidedp'].spec.model.num_params / 1e6:.1f} M) GB" for s in shapes],
@@ -204,7 +225,7 @@ def _pair_rows(pairs: list[tuple[str, RunResult]], base: RunResult) -> list[list
     return rows
 
 
-def scaling(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+def scaling(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
     rows = []
     for system in ("slidedp", "replicated"):
         two = res[f"variants/{system}"]
@@ -258,7 +279,7 @@ def scaling(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     ]
 
 
-def chunking(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+def chunking(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
     base = res["variants/slidedp"]
     pairs = [
         ("off (one chunk per unit)", base),
@@ -280,7 +301,7 @@ def chunking(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     ]
 
 
-def autopolicy(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+def autopolicy(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
     off, on = res["autopolicy/off"], res["autopolicy/on"]
     rows = _pair_rows([("off (full-layer checkpointing)", off), ("on (AutoPolicy plan)", on)], off)
     for row, r in zip(rows, (off, on)):
@@ -307,7 +328,7 @@ def autopolicy(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     ]
 
 
-def routes(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+def routes(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
     base = res["variants/slidedp"]
     pairs = [(DEFAULT_ROUTE, base)] + [(k, res[f"routes/{k}"]) for k in ROUTES if k != DEFAULT_ROUTE]
     notes = [
@@ -327,7 +348,7 @@ def routes(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     ]
 
 
-def loss_equivalence(res: dict[str, RunResult]) -> tuple[Table, dict[str, float]]:
+def loss_equivalence(res: Mapping[str, RunResult]) -> tuple[Table, dict[str, float]]:
     rows, diffs = [], {}
     bounds = {"32-true": 1e-4, "bf16-mixed": 1e-2}
     runs = []
@@ -355,7 +376,7 @@ def loss_equivalence(res: dict[str, RunResult]) -> tuple[Table, dict[str, float]
     ), diffs
 
 
-def moe(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+def moe(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
     """Every system on the Qwen3-MoE shape at the systems table's batch."""
     base = res["moe/slidedp"]
     rows = _pair_rows([(s, res[f"moe/{s}"]) for s in SYSTEMS], base)
@@ -372,7 +393,7 @@ def moe(res: dict[str, RunResult], sc: Scale) -> list[Table]:
     return [Table(SUITE, "MoE throughput", ["system", "step ms", "tokens/s", "SlideDP speed-up"], rows, notes)]
 
 
-def long_context(res: dict[str, RunResult], sc: Scale) -> list[Table]:
+def long_context(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
     """One long sequence per rank: SlideDP with the chunked loss and half the activations offloaded."""
     runs = [(s, res[f"long/{s}"]) for s in ("slidedp", "ddp", "fsdp2")]
     rows = _pair_rows(runs, runs[0][1])

@@ -79,8 +79,11 @@ class Buffers:
 _DEEPSPEED: dict[str, object] = {}
 
 
-def deepspeed_adam() -> tuple[type | None, str]:
-    """DeepSpeedCPUAdam (built once per session), or None and the reason it cannot run here."""
+def deepspeed_adam(blocked: str = "") -> tuple[type | None, str]:
+    """DeepSpeedCPUAdam (built once per session, up front: ``bench/prepare.py``), or None and the reason it cannot
+    run here (``blocked``: why the up-front build failed)."""
+    if "cls" not in _DEEPSPEED and blocked:
+        _DEEPSPEED.update(cls=None, why=f"DeepSpeedCPUAdam skipped: {blocked}")
     if "cls" not in _DEEPSPEED:
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -180,9 +183,9 @@ RATIOS = [
 
 
 @pytest.mark.parametrize("threads", THREADS, ids=lambda t: f"{t}T")
-def test_cpu_adam(benchmark, bench_report, bench_rounds, size_m, threads):
+def test_cpu_adam(benchmark, bench_report, bench_rounds, bench_prepared, bench_check, size_m, threads):
     n = size_m * 1_000_000
-    _, ds_why = deepspeed_adam()
+    _, ds_why = deepspeed_adam(bench_prepared.blocked.get("zero_offload", ""))
     if ds_why:
         print(ds_why)
         bench_report.note(SUITE, ds_why)
@@ -199,12 +202,15 @@ def test_cpu_adam(benchmark, bench_report, bench_rounds, size_m, threads):
         cases = build_cases(buffers)
         benchmark.group = f"cpu_adam {size_m}M x{threads}T"
         medians = bench_report.interleaved_medians(benchmark, SUITE, size_m, threads, cases, bench_rounds)
+    checked = []
     for label, num, den, target, sizes, thread_counts in RATIOS:
         if num in medians and den in medians:
             applies = (sizes is None or size_m in sizes) and (thread_counts is None or threads in thread_counts)
             # throughput ratio = time ratio inverted
-            bench_report.ratio(
-                Ratio(SUITE, label, size_m, threads, medians[den] / medians[num], target if applies else 0.0)
-            )
+            ratio = Ratio(SUITE, label, size_m, threads, medians[den] / medians[num], target if applies else 0.0)
+            bench_report.ratio(ratio)
+            if ratio.applies:
+                checked.append(ratio.verdict())
     benchmark.extra_info.update({name: n / t / 1e9 for name, t in medians.items()})
     del buffers, cases
+    bench_check(checked, record=False)  # verdicts in report.md; a failure only with --bench-strict

@@ -1,6 +1,6 @@
 """AutoPolicy on/off (SlideDP; off = full-layer checkpointing).
 
-Usage: `python experiments/table_autopolicy.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_autopolicy.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

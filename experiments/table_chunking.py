@@ -1,6 +1,6 @@
 """Gradient-path chunking on/off (SlideDP).
 
-Usage: `python experiments/table_chunking.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_chunking.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Host memory per billion parameters: the slope over three model sizes (Qwen3-4B/8B/14B shapes).
 
-Usage: `python experiments/table_host_slope.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_host_slope.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

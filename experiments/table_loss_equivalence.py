@@ -1,6 +1,6 @@
 """Loss equivalence: 200 steps of SlideDP vs FSDP2 from the same initial weights and data (FP32 and BF16).
 
-Usage: `python experiments/table_loss_equivalence.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_loss_equivalence.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Peak device and host memory of every system at the same (feasible) batch.
 
-Usage: `python experiments/table_memory.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_memory.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

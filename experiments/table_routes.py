@@ -1,6 +1,6 @@
 """Parameter and gradient routes (full/sharded x gpu_reduce/host_reduce, and the probed choice).
 
-Usage: `python experiments/table_routes.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_routes.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

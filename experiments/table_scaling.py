@@ -1,6 +1,6 @@
 """Scaling with rank count: fixed global batch (strong) and fixed per-rank batch (weak), SlideDP vs replicated.
 
-Usage: `python experiments/table_scaling.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_scaling.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Throughput of SlideDP vs FSDP2, FSDP2+CPU offload, ZeRO-Offload, the replicated mode and DDP at matched batch.
 
-Usage: `python experiments/table_throughput.py [--scale gpu] [--ranks R] [--out DIR]`
+Usage: `python experiments/table_throughput.py [--scale gpu] [--ranks R] [--out DIR] [--quick]`
 """
 
 from __future__ import annotations

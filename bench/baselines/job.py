@@ -3,7 +3,8 @@
 CONFIG: ``{"out": DIR, "runs": [{"name": ..., "spec": JobSpec}, ...]}``; every run executes in the same R
 processes, one after the other (outputs under ``DIR/<name>``). Lightning systems launch their own ranks; for
 FSDP2 and DeepSpeed this process starts ranks 1..R-1 (torchrun's environment variables) and becomes rank 0.
-Each rank writes ``result_rank{r}.json`` per run and ``done_rank{r}`` as its very last statement.
+Each rank writes ``result_rank{r}.json`` per run and ``done_rank{r}`` as its very last statement. Every process
+of a job dies with its parent (``bench/baselines/lifetime.py``).
 """
 
 from __future__ import annotations
@@ -91,4 +92,7 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
+    from bench.baselines.lifetime import die_with_parent
+
+    die_with_parent()  # first: a benchmark killed with SIGKILL takes this rank down with it
     sys.exit(main(sys.argv[1]))

@@ -87,7 +87,13 @@ class BenchLM(L.LightningModule):
 
 
 def fit(
-    spec: JobSpec, strategy, out: str, hf_checkpointing: bool, fused_adamw: bool, loss_chunk: int | None = None
+    spec: JobSpec,
+    strategy,
+    out: str,
+    hf_checkpointing: bool,
+    fused_adamw: bool,
+    loss_chunk: int | None = None,
+    callbacks: list | None = None,
 ) -> tuple[L.Trainer, BenchLM]:
     """One Lightning fit of ``spec``; the data split is the workload's own (``rank_loader``), as in every system."""
     rec = Recorder(out, rank=0)
@@ -105,6 +111,7 @@ def fit(
         num_sanity_val_steps=0,
         default_root_dir=out,
         use_distributed_sampler=False,
+        callbacks=callbacks or [],
     )
     rec.rank = trainer.global_rank
     trainer.fit(module)

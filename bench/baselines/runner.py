@@ -2,8 +2,9 @@
 
 A job that cannot run is reported, never dropped: ``infeasible`` (the preflight estimate exceeds the memory
 there is; the estimate and the limit are in the reason), ``oom`` (sampled host memory crossed the limit and the
-job was stopped), ``timeout``, ``failed`` (the last lines of its output are the reason), ``unavailable`` (the
-system needs a package of the ``bench`` extra that is not installed; the reason names it).
+job was stopped), ``timeout``, ``failed`` (the last lines of its output are the reason), ``not installed`` (the
+system needs a package of the ``bench`` extra; the reason names it), ``interrupted`` (the benchmark was stopped
+while the job ran). No process of a job outlives it (``bench/baselines/lifetime.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.baselines import extensions, lifetime
 from bench.baselines.hostmem import INTERVAL_S, Sampler, mem_available
 from bench.baselines.workload import JobSpec
 from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM
@@ -36,6 +38,9 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 # systems that need a package of the optional ``bench`` extra (not a dependency of the project)
 NEEDS = {"zero_offload": "deepspeed"}
 BENCH_EXTRA = 'pip install -e ".[bench]"'
+NOT_INSTALLED = "not installed"
+# after a job's leading process exits, the other ranks get this long to finish writing before they are killed
+GRACE_S = 10.0
 
 
 @dataclass
@@ -124,7 +129,7 @@ def missing_package(spec: JobSpec) -> str:
     module = NEEDS.get(spec.system)
     if module is None or importlib.util.find_spec(module) is not None:
         return ""
-    return f"unavailable: {spec.system} needs {module}, which is not installed ({BENCH_EXTRA})"
+    return f"{NOT_INSTALLED}: {spec.system} needs {module}, which is not installed ({BENCH_EXTRA})"
 
 
 def _launch_env(spec: JobSpec) -> dict[str, str]:
@@ -136,6 +141,8 @@ def _launch_env(spec: JobSpec) -> dict[str, str]:
         "OMP_NUM_THREADS": str(max(1, cores // spec.ranks)),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": str(REPO),
+        lifetime.PARENT_ENV: str(os.getpid()),  # the job dies with this process (bench/baselines/lifetime.py)
+        "TORCH_EXTENSIONS_DIR": str(extensions.owned_dir()),  # DeepSpeed's ops, built up front (bench/prepare.py)
     }
     if spec.system == "zero_offload" and spec.accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
@@ -156,7 +163,7 @@ def run_job(
     first = runs[0][1]
     missing = missing_package(first)
     if missing:
-        return [RunResult(name, spec, "unavailable", missing) for name, spec in runs]
+        return [RunResult(name, spec, NOT_INSTALLED, missing) for name, spec in runs]
     limit = mem_limit if mem_limit is not None else int(mem_available() * 0.9)
     need = max(estimate_host_bytes(s) for _, s in runs)
     if preflight and need > limit:
@@ -170,6 +177,12 @@ def run_job(
     cfg.write_text(
         json.dumps({"out": str(out), "runs": [{"name": n, "spec": json.loads(s.to_json())} for n, s in runs]})
     )
+    builds = extensions.OwnedBuildDir() if first.system in NEEDS else None
+    if builds is not None:  # DeepSpeed loads its ops under the benchmark's build directory: hold it meanwhile
+        try:
+            builds.acquire(timeout_s=first.timeout_s)
+        except TimeoutError as exc:
+            return [RunResult(name, spec, "timeout", f"timeout: {exc}; not started") for name, spec in runs]
     logf = open(out / "output.log", "w")  # noqa: SIM115
     t0 = time.time()
     proc = subprocess.Popen(
@@ -180,14 +193,12 @@ def run_job(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    lifetime.track(proc.pid)  # the job's process group: its ranks and whatever they start
     killed: list[str] = []
 
     def kill(why: str) -> None:
         killed.append(why)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        lifetime.kill_group(proc.pid)
 
     sampler = Sampler(
         proc.pid,
@@ -205,9 +216,20 @@ def run_job(
     except subprocess.TimeoutExpired:
         kill(f"timeout: still running after {timeout:.0f} s; stopped")
         proc.wait()
+    except BaseException:  # KeyboardInterrupt, SIGTERM turned into one (bench/conftest.py): the job goes too
+        kill("interrupted: the benchmark was stopped")
+        proc.wait()
+        raise
     finally:
+        # ranks that outlive the leading process get a moment to write their results, then are killed
+        lifetime.end_group(proc.pid, 0.0 if killed else GRACE_S)
         sampler.stop()
         logf.close()
+        stale = builds.clear_stale() if builds is not None else []
+        if builds is not None:
+            builds.release()
+        if stale:
+            log.warning("removed build locks left by the job: %s", ", ".join(x.describe() for x in stale))
     wall = time.time() - t0
     output = (out / "output.log").read_text(errors="replace")
     ranks = first.ranks
@@ -232,6 +254,11 @@ def run_job(
             if res.step_s:
                 res.status, res.reason = "ok", f"completed; a later run of the same job failed ({reason[:200]})"
 
+        trace = out / name / "trace" / "trace_rank0.json"
+        if trace.exists():
+            res.extra["lane_trace"] = str(trace)
+        if stale:
+            res.extra["stale_build_locks"] = [str(x.path) for x in stale]
         results.append(res)
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / "summary.json").write_text(json.dumps(res.summary(), indent=1))

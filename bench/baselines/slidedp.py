@@ -1,7 +1,8 @@
 """SlideDP (shared ledger) and its replicated SlideFormer-style mode (``param_route="replicated"``).
 
 ``spec.knobs`` are ``SlideDPStrategy`` arguments, except ``loss_chunk`` (tokens per chunk of the loss, applied to
-the model with :func:`slidedp_lightning.use_chunked_loss`).
+the model with :func:`slidedp_lightning.use_chunked_loss`) and ``lane_trace`` (true: record the lanes with
+:class:`slidedp_lightning.LaneTrace` into ``<out>/trace``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,17 @@ def run(spec: JobSpec, out: str) -> int:
     if spec.system == "replicated":
         knobs.update(param_route="replicated", grad_route="gpu_reduce")
     loss_chunk = knobs.pop("loss_chunk", None)
+    trace = knobs.pop("lane_trace", False)
     activations = knobs.pop("activation_policy", "full" if spec.checkpointing else None)
     strategy = SlideDPStrategy(**knobs, activation_policy=activations, timeout=timedelta(seconds=spec.timeout_s))
-    trainer, module = lit.fit(spec, strategy, out, hf_checkpointing=False, fused_adamw=False, loss_chunk=loss_chunk)
+    callbacks = []
+    if trace:
+        from slidedp_lightning import LaneTrace
+
+        callbacks.append(LaneTrace(f"{out}/trace"))
+    trainer, module = lit.fit(
+        spec, strategy, out, hf_checkpointing=False, fused_adamw=False, loss_chunk=loss_chunk, callbacks=callbacks
+    )
     device = module.rec.extra.pop("device_memory", None)
     module.rec.write(
         device, "SlideDP runtime accounting (resident unit parameters + retained activations + pooled gradient buffers)"

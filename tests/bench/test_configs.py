@@ -8,16 +8,19 @@ from pathlib import Path
 import pytest
 
 from bench.baselines.workload import SYSTEMS, ModelShape
-from bench.configs import SCALES, plan, runs_by_group, scale
+from bench.configs import SCALES, SLOPE_SYSTEMS, plan, runs_by_group, scale
 
 
 def fake_init(shape: ModelShape, seq: int, root: Path) -> Path:
     return root / f"init-{shape.name}-{seq}.pt"  # one file per (shape, seq), as init_file_for
 
 
-@pytest.fixture(params=SCALES)
+@pytest.fixture(
+    params=[(name, fast) for name in SCALES for fast in (False, True)], ids=lambda p: p[0] + "-quick" * p[1]
+)
 def jobs(request):
-    return plan(scale(request.param), Path("/nonexistent"), init=fake_init)
+    name, fast = request.param
+    return plan(scale(name, fast=fast), Path("/nonexistent"), init=fake_init)
 
 
 def test_every_group_compares_the_same_workload(jobs):
@@ -43,13 +46,34 @@ def test_every_group_compares_the_same_workload(jobs):
             assert s.workload() == first.workload(), (group, run.name)
 
 
-def test_systems_table_has_every_system_at_every_size(jobs):
+def test_systems_table_has_every_system_at_two_sizes_and_the_slope_three(jobs):
     sc_groups = {g: rs for g, rs in runs_by_group(jobs).items() if g.startswith("systems/")}
     assert len(sc_groups) >= 3, "the host-memory slope needs at least 3 model sizes"
     sizes = {rs[0].spec.model.num_params for rs in sc_groups.values()}
     assert len(sizes) == len(sc_groups)
+    every = [rs for rs in sc_groups.values() if Counter(r.spec.system for r in rs) == Counter(SYSTEMS)]
+    assert len(every) >= 2, "every system at two sizes at least"
     for rs in sc_groups.values():
-        assert Counter(r.spec.system for r in rs) == Counter(SYSTEMS)
+        assert set(SLOPE_SYSTEMS) <= {r.spec.system for r in rs}
+
+
+@pytest.mark.parametrize("name", SCALES)
+def test_the_full_scales_run_every_system_at_every_size(name):
+    jobs = plan(scale(name), Path("/nonexistent"), init=fake_init)
+    for group, rs in runs_by_group(jobs).items():
+        if group.startswith("systems/"):
+            assert Counter(r.spec.system for r in rs) == Counter(SYSTEMS), group
+
+
+def test_quick_keeps_the_workload_of_the_full_scale():
+    full, quick = scale("cpu"), scale("cpu", fast=True)
+    assert quick.slope_shapes == full.slope_shapes[:3] and quick.systems_shapes == full.slope_shapes[:2]
+    assert (quick.batch, quick.seq, quick.steps, quick.loss_steps) == (
+        full.batch,
+        full.seq,
+        full.steps,
+        full.loss_steps,
+    )
 
 
 def test_memory_runs_have_a_job_of_their_own(jobs):

@@ -46,4 +46,4 @@ def test_help(path: Path, capsys):
         module.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert "--scale" in out and "--ranks" in out
+    assert "--scale" in out and "--ranks" in out and "--quick" in out

@@ -107,13 +107,13 @@ def test_a_run_without_a_ledger_reports_none(tmp_path):
     assert res.ok and res.ledger_host_bytes is None and "ledger_bytes" not in res.extra
 
 
-def test_a_system_without_its_bench_extra_is_unavailable_with_the_install_command(tmp_path, monkeypatch):
+def test_a_system_without_its_bench_extra_is_not_installed_with_the_install_command(tmp_path, monkeypatch):
     monkeypatch.setitem(runner.NEEDS, "zero_offload", "no_such_module_for_the_bench_test")
     spec = next(
         r.spec for j in plan(scale("cpu"), tmp_path, init=fake_init) for r in j.runs if r.spec.system == "zero_offload"
     )
     (res,) = run_job([("systems/x/zero_offload", spec)], tmp_path / "job")
-    assert res.status == "unavailable" and BENCH_EXTRA in res.reason
+    assert res.status == "not installed" and BENCH_EXTRA in res.reason
     assert not (tmp_path / "job" / "output.log").exists()  # nothing was launched
     assert runner.missing_package(spec.with_(system="slidedp")) == ""
 
@@ -122,10 +122,10 @@ def test_a_system_without_its_bench_extra_is_unavailable_with_the_install_comman
 def test_every_slidedp_knob_is_a_strategy_argument(name):
     from slidedp_lightning import SlideDPStrategy
 
-    accepted = set(inspect.signature(SlideDPStrategy.__init__).parameters) | {"loss_chunk"}
+    accepted = set(inspect.signature(SlideDPStrategy.__init__).parameters) | {"loss_chunk", "lane_trace"}
     knobs = {k for j in plan(scale(name), Path("/nonexistent"), init=fake_init) for r in j.runs for k in r.spec.knobs}
     assert knobs <= accepted, knobs - accepted
-    assert {"param_route", "activation_policy", "loss_chunk"} <= knobs
+    assert {"param_route", "activation_policy", "loss_chunk", "lane_trace"} <= knobs
     assert "zero_offload" in SYSTEMS and set(runner.NEEDS) <= set(SYSTEMS)
 
 
