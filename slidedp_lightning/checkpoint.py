@@ -1,6 +1,6 @@
 """Sharded checkpoints of the host ledger through ``torch.distributed.checkpoint``, written atomically.
 
-A checkpoint (format 2) is a directory:
+A checkpoint (format 3) is a directory:
 
 - DCP files holding every parameter's FP32 master and both Adam moments (a wholly frozen unit has no moments,
   and without a master its weights come from its BF16 copy) as plain 1-D tensors, each a piece of
@@ -27,8 +27,10 @@ is written at the link's target, as a file written through a link would be: the 
 checkpoint.
 
 ``meta.json`` carries each other file's size and XXH3-64 (every rank checksums the files it wrote, rank 0 records
-them); a resume checks them (each rank a share of the files, the large ones while DCP reads them), so a truncated
-or corrupted file is refused by name instead of loaded.
+them), and the XXH3-64 of its own content; a resume checks them (each rank a share of the files, the large ones
+while DCP reads them), so a truncated, corrupted or edited file is refused by name instead of loaded. Format 2
+(the same without the hash of ``meta.json``, written by earlier releases) still loads, its ``meta.json`` unverified
+(logged); a format-3 ``meta.json`` that lost its hash is refused, so damage cannot pass it off as format 2.
 """
 
 from __future__ import annotations
@@ -38,19 +40,22 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from torch.distributed.checkpoint import CheckpointException
 
 from cpu_ops.adamw8 import MOMENT_FORMAT
 from slidedp_lightning.checkpoint_files import (
     CHECKSUMS,
+    META_HASH,
     CorruptCheckpointError,
     Verifier,
+    content_digest,
     damaged,
     hidden_sibling,
     no_space,
@@ -65,12 +70,16 @@ from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, en
 from slidedp_lightning.checkpoint_ranges import dcp_metadata, piece_key, read_ranges, stored_pieces
 from slidedp_lightning.runtime.compat import DCP_METADATA, CheckedFileSystemReader
 
+if TYPE_CHECKING:
+    from slidedp_lightning.engine_view import EngineView
+
 log = logging.getLogger(__name__)
 
 META = "meta.json"
 TENSORS = "meta.safetensors"
 LEGACY_META = "meta.pt"  # format 1: the metadata pickled
-FORMAT = 2
+FORMAT = 3  # meta.json carries the XXH3-64 of its own content
+READABLE = (2, FORMAT)  # format 2: the same, meta.json without its own hash
 PIECE_ELEMS = 4 << 20  # elements per stored piece at most (16 MiB of FP32): bounds a resume's reads
 
 
@@ -99,7 +108,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         if (path / LEGACY_META).is_file():
             raise ValueError(
                 f"{path} is a SlideDP checkpoint of format 1 (metadata pickled in {LEGACY_META}); this version of "
-                f"slidedp-lightning reads format {FORMAT} only, whose metadata cannot run code when loaded. Export "
+                f"slidedp-lightning reads formats {_formats()} only, whose metadata cannot run code when loaded. Export "
                 "its weights with the release that wrote it (python -m slidedp_lightning.export) and start from them."
             )
         if (path / DCP_METADATA).is_file() or any(path.glob("*.distcp")):
@@ -110,20 +119,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{path} is not a SlideDP distributed checkpoint (no {META}): pass the directory a SlideDP save wrote."
         )
-    try:
-        doc = json.loads((path / META).read_text(encoding="utf-8"))
-    except ValueError as err:  # not UTF-8, or not JSON
-        raise ValueError(
-            f"{path / META} is not JSON: a damaged checkpoint, or not one SlideDP wrote ({err})."
-        ) from None
-    found = (
-        doc.get("slidedp", {}).get("format") if isinstance(doc, dict) and isinstance(doc.get("slidedp"), dict) else None
-    )
-    if found != FORMAT:
-        raise ValueError(
-            f"{path} is a SlideDP checkpoint of format {found!r}; this version of slidedp-lightning reads format "
-            f"{FORMAT} only."
-        )
+    doc = _checked_meta(path)
     try:
         tensors = load_safetensors((path / TENSORS).read_bytes()) if (path / TENSORS).is_file() else {}
     except Exception as err:  # safetensors' own error type
@@ -131,21 +127,65 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     return decode(doc, tensors)
 
 
+def _formats() -> str:
+    return " and ".join(map(str, READABLE))
+
+
+def _checked_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of the checkpoint at ``path`` parsed, of a format this release reads, and (format 3, or any
+    that records one) matching the hash of its content that its save recorded in it. A single changed byte is
+    refused naming the file whatever it hits (a key, the format, the hash): never read as another format's file."""
+    try:
+        doc = json.loads((path / META).read_text(encoding="utf-8"))
+    except ValueError as err:  # not UTF-8, or not JSON: truncated, or a byte changed
+        raise damaged(path, f"{path / META} is not JSON ({err})") from None
+    header = doc.get("slidedp") if isinstance(doc, dict) else None
+    if not isinstance(header, dict):
+        raise damaged(path, f"{path / META} holds no SlideDP header (a 'slidedp' entry)")
+    found, recorded = header.get("format"), header.get(META_HASH)
+    if recorded is not None and recorded != content_digest(doc):
+        raise damaged(
+            path,
+            f"{path / META} does not match the XXH3-64 of its content recorded in it (the file was edited or is "
+            "corrupted)",
+        )
+    if found not in READABLE:
+        raise ValueError(
+            f"{path} is a SlideDP checkpoint of format {found!r}; this version of slidedp-lightning reads formats "
+            f"{_formats()} only."
+        )
+    if recorded is None and found == FORMAT:
+        raise damaged(
+            path,
+            f"{path / META} is of format {FORMAT} and lacks the {META_HASH!r} hash of its content that every save of "
+            "that format records (the file was edited or is corrupted)",
+        )
+    if recorded is None:
+        log.warning(
+            "SlideDP checkpoint %s is of format %s (an earlier release): its %s carries no hash of itself and is "
+            "not verified",
+            path,
+            found,
+            META,
+        )
+    return doc
+
+
 # -- the ledger's pieces ----------------------------------------------------------------------------------
 
 
-def _job_size(engine) -> int:
+def _job_size(engine: EngineView) -> int:
     return engine.topology.world_size
 
 
-def _mine(engine) -> list[str]:
+def _mine(engine: EngineView) -> list[str]:
     """The parameters this rank reads and writes: a balanced share of its host's (every host shares alike)."""
     sizes = {n: engine.layout.units[u].slots[s].numel for n, (u, s) in engine.state.named_slots().items()}
     index, count = engine.topology.checkpoint_share
     return share(sizes, count)[index]
 
 
-def _held(engine, writing: bool = False) -> list[tuple[str, int, int, torch.Tensor]]:
+def _held(engine: EngineView, writing: bool = False) -> list[tuple[str, int, int, torch.Tensor]]:
     """``(key, start, stop, view)``: what this rank writes and reads, its share's parameters and moments, each
     the elements ``[start, stop)`` its host holds (all of them unless host-sharded) as a 1-D view of the
     ledger (wholly frozen units: no moments; their weights from the BF16 copy when they keep no master, written
@@ -188,7 +228,7 @@ def own_storage(view: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(as_bytes).view(view.dtype).view(view.shape)  # a storage of exactly these bytes
 
 
-def ledger_mode(engine) -> dict[str, Any]:
+def ledger_mode(engine: EngineView) -> dict[str, Any]:
     """What the ledger holds, recorded in ``meta.json``: the moments' form (with int8 moments, the code that wrote
     them, :data:`cpu_ops.adamw8.MOMENT_FORMAT`) and whether a BF16 copy is kept."""
     mode = {"optimizer_state": engine.config.optimizer_state, "bf16_copy": engine.config.bf16_copy}
@@ -197,7 +237,7 @@ def ledger_mode(engine) -> dict[str, Any]:
     return mode
 
 
-def check_mode(path: Path, info: dict[str, Any], engine) -> None:
+def check_mode(path: Path, info: dict[str, Any], engine: EngineView) -> None:
     """Refuse a checkpoint whose moments are in another form than this run's ledger (older ones: fp32), or int8
     moments of another code than this release reads (older ones: the dynamic tree, which it no longer decodes)."""
     saved, mine = info.get("optimizer_state", "fp32"), engine.config.optimizer_state
@@ -234,7 +274,7 @@ def check_files(path: Path, expected: dict[str, list[int]], names: list[str]) ->
         raise damaged(path, problem)
 
 
-def _gather(engine, value: Any) -> list[Any]:
+def _gather(engine: EngineView, value: Any) -> list[Any]:
     if _job_size(engine) == 1:
         return [value]
     out: list[Any] = [None] * _job_size(engine)
@@ -245,17 +285,17 @@ def _gather(engine, value: Any) -> list[Any]:
 # -- save and load ------------------------------------------------------------------------------------------
 
 
-def _job_group(engine):
+def _job_group(engine: EngineView):
     """Every rank of the job (several hosts: each host's ledger is complete, its ranks split the work)."""
     return engine.topology.job_group
 
 
-def _barrier(engine) -> None:
+def _barrier(engine: EngineView) -> None:
     if _job_size(engine) > 1:
         dist.barrier(group=_job_group(engine))
 
 
-def _agree(engine, value: Any) -> Any:
+def _agree(engine: EngineView, value: Any) -> Any:
     if _job_size(engine) == 1:
         return value
     box = [value]
@@ -263,7 +303,7 @@ def _agree(engine, value: Any) -> Any:
     return box[0]
 
 
-def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+def _meta_files(engine: EngineView, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     """``meta.json`` (as JSON data, its checksums to be added) and ``meta.safetensors`` of a checkpoint:
     Lightning's dict without the state dict, and the SlideDP header."""
     meta = {k: v for k, v in checkpoint.items() if k != "state_dict"}
@@ -282,7 +322,7 @@ def _meta_files(engine, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], byt
     return doc, save_safetensors(tensors)
 
 
-def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
+def save(engine: EngineView, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     """Write ``checkpoint`` (Lightning's dict, without the tensors the ledger holds) and the ledger to ``path``
     (a symbolic link's target)."""
     path = Path(_agree(engine, str(write_target(Path(path)))))
@@ -315,9 +355,12 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
                 hashes = {k: v for part in written for k, v in part.items()}
                 hashes.update(sums([tmp / DCP_METADATA, tmp / TENSORS]))
                 doc["slidedp"][CHECKSUMS] = dict(sorted(hashes.items()))
+                doc["slidedp"][META_HASH] = content_digest(json.loads(json.dumps(doc)))  # of what a resume parses
                 (tmp / META).write_text(json.dumps(doc, indent=1), encoding="utf-8")
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             if not isinstance(err, (KeyboardInterrupt, SystemExit)) and no_space(err, tmp.parent):
+                if rank == 0:  # the free space the error names: with the failed save's files gone
+                    shutil.rmtree(tmp, ignore_errors=True)
                 raise space_error(err, path, "SlideDP checkpoint", _checkpoint_bytes(engine)) from None
             raise
         _barrier(engine)
@@ -331,7 +374,7 @@ def save(engine, checkpoint: dict[str, Any], path: str | os.PathLike) -> None:
     _barrier(engine)
 
 
-def _checkpoint_bytes(engine) -> int:
+def _checkpoint_bytes(engine: EngineView) -> int:
     """About what a checkpoint of ``engine`` takes on disk: every ledger tensor it stores."""
     views = engine.state.ledger_tensors(list(engine.state.named_slots()))
     return sum(v.numel() * v.element_size() for v in views.values())
@@ -350,7 +393,7 @@ def _hf_configs(model) -> dict[str, dict]:
     return {**out, **peft_configs(model)}
 
 
-def _check_moments(path: Path, engine) -> None:
+def _check_moments(path: Path, engine: EngineView) -> None:
     """Refuse a checkpoint that holds no Adam moments for parameters this run trains (they were frozen when it was
     saved); moments of parameters this run freezes are left unread."""
     stored = stored_pieces(path, dcp_metadata(path, CheckedFileSystemReader(path)))
@@ -374,7 +417,7 @@ def _check_moments(path: Path, engine) -> None:
         )
 
 
-def load(engine, path: str | os.PathLike) -> dict[str, Any]:
+def load(engine: EngineView, path: str | os.PathLike) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save` (with any number of ranks and hosts, either host layout) into
     the ledger; returns Lightning's part of it."""
     path = Path(_agree(engine, str(path)))
@@ -403,8 +446,8 @@ def load(engine, path: str | os.PathLike) -> dict[str, Any]:
     engine.drop_resident()
     try:
         read_ranges(path, _held(engine, writing=True), process_group=_job_group(engine))
-    except BaseException as err:  # a damaged file DCP tripped over: name it
-        problem = verifier.result()
+    except BaseException as err:  # a damaged file DCP tripped over: name it (a signal: at once, unchecked)
+        problem = verifier.result() if isinstance(err, (Exception, CheckpointException)) else None
         if problem is not None:
             raise damaged(path, problem) from err
         raise

@@ -8,6 +8,7 @@ Shared by distributed checkpoints (:mod:`slidedp_lightning.checkpoint`) and Hugg
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import mmap
 import os
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _WINDOW = 64 << 20  # bytes of a file mapped and hashed at a time (a multiple of mmap.ALLOCATIONGRANULARITY)
 CHECKSUMS = "files"  # meta.json's "slidedp" entry: {file name: [size, XXH3-64]} of every other file
+META_HASH = "meta_xxh3"  # meta.json's "slidedp" entry: XXH3-64 (16 hex digits) of the rest of meta.json's content
 
 
 class CorruptCheckpointError(ValueError):
@@ -47,6 +49,15 @@ def file_checksum(path: str | os.PathLike) -> int:
 
 def sums(files: Iterable[Path]) -> dict[str, list[int]]:
     return {f.name: [f.stat().st_size, file_checksum(f)] for f in files}
+
+
+def content_digest(doc: dict) -> str:
+    """XXH3-64 (16 hex digits) of the JSON document ``doc`` (a checkpoint's ``meta.json``) without its own
+    :data:`META_HASH`, over a canonical form (sorted keys, no whitespace, ASCII): the same whether computed on what a
+    save writes or on what a resume parses back, so that any change to the content shows."""
+    header = {k: v for k, v in doc["slidedp"].items() if k != META_HASH}
+    body = json.dumps({**doc, "slidedp": header}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return xxhash.xxh3_64_hexdigest(body.encode("ascii"))
 
 
 def verify_files(path: Path, expected: dict[str, list[int]], names: Iterable[str]) -> str | None:
@@ -110,14 +121,17 @@ def no_space(err: BaseException, where: Path) -> bool:
 
 
 def space_error(err: BaseException, path: Path, what: str, nbytes: int) -> OSError:
+    """The one-line error of a save of ``what`` to ``path`` that ran out of disk space: the device's free bytes,
+    about ``nbytes`` needed (left out when 0: not known), and the fix."""
     try:
         free = format_bytes(shutil.disk_usage(path.parent).free)
     except OSError:
         free = "unknown"
+    needs = f", it takes about {format_bytes(nbytes)}" if nbytes > 0 else ""
     return OSError(
         errno.ENOSPC,
-        f"{what} {path} not written: no space left on the device of {path.parent} ({free} free, it takes about "
-        f"{format_bytes(nbytes)}); free space there or write to another directory (the previous one is kept)",
+        f"{what} {path} not written: no space left on the device of {path.parent} ({free} free{needs}); free "
+        "space there or write to another directory (the previous one is kept)",
     )
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import LoadPlan, LoadPlanner, ReadItem, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException, LoadPlan, LoadPlanner, ReadItem, TensorStorageMetadata
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
@@ -139,4 +140,11 @@ def read_ranges(
             raise ValueError(
                 f"{path} holds {covered} of the elements [{lo}, {hi}) of {key}: an incomplete or damaged checkpoint."
             )
-    dcp.load(dest, storage_reader=reader, planner=_RangeReads(items), process_group=process_group, no_dist=no_dist)
+    try:
+        dcp.load(dest, storage_reader=reader, planner=_RangeReads(items), process_group=process_group, no_dist=no_dist)
+    except CheckpointException as err:  # DCP wraps even a KeyboardInterrupt: a signal on this rank stays itself
+        rank = 0 if no_dist or not dist.is_initialized() else dist.get_rank(process_group)
+        own = err.failures.get(rank)
+        if own is not None and not isinstance(own[0], Exception):
+            raise own[0] from None
+        raise

@@ -16,6 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from slidedp_lightning import checkpoint as sharded
+from slidedp_lightning.checkpoint_full import save_full
 
 if TYPE_CHECKING:
     from slidedp_lightning.fabric import SlideDPFabricStrategy
@@ -59,7 +60,7 @@ def save(
         if strategy.precision.scales_loss:
             converted[PRECISION] = strategy.precision.state_dict()
         if strategy.is_global_zero:
-            strategy.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+            save_full(strategy.checkpoint_io, converted, path, storage_options)
         return None
     if storage_options is not None:
         raise TypeError(
@@ -71,6 +72,10 @@ def save(
     if opt_key is not None:  # the moments go with the ledger; keep the hyper-parameters
         extra[opt_key] = {"state": {}, "param_groups": state[opt_key].state_dict()["param_groups"]}
     record = {"model": model_key, "optimizer": opt_key, "precision": strategy.precision.state_dict()}
+    if strategy.engine is None:
+        raise RuntimeError(
+            "SlideDP: fabric.save writes the ledger made by fabric.setup(model, optimizer): set the model up first."
+        )
     sharded.save(strategy.engine, {"fabric": extra, ENTRY: record}, path)
     return None
 

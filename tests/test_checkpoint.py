@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import warnings
 
@@ -17,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from slidedp_lightning import SlideDPStrategy
 from slidedp_lightning.checkpoint import FORMAT, LEGACY_META, META, TENSORS, read_meta, share
+from slidedp_lightning.checkpoint_files import META_HASH, content_digest
 from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
 from slidedp_lightning.checkpoint_ranges import parse_piece, piece_key, read_ranges
 from slidedp_lightning.export import export_checkpoint
@@ -64,6 +66,23 @@ def test_ranges_are_read_from_whatever_pieces_overlap_them(tmp_path, cuts):
         read_ranges(tmp_path, [("model/w", a, b, out) for (a, b), out in zip(wanted, outs)], no_dist=True)
     for (a, b), out in zip(wanted, outs):
         assert torch.equal(out, full.reshape(-1)[a:b]), (cuts, a, b)
+
+
+def test_a_signal_while_dcp_reads_is_raised_as_itself_not_wrapped(tmp_path, monkeypatch):
+    """DCP turns any exception of a read, a KeyboardInterrupt too, into a CheckpointException (whose message is a
+    traceback): a signal that lands inside DCP's read stays itself, so a CLI says "interrupted" and a run stops."""
+    from slidedp_lightning import checkpoint_ranges
+
+    _save_pieces(tmp_path, torch.arange(12, dtype=torch.float32), "model/w", [0, 12])
+
+    def interrupted(self, read_item):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_ranges._RangeReads, "resolve_tensor", interrupted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(KeyboardInterrupt):
+            read_ranges(tmp_path, [("model/w", 0, 12, torch.empty(12))], no_dist=True)
 
 
 def test_a_range_no_piece_covers_is_refused(tmp_path):
@@ -188,7 +207,7 @@ def test_a_pickle_payload_planted_in_a_checkpoint_is_refused_and_never_runs(save
         DCP_METADATA: (UnsafeCheckpointError, r"names builtins\.exec.*refusing to load it"),
         META: (ValueError, rf"{META} is not JSON"),
         TENSORS: (ValueError, rf"{TENSORS} is not a safetensors file"),
-        LEGACY_META: (ValueError, rf"format 1 .*reads format {FORMAT} only"),
+        LEGACY_META: (ValueError, rf"format 1 .*reads formats 2 and {FORMAT} only"),
     }[target]
     with pytest.raises(expected[0], match=expected[1]):
         _resume(ck)
@@ -203,9 +222,10 @@ def test_a_checkpoint_of_another_format_is_refused_naming_both(saved, tmp_path):
     ck = _copy(saved, tmp_path)
     doc = json.loads((ck / META).read_text())
     doc["slidedp"]["format"] = FORMAT + 1
+    doc["slidedp"][META_HASH] = content_digest(doc)  # as the release that wrote it would have
     (ck / META).write_text(json.dumps(doc))
     with pytest.raises(
-        ValueError, match=rf"format {FORMAT + 1}; this version of slidedp-lightning reads format {FORMAT}"
+        ValueError, match=rf"format {FORMAT + 1}; this version of slidedp-lightning reads formats 2 and {FORMAT} only"
     ):
         read_meta(ck)
 
@@ -309,6 +329,74 @@ def test_a_byte_flipped_in_a_checkpoint_file_is_refused_naming_the_file(saved, t
         assert "\n" not in str(err.value)
 
 
+def _refused_naming_meta(ck) -> str:
+    from slidedp_lightning.checkpoint_files import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError) as err:
+        read_meta(ck)
+    line = str(err.value)
+    assert f"{ck / META}" in line and "resume from another checkpoint" in line and "\n" not in line, line
+    return line
+
+
+@pytest.mark.slow
+def test_a_bit_flipped_at_any_byte_of_meta_json_is_refused_or_changes_nothing(saved, tmp_path):
+    """meta.json carries the XXH3-64 of its own content: a bit flipped at any byte of it (a step count, a learning rate,
+    a file's checksum, the format, the hash or its key) is refused naming the file, unless the file still says the
+    same (``1e-3`` and ``1E-3``)."""
+    ck = _copy(saved, tmp_path)
+    original = (ck / META).read_bytes()
+    content = json.loads(original)
+    assert content["slidedp"]["format"] == FORMAT and len(content["slidedp"][META_HASH]) == 16
+    same = changed = 0
+    for i in range(len(original)):
+        flipped = bytearray(original)
+        flipped[i] ^= 1 << (i % 8)
+        (ck / META).write_bytes(bytes(flipped))
+        try:
+            unchanged = json.loads(bytes(flipped)) == content
+        except ValueError:
+            unchanged = False
+        if unchanged:
+            read_meta(ck)
+            same += 1
+        else:
+            _refused_naming_meta(ck)
+            changed += 1
+    assert changed > 0.95 * len(original), (same, changed)
+
+
+def test_an_edited_or_truncated_meta_json_is_refused_naming_it(saved, tmp_path):
+    ck = _copy(saved, tmp_path)
+    doc = json.loads((ck / META).read_text())
+    doc["global_step"] += 1  # a well-formed edit: the hash of the content no longer matches
+    (ck / META).write_text(json.dumps(doc, indent=1))
+    assert "does not match the XXH3-64 of its content" in _refused_naming_meta(ck)
+    with pytest.raises(ValueError, match="does not match the XXH3-64 of its content"):
+        _resume(ck)
+    with pytest.raises(ValueError, match="does not match the XXH3-64 of its content"):
+        export_checkpoint(ck, tmp_path / "hf")
+    del doc["slidedp"][META_HASH]  # the hash gone: format 3 always records it
+    (ck / META).write_text(json.dumps(doc))
+    assert f"is of format {FORMAT} and lacks" in _refused_naming_meta(ck)
+    (ck / META).write_bytes((saved / META).read_bytes()[:-40])
+    assert "is not JSON" in _refused_naming_meta(ck)
+
+
+def test_a_format_2_checkpoint_without_the_hash_of_its_metadata_loads_with_a_warning(saved, tmp_path, caplog):
+    """Earlier releases wrote format 2, whose meta.json carries no hash of itself: it still resumes, unverified (the
+    other files are still checked against the checksums it records)."""
+    ck = _copy(saved, tmp_path)
+    doc = json.loads((ck / META).read_text())
+    del doc["slidedp"][META_HASH]
+    doc["slidedp"]["format"] = 2
+    (ck / META).write_text(json.dumps(doc, indent=1))
+    with caplog.at_level("WARNING", logger="slidedp_lightning.checkpoint"):
+        assert read_meta(ck)["global_step"] == doc["global_step"]
+    assert any("format 2" in r.message and "not verified" in r.message for r in caplog.records)
+    _resume(ck)
+
+
 def test_a_truncated_metadata_or_a_missing_meta_json_is_refused_in_one_line(saved, tmp_path):
     ck = _copy(saved, tmp_path)
     (ck / DCP_METADATA).write_bytes((ck / DCP_METADATA).read_bytes()[:100])
@@ -365,6 +453,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_names_the_path_and_the_fix(tmp_path):
     import subprocess
     import sys
@@ -382,6 +471,71 @@ def test_a_full_disk_during_a_save_names_the_path_and_the_fix(tmp_path):
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("ERR"))
     assert "no space left on the device of" in line and f"{mnt}/ck" in line, line
+
+
+SECOND_SAVE_FULL_JOB = """
+import shutil, sys, warnings
+import lightning as L
+from slidedp_lightning import SlideDPStrategy
+from tests.trainers import TinyLM, data
+mnt, fmt = sys.argv[1], sys.argv[2]
+class SaveTwice(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        trainer.save_checkpoint(mnt + "/ck.ckpt")
+        with open(mnt + "/filler", "wb") as f:  # another job's file takes the rest of the disk but 16 KiB
+            f.write(bytes(shutil.disk_usage(mnt).free - (16 << 10)))
+        print("FIRST SAVED", flush=True)
+        trainer.save_checkpoint(mnt + "/ck.ckpt")
+warnings.simplefilter("ignore")
+t = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, strategy=SlideDPStrategy(checkpoint_format=fmt), max_steps=1,
+              callbacks=[SaveTwice()])
+try:
+    t.fit(TinyLM(), data())
+except OSError as err:
+    print("ERR", err, flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "distributed"])
+def test_a_save_that_fills_the_disk_names_path_free_and_needed_bytes_and_keeps_the_previous_one(tmp_path, fmt):
+    """A Trainer's save to a device with too little space left (a 4 MiB tmpfs in a user namespace): one line naming
+    the path, the free and needed bytes and the fix, and the previous checkpoint at that path whole, nothing of the
+    failed save left (torch alone says "enforce fail at inline_container.cc", and Lightning's copy leaves a
+    truncated file in place of the previous one)."""
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (a small tmpfs in a user namespace)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    (tmp_path / "job.py").write_text(SECOND_SAVE_FULL_JOB)
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    check = (
+        f"import torch; torch.load('{mnt}/ck.ckpt', weights_only=True)"
+        if fmt == "full"
+        else f"from slidedp_lightning.checkpoint import read_meta, check_files; m = read_meta('{mnt}/ck.ckpt');"
+        f"from pathlib import Path; f = m['slidedp']['files']; check_files(Path('{mnt}/ck.ckpt'), f, sorted(f))"
+    )
+    script = (
+        f"mount -t tmpfs -o size=4m tmpfs {mnt} && cd {root} && export PYTHONPATH={root} && "
+        f'{sys.executable} {tmp_path / "job.py"} {mnt} {fmt}; echo RC=$?; {sys.executable} -c "{check}" && '
+        f"echo PREVIOUS LOADS; ls -A {mnt}"
+    )
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    if "mount" in proc.stderr and "RC=" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    out = proc.stdout
+    assert "FIRST SAVED" in out and "RC=3" in out, out[-2000:] + proc.stderr[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("ERR"))
+    assert f"checkpoint {mnt}/ck.ckpt not written: no space left on the device of {mnt} (" in line, line
+    assert re.search(r"\(\d+\.\d+ KiB free, it takes about \d+\.\d+ KiB\); free space there or write to", line)
+    assert "(the previous one is kept)" in line and "inline_container" not in line
+    assert "PREVIOUS LOADS" in out, out[-2000:] + proc.stderr[-3000:]
+    assert out.split("PREVIOUS LOADS")[1].split() == ["ck.ckpt", "filler"], out  # no hidden partial file
 
 
 def test_a_save_copies_no_ledger_piece_into_memory(tmp_path, monkeypatch):

@@ -277,6 +277,7 @@ def test_the_export_cli_merges_a_lora_checkpoint(tmp_path) -> None:
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
 
 
+@pytest.mark.slow
 def test_the_export_cli_runs_warning_free_and_names_a_bad_checkpoint_in_one_line(tmp_path) -> None:
     (tmp_path / "notack").mkdir()
     cmd = [sys.executable, "-W", "error::RuntimeWarning", "-m", "slidedp_lightning.export"]
@@ -287,3 +288,66 @@ def test_the_export_cli_runs_warning_free_and_names_a_bad_checkpoint_in_one_line
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("python -m slidedp_lightning.export: error:")]
     assert "no meta.json" in line and "pass the directory" in line, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _checkpoint_of_a_small_model(path: Path, layers: int = 2) -> None:
+    from tests.helpers import tiny_model
+
+    engine = engine_of(tiny_model(False, layers=layers))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sharded.save(engine, {}, path)
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_the_export_cli_on_a_full_disk_says_so_in_one_line_and_leaves_nothing(tmp_path) -> None:
+    """The export CLI writing to a device with too little space (a 64 KiB tmpfs in a user namespace): one line naming
+    the path, the free and needed bytes and the fix; no directory, hidden or not, left on the device."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (a small tmpfs in a user namespace)")
+    _checkpoint_of_a_small_model(tmp_path / "ck")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    script = (
+        f"mount -t tmpfs -o size=64k tmpfs {mnt} && cd {ROOT} && {sys.executable} -m slidedp_lightning.export "
+        f"{tmp_path / 'ck'} {mnt / 'hf'} --dtype fp32; echo RC=$?; ls -A {mnt}"
+    )
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    if "mount" in proc.stderr and "RC=" not in proc.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()[:200]}")
+    assert proc.stdout.split() == ["RC=2"], proc.stdout + proc.stderr[-3000:]  # and nothing left on the device
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("python -m slidedp_lightning.export: error:")]
+    assert f"Hugging Face export {mnt / 'hf'} not written: no space left on the device of {mnt} (" in line, line
+    assert "KiB free, it takes about" in line and "free space there or write to another directory" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [2, 15], ids=["SIGINT", "SIGTERM"])
+def test_the_export_cli_interrupted_midway_leaves_the_previous_export_whole_and_nothing_else(tmp_path, signum) -> None:
+    """SIGINT or SIGTERM while the CLI writes its shards (one file per tensor): the previous export at that path is
+    byte for byte what it was, no hidden directory is left, and the CLI says so in one line."""
+    import signal
+    import time
+
+    _checkpoint_of_a_small_model(tmp_path / "ck", layers=8)
+    out = tmp_path / "hf"
+    assert export_main([str(tmp_path / "ck"), str(out), "--dtype", "bf16"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    cmd = [sys.executable, "-m", "slidedp_lightning.export", str(tmp_path / "ck"), str(out), "--dtype", "fp32"]
+    proc = subprocess.Popen([*cmd, "--max-shard-size", "1KB"], stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not any(p.glob("model-00002-*") for p in tmp_path.glob(".hf.tmp-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the export wrote no second shard within 120 s"
+        time.sleep(0.005)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("python -m slidedp_lightning.export: interrupted")]
+    assert signal.Signals(signum).name in line and f"{out} is unchanged" in line, line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not hidden_left(tmp_path)

@@ -99,6 +99,7 @@ print(child.pid, child.stdout.readline().strip(), flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launched", [True, False])
 def test_a_launched_rank_ends_when_its_launcher_dies(launched: bool) -> None:
     import subprocess

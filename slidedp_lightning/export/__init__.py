@@ -30,13 +30,16 @@ import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch import nn
+
+if TYPE_CHECKING:
+    from slidedp_lightning.engine_view import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,12 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.floa
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".index.json")
 _REPLACED = ("config.json", "generation_config.json", "adapter_config.json")
 Fetch = Callable[[list[str]], dict[str, torch.Tensor]]
+
+
+def export_bytes(meta: dict[str, torch.Tensor], dtype: torch.dtype) -> int:
+    """About the bytes of an export of the tensors ``meta`` (shapes and dtypes) in ``dtype``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in meta.values())
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -112,9 +121,10 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 @contextmanager
-def export_directory(directory: str | os.PathLike) -> Generator[Path, None, None]:
+def export_directory(directory: str | os.PathLike, nbytes: int = 0) -> Generator[Path, None, None]:
     """A hidden sibling of ``directory`` to write an export into; on success it replaces ``directory`` (what of an
-    earlier model there an export does not replace is carried over), on failure it is removed."""
+    earlier model there an export does not replace is carried over), on failure it is removed (a full disk named,
+    with about ``nbytes`` needed when known)."""
     from slidedp_lightning import checkpoint_files
 
     path = check_export_target(directory)
@@ -130,7 +140,7 @@ def export_directory(directory: str | os.PathLike) -> Generator[Path, None, None
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(err, (KeyboardInterrupt, SystemExit)) and checkpoint_files.no_space(err, path.parent):
-            raise checkpoint_files.space_error(err, path, "Hugging Face export", 0) from None
+            raise checkpoint_files.space_error(err, path, "Hugging Face export", nbytes) from None
         raise
 
 
@@ -325,7 +335,7 @@ def write_hf(
 
 
 def save_hf(
-    engine,
+    engine: EngineView,
     directory: str | os.PathLike,
     dtype: str | torch.dtype = torch.bfloat16,
     max_shard_size: str | int = "5GB",
@@ -351,7 +361,7 @@ def save_hf(
             def fetch(names: list[str]) -> dict[str, torch.Tensor]:
                 return {n: tensors[n] for n in names}
 
-            with export_directory(target) as tmp:
+            with export_directory(target, 0 if adapter_only else export_bytes(tensors, dtype)) as tmp:
                 if adapter_only:
                     _write_adapters(tmp, _peft_wrapper(engine.root, model), fetch, dtype)
                 else:
@@ -445,7 +455,7 @@ def export_checkpoint(
             sharded.read_ranges(checkpoint, [w for w in wanted if w[2]], no_dist=True)
         return {**params, **{n: meta[n] for n in shard if n not in params}}
 
-    with export_directory(target) as tmp:
+    with export_directory(target, 0 if adapter_only else export_bytes(meta, dtype)) as tmp:
         if adapter_only:
             assert peft_model is not None
             _write_adapters(tmp, peft_model, fetch, dtype)

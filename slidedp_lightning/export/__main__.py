@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from slidedp_lightning.export import DTYPES, export_checkpoint
+
+
+class _Terminated(BaseException):
+    """SIGTERM while exporting: raised where the export is, so that it removes what it wrote (as on Ctrl-C)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,15 +33,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    installed = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread's only
+    previous = signal.signal(signal.SIGTERM, _terminate) if installed else None
     try:
         export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.config, args.adapter_only)
     except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted: {args.out} is unchanged", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, _Terminated) as err:
+        signum = err.args[0] if isinstance(err, _Terminated) else signal.SIGINT
+        name = signal.Signals(signum).name
+        print(
+            f"{parser.prog}: interrupted by {name}: {args.out} is unchanged, nothing of the export left",
+            file=sys.stderr,
+        )
+        return 128 + signum
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

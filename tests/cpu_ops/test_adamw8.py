@@ -330,6 +330,7 @@ def test_views_at_block_boundaries_equal_one_call() -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_training_close_to_fp32_adamw() -> None:
     """200 steps of least squares: the 8-bit moments reach the FP32 AdamW loss within a few percent."""
     rng = np.random.default_rng(0)

@@ -65,6 +65,7 @@ L.Trainer(strategy="slidedp", accelerator="cpu", devices=1, max_steps=1, logger=
 """
 
 
+@pytest.mark.slow
 def test_sigterm_during_setup_says_why_the_rank_stopped(tmp_path):
     (tmp_path / "job.py").write_text(SLOW_SETUP)
     marker = tmp_path / "marker"

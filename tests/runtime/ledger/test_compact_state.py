@@ -13,6 +13,7 @@ import torch
 
 import cpu_ops.adamw8
 from slidedp_lightning import checkpoint, constants
+from slidedp_lightning.checkpoint_files import content_digest
 from slidedp_lightning.options import SlideDPOptions
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import rel_err, tiny_model, token_batches
@@ -244,6 +245,7 @@ def test_int8_moments_of_another_code_are_refused_naming_both(tmp_path: Path, re
         del meta["slidedp"]["moment_format"]
     else:
         meta["slidedp"]["moment_format"] = recorded
+    meta["slidedp"]["meta_xxh3"] = content_digest(meta)  # as the release that wrote it would have
     meta_file.write_text(json.dumps(meta))
     model = tiny_model(False, seed=5, layers=3)
     engine = SlideDPEngine(model, EngineConfig(optimizer_state="int8"), device=CPU, compute_dtype=torch.float32)
