@@ -102,11 +102,23 @@ class Verifier:
 
 def no_space(err: BaseException, where: Path) -> bool:
     """Whether a failed write ran out of disk space (torch's zip writer says only "file write failed"; DCP gives
-    each rank's error in ``failures``)."""
-    failures = [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]
-    inner = [*failures, err.__cause__, err.__context__]
-    if any(isinstance(e, BaseException) and e is not err and no_space(e, where) for e in inner):
-        return True
+    each rank's error in ``failures``). The error's causes, contexts and failures are searched too: they can form
+    a cycle (an error raised while handling itself), so each is visited once."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if _says_no_space(e, where):
+            return True
+        failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        todo += [x for x in (*failures, e.__cause__, e.__context__) if isinstance(x, BaseException)]
+    return False
+
+
+def _says_no_space(err: BaseException, where: Path) -> bool:
     if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(err)
