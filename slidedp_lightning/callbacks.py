@@ -65,9 +65,10 @@ class SaveHuggingFace(pl.Callback):
 class LaneTrace(pl.Callback):
     """Record every lane operation of a SlideDP run (``docs/step.md``, "Lane traces").
 
-    Each rank writes TensorBoard scalars (busy time per lane, exposed host time, overlap fraction), a Gantt
-    figure of step 2 and ``trace_rank{r}.json`` (Chrome / Perfetto) under ``dirpath``. Read by the strategy when
-    it builds its engine; without this callback tracing costs nothing.
+    Each rank writes TensorBoard scalars (busy time per lane, exposed host time, overlap fraction, the share of
+    the compute thread's time its spans cover), a Gantt figure of step 2 (in TensorBoard and as
+    ``gantt_rank{r}.png``) and ``trace_rank{r}.json`` (open it in Perfetto or ``chrome://tracing``) under
+    ``dirpath``. Read by the strategy when it builds its engine; without this callback tracing costs nothing.
     """
 
     def __init__(self, dirpath: str | os.PathLike) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -22,6 +22,7 @@ from typing_extensions import override
 from slidedp_lightning import checkpoint as sharded
 from slidedp_lightning import export, requeue
 from slidedp_lightning.callbacks import LaneTrace
+from slidedp_lightning.checkpoint_full import save_full
 from slidedp_lightning.checks import refuse_what_cannot_see_gradients
 from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, OptimizerState, ParamRoute, UpdateMode
 from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
@@ -32,6 +33,23 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 _LOADED = "_slidedp_loaded_into_ledger"
+
+
+def _all_reduce(tensor: Tensor, group: Any | None, reduce_op: Any) -> Tensor:
+    """``tensor`` reduced in place over ``group`` (None: every rank) by ``reduce_op``: a ``ReduceOp``, None (sum) or
+    its name; "mean"/"avg" sum and divide, as gloo has no average."""
+    name = reduce_op.lower() if isinstance(reduce_op, str) else None
+    mean = name in ("mean", "avg")
+    op = reduce_op
+    if mean or reduce_op is None:
+        op = dist.ReduceOp.SUM
+    elif name is not None:
+        op = getattr(dist.ReduceOp, name.upper())
+    dist.all_reduce(tensor, op=op, group=group)
+    if not mean:
+        return tensor
+    world = dist.get_world_size(group)
+    return tensor.div_(world) if tensor.is_floating_point() else tensor.copy_(tensor / world)
 
 
 class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
@@ -187,11 +205,31 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
         self._end_step(optimizer, clip_norm, clip_value, self.precision_plugin)
         return result
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.engine is not None:  # the lane trace names the loss and the training step apart from the closure
+            self.engine.trace_phase("loss, training step", "closure, backward to the first unit")
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loop_span("validation step"):
+            return super().validation_step(*args, **kwargs)
+
+    def _loop_span(self, name: str) -> Any:
+        """A lane-trace span of the compute thread outside the units (a no-op without tracing)."""
+        engine = self.engine
+        return engine.tracer.span("loop", name, engine.step) if engine is not None else nullcontext()
+
     # -- collectives ---------------------------------------------------------------------------------
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        """Reduce ``tensor`` over the ranks in place (``self.log(..., sync_dist=True)`` calls this): one all-reduce,
+        without the barrier Lightning's DDP helper runs before it (the all-reduce itself waits for every rank)."""
+        if isinstance(tensor, Tensor) and dist.is_available() and dist.is_initialized():
+            with self._loop_span("all_reduce of a logged value"):
+                return _all_reduce(tensor, group, reduce_op)
         return tensor
 
     @override
@@ -240,7 +278,9 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
         swapped into place atomically, Lightning's part of ``checkpoint`` stored as JSON and tensors (what has
         no such form is refused; see :mod:`slidedp_lightning.checkpoint`); full format: one file."""
         if self.engine is None or self.checkpoint_format == "full":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self.is_global_zero:  # atomically, a full disk named: slidedp_lightning.checkpoint_full
+                save_full(self.checkpoint_io, checkpoint, filepath, storage_options)
+            return None
         if storage_options is not None:
             raise TypeError(
                 "SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or "

@@ -481,3 +481,39 @@ def test_a_users_process_group_without_a_host_backend_is_refused_with_the_fix(mo
             strategy.setup_environment()
     finally:
         dist.destroy_process_group()
+
+
+def _reduce_on_rank(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from slidedp_lightning.strategy import _all_reduce
+
+    def no_barrier(*args, **kwargs):
+        raise AssertionError("strategy.reduce ran a barrier")
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.barrier = no_barrier  # a forked child: the parent's module is untouched
+    try:
+        x = float(2 * rank + 1)  # 1 on rank 0, 3 on rank 1
+        got = {
+            op_name: _all_reduce(torch.tensor([x]), None, op).tolist()
+            for op_name, op in [("mean", "mean"), ("avg", "avg"), ("sum", "sum"), ("none", None), ("max", "max")]
+        }
+        got["op"] = _all_reduce(torch.tensor([x]), None, dist.ReduceOp.MIN).tolist()
+        got["int_mean"] = _all_reduce(torch.tensor([int(x)]), None, "mean").tolist()
+        torch.save(got, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_of_logged_values_is_one_all_reduce_with_lightnings_results(tmp_path) -> None:
+    """``strategy.reduce`` (``self.log(..., sync_dist=True)``) runs one all-reduce, no barrier before it, and gives
+    what Lightning's DDP helper gives: mean (summed and divided on gloo), sum, max, a ReduceOp as given."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _reduce_on_rank, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=2, start_method="fork"
+    )
+    want = {"mean": [2.0], "avg": [2.0], "sum": [4.0], "none": [4.0], "max": [3.0], "op": [1.0], "int_mean": [2]}
+    for rank in range(2):
+        assert torch.load(tmp_path / f"out.{rank}") == want

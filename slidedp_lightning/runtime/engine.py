@@ -319,6 +319,12 @@ class SlideDPEngine:
         """Close the optimizer step; see :meth:`StepDriver.end_step`."""
         return self.steps.end_step(clip_norm, clip_value, grad_scale)
 
+    def trace_phase(self, done: str, then: str) -> None:
+        """Tracing, for the training loop: the compute thread's time outside the units so far was ``done``, from
+        now on it is ``then`` (``docs/step.md``, "Lane traces")."""
+        if self.steps is not None:
+            self.steps.trace_phase(done, then)
+
     def synchronize(self) -> None:
         """Wait until every rank's updates of every dispatched step are in the ledger."""
         self.lane.wait_idle(self.liveness)

@@ -66,6 +66,8 @@ class StepDriver:
         self.last_grad_norm: float | None = None  # deferred mode: the last step's global gradient norm
         self.optimizer: torch.optim.Optimizer | None = None
         self.slot_of: dict[int, tuple[int, int]] = {}  # id(parameter) -> (unit, slot)
+        # tracing: (host seconds, name or None, step) since the compute thread left the units, see _leave
+        self._outside: tuple[float, str | None, int] | None = None
         self._handles: list[RemovableHandle] = [
             model.register_forward_pre_hook(self._begin_forward),
             model.register_forward_hook(self._end_forward, always_call=True),
@@ -119,6 +121,31 @@ class StepDriver:
         if self.tracer.enabled and self._mark is not None:
             self.tracer.record("compute", "backward", self.step, self._mark, self._stamp(), unit)
 
+    # -- tracing: the compute thread outside the units ("loop" spans, docs/step.md "Lane traces") ------------
+    def _leave(self, name: str | None = None) -> None:
+        """The compute thread leaves the units: the time until it is back becomes a ``loop`` span of this step,
+        named ``name`` or, when None, by where it comes back."""
+        if self.tracer.enabled:
+            self._outside = (time.perf_counter(), name, self.step)
+
+    def _back(self, name: str) -> float:
+        """The compute thread is back in the units (returns the time): the span outside them, if one is open."""
+        now = time.perf_counter()
+        if self._outside is not None:
+            start, phase, step = self._outside
+            self.tracer.record("loop", phase or name, step, start, now)
+            self._outside = None
+        return now
+
+    def trace_phase(self, done: str, then: str) -> None:
+        """For the training loop, outside the units: the time outside them so far was ``done``, what follows until
+        the compute thread is back in them is ``then`` (nothing when tracing is off or inside the units)."""
+        if self._outside is not None:
+            now = time.perf_counter()
+            start, _, step = self._outside
+            self.tracer.record("loop", done, step, start, now)
+            self._outside = (now, then, step)
+
     # -- forward ------------------------------------------------------------------------------------------
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
         self.residency.begin_forward()
@@ -136,9 +163,12 @@ class StepDriver:
         def hook(module: nn.Module, args: Any) -> None:
             self.lane.raise_if_failed()
             lane_delay()
-            if self.tracer.enabled and self._step_t0 is None and torch.is_grad_enabled():
+            tracing = self.tracer.enabled and torch.is_grad_enabled()
+            if tracing and self._step_t0 is None:
                 self._step_t0 = time.perf_counter()
             self.residency.acquire(units, self.step, backward=False)
+            if tracing:
+                self._back("model code between units")
             self._mark = self._stamp()
 
         return hook
@@ -148,6 +178,7 @@ class StepDriver:
             if self.tracer.enabled and torch.is_grad_enabled():
                 self.tracer.record("compute", "forward", self.step, self._mark, self._stamp(), units[-1])
                 self._mark = None  # loss, logging and the loop run outside the units: backward starts at its hook
+                self._leave()
             self.residency.release(units)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._on_output_grad(units))
@@ -210,11 +241,16 @@ class StepDriver:
                 "backward passes); each unit takes part in a forward pass once."
             )
         self._compute_until_now(units[-1])
+        hook_t0 = time.perf_counter() if self.tracer.enabled else 0.0
         self._release_frozen(keep=units)
         self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
         self._frozen_held += [u for u in units if unit_of[u].has_frozen and u not in self._frozen_held]
         for u in units:
             self.activations.prefetch(u)
+        if self._outside is not None:
+            self._back("loss, training step, backward to the first unit")
+        elif self.tracer.enabled:
+            self.tracer.record("loop", "hook: acquire for backward", self.step, hook_t0, time.perf_counter(), units[-1])
         self._mark = self._stamp()
 
     def _release_frozen(self, keep: tuple[int, ...] = ()) -> None:
@@ -242,6 +278,7 @@ class StepDriver:
 
     def _unit_ready(self, u: int) -> None:
         self._compute_until_now(u)
+        hook_t0 = time.perf_counter() if self.tracer.enabled else 0.0
         if u not in self._frozen_held:  # otherwise released by _release_frozen
             self.residency.release_backward(u)
         # complete: _pending[u] reached 0, so every slot holds the gradient its post-accumulate hook collected;
@@ -274,6 +311,8 @@ class StepDriver:
                 first=self._micro == 0,
             )
             self.lane.submit(task)
+        if self.tracer.enabled:  # the hook's own work around the stall and issue spans in it
+            self.tracer.record("loop", "hook: dispatch gradient", self.step, hook_t0, time.perf_counter(), u)
         self._mark = self._stamp()
 
     def _action(self) -> UpdateAction:
@@ -285,6 +324,7 @@ class StepDriver:
     def _check_backward_complete(self) -> None:
         self._compute_until_now(0)
         self._mark = None
+        self._leave("after backward: the training loop")
         self._callback_queued = False
         self._release_frozen()
         missing = [
@@ -318,8 +358,10 @@ class StepDriver:
             return False
         if self._callback_queued:  # a backward pass whose completion check has not run
             self._check_backward_complete()
+        closed, window_end = self.step, None
         if self.tracer.enabled:
-            self.tracer.mark_step(self.step, self._step_t0 or time.perf_counter(), time.perf_counter())
+            window_end = self._back("after backward: the training loop")
+            self.tracer.mark_step(self.step, self._step_t0 or window_end, window_end)
         self.activations.end_step()
         applied = True
         if self.config.update == "deferred" or self._micro < self.config.accumulate:
@@ -334,6 +376,10 @@ class StepDriver:
             if self.step == 1:  # the first step's one-off allocations (JIT, warm-up) are done
                 trim_host_heap()
         self._reset_step()
+        if window_end is not None:
+            now = time.perf_counter()
+            self.tracer.record("loop", "close the step", closed, window_end, now)
+            self._outside = (now, "training loop between steps", closed)
         return applied
 
     def _stamp_frozen(self) -> None:
