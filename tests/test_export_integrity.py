@@ -24,7 +24,7 @@ from slidedp_lightning.export.__main__ import main as export_main
 from slidedp_lightning.pretrained import loading_into_ledger
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import rel_err, token_batches
-from tests.test_pretrained import VOCAB, index_of, reference, save
+from tests.pretrained_checkpoints import VOCAB, index_of, reference, save
 
 peft = pytest.importorskip("peft")
 

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import slidedp_lightning
 from slidedp_lightning import SlideDPStrategy
@@ -28,31 +28,9 @@ from slidedp_lightning.runtime.host_os import format_bytes
 from slidedp_lightning.runtime.layout import build_layout
 from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights
 from slidedp_lightning.runtime.ledger.weight_source import WEIGHT_SOURCE_ATTR
-from tests.helpers import tiny_config
+from tests.pretrained_checkpoints import VOCAB, config, index_of, reference, save
 
-VOCAB = 64
 CPU = torch.device("cpu")
-
-
-def config(tied: bool, layers: int = 2) -> Qwen3Config:
-    return tiny_config(tied, layers, vocab=VOCAB, max_positions=32)  # type: ignore[return-value]
-
-
-def save(directory: Path, tied: bool, dtype: torch.dtype, seed: int = 0, shard: str = "60KB") -> Path:
-    """A save_pretrained checkpoint of a tiny Qwen3 in ``dtype``, in several safetensors shards."""
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config(tied)).to(dtype)
-    with torch.no_grad():  # norms away from 1, so a norm read from the wrong tensor shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory, max_shard_size=shard)
-    return directory
-
-
-def reference(directory: Path) -> dict[str, torch.Tensor]:
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True)
-    return model.state_dict()
 
 
 def skeleton(directory: Path, **kwargs) -> torch.nn.Module:
@@ -74,10 +52,6 @@ def rewrite(path: Path, change) -> None:
     with safe_open(str(path), "pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     save_file(change(tensors), str(path), metadata={"format": "pt"})
-
-
-def index_of(directory: Path) -> dict:
-    return json.loads((directory / "model.safetensors.index.json").read_text())
 
 
 def shard_holding(directory: Path, key: str) -> Path:
