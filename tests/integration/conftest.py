@@ -36,6 +36,11 @@ class JobResult:
     def state(self) -> dict[str, torch.Tensor]:
         return torch.load(self.out / "final_state.pt")
 
+    def initial(self, rank: int) -> dict[str, str] | None:
+        """The hash of each parameter as the job built it (None where it was built on the meta device)."""
+        path = self.out / f"init_rank{rank}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
     def ledger(self, rank: int) -> dict:
         return json.loads((self.out / f"ledger_rank{rank}.json").read_text())
 
@@ -244,6 +249,10 @@ def assert_ok(result) -> None:
 
 def compare_runs(ref, got, ranks: int) -> None:
     for r in range(ranks):
+        ia, ib = ref.initial(r), got.initial(r)
+        if ia is not None and ib is not None:
+            apart = sorted(k for k in ia.keys() | ib.keys() if ia.get(k) != ib.get(k))
+            assert not apart, f"rank {r}: the runs started from different weights: {', '.join(apart[:4])}"
         a, b = ref.losses(r), got.losses(r)
         assert len(a) == len(b) == STEPS
         worst = max(abs(x - y) / abs(x) for x, y in zip(a, b))

@@ -6,6 +6,8 @@ CONFIG.json holds a ``JobConfig`` (tests/integration/job_config.py). Writes ``lo
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -56,6 +58,14 @@ class TinyLM(L.LightningModule):
             return
         cfg = self.cfg
         torch.manual_seed(cfg.init_seed)
+        # a reference draws its weights on the host, as SlideDP does: under a CUDA root device (the reference
+        # strategies' init device) the CUDA generator would draw others and the two runs would start apart
+        with torch.device("cpu") if cfg.strategy != "slidedp" else contextlib.nullcontext():
+            self._build()
+        self._write_initial_fingerprint()
+
+    def _build(self) -> None:
+        cfg = self.cfg
         if cfg.pretrained:  # SlideDP: read into the ledger; DDP: transformers' from_pretrained
             self.model = slidedp_lightning.from_pretrained(cfg.pretrained, attn_implementation="eager")
         elif cfg.library:
@@ -76,6 +86,19 @@ class TinyLM(L.LightningModule):
         for name, p in self.model.named_parameters():
             if any(name.startswith(prefix) for prefix in cfg.freeze or ()):
                 p.requires_grad_(False)
+
+    def _write_initial_fingerprint(self) -> None:
+        """``init_rank{r}.json``: a hash of each materialized parameter as built, so that a comparison can tell
+        runs that started from different weights from runs that trained apart (none on the meta device)."""
+        params = list(self.model.named_parameters())
+        if any(p.is_meta for _, p in params):
+            return
+        digests = {
+            name: hashlib.sha256(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, p in params
+        }
+        with open(os.path.join(self.cfg.out, f"init_rank{self.global_rank}.json"), "w") as f:
+            json.dump(digests, f)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         cfg = self.cfg
