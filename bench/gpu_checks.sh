@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (about 7 minutes on one H200): the CUDA tests (the two-GPU ones need two GPUs), then
+# Every GPU check in one run (about 5 minutes on one H200): the CUDA tests (the two-GPU ones need two GPUs), then
 # bench/gpu_check.py.
 #
 #   OUT=results/gpu_checks bash bench/gpu_checks.sh

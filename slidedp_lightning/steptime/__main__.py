@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from slidedp_lightning.constants import GRAD_ROUTES, HOST_LAYOUTS
+from slidedp_lightning.constants import GRAD_ROUTES, HOST_LAYOUTS, OPTIMIZER_STATES
 from slidedp_lightning.steptime.analytic import Analytic, analyze
 from slidedp_lightning.steptime.graph import (
     LANES,
@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     pr = sub.add_parser("predict", help="predict one step's time and where it goes")
     pr.add_argument(
-        "--model", required=True, help="config JSON, checkpoint directory, or qwen3-8b | qwen3-14b | qwen3-tiny"
+        "--model",
+        required=True,
+        help="config JSON, checkpoint directory, or qwen3-1.7b | qwen3-8b | qwen3-14b | qwen3-tiny",
     )
     pr.add_argument("--hardware", required=True, help=f"profile JSON from calibrate, or one of {shipped_profiles()}")
     pr.add_argument("--batch", type=int, required=True, help="sequences per GPU per step")
@@ -207,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the runtime's update backpressure (EngineConfig.max_units_in_flight, 2 there; default: not modelled)",
     )
+    pr.add_argument("--optimizer-state", default="fp32", choices=OPTIMIZER_STATES, help="Adam moments: exact or 8-bit")
+    pr.add_argument("--no-bf16-copy", action="store_true", help="the ledger keeps no BF16 transfer copy")
     pr.add_argument(
         "--loss-sync",
         action="store_true",
@@ -281,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.host_layout,
                 args.max_units_in_flight,
                 args.loss_sync,
+                optimizer_state=args.optimizer_state,
+                bf16_copy=not args.no_bf16_copy,
             )
             print(predict_table(cfg, args.hardware, args.network))
         elif args.cmd == "scaling":
@@ -304,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.precision,
                 max_units_in_flight=args.max_units_in_flight,
                 loss_sync=args.loss_sync,
+                optimizer_state=args.optimizer_state,
+                bf16_copy=not args.no_bf16_copy,
             )
             print(scaling_table(base, profile, totals))
         elif args.cmd == "loop":

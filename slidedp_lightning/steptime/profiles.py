@@ -1,8 +1,9 @@
 """Hardware profiles: every constant with the source it came from.
 
 A profile JSON maps each field to ``{"value": ..., "source": "..."}``. Sources start with ``paper:`` (a
-number measured in arXiv 2609.34162), ``datasheet:``, ``probe:`` (measured here by ``calibrate``), ``fitted:``
-(fitted to a named paper figure; never tested against that figure) or ``assumed:`` (no measurement exists).
+number measured in arXiv 2609.34162), ``datasheet:``, ``probe:`` (measured on that machine: by ``calibrate``, or
+by the named run), ``fitted:`` (fitted to a named paper figure or measured run; its source says what was held out)
+or ``assumed:`` (no measurement exists).
 """
 
 from __future__ import annotations

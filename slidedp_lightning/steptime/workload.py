@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 SHIPPED = {
+    "qwen3-1.7b": ("slidedp_lightning.steptime", "configs/qwen3_1_7b.json"),
     "qwen3-8b": ("slidedp_lightning.steptime", "configs/qwen3_8b.json"),
     "qwen3-14b": ("slidedp_lightning.steptime", "configs/qwen3_14b.json"),
     "qwen3-tiny": ("slidedp_lightning.recipes", "configs/qwen3_tiny.json"),
@@ -82,7 +83,7 @@ class ModelShape:
 
 
 def load_config(model: str | Path | dict | Any) -> ModelShape:
-    """A shipped name (``qwen3-8b``, ``qwen3-14b``, ``qwen3-tiny``), a config JSON, a checkpoint directory
+    """A shipped name (``qwen3-1.7b``, ``qwen3-8b``, ``qwen3-14b``, ``qwen3-tiny``), a config JSON, a checkpoint directory
     holding ``config.json``, a dict, or a transformers ``PretrainedConfig``."""
     if isinstance(model, dict):
         return ModelShape.from_dict(model)

@@ -62,3 +62,29 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert large["max_abs_loss_diff"] <= 1e-2
     assert (tmp_path / "slidedp_trace" / "trace_rank0.json").exists()
     assert proc.stdout.strip().splitlines()[-1].startswith("json:")
+
+
+@pytest.mark.integration
+def test_gpu_check_dry_run_of_the_compact_case_alone(tmp_path):
+    """The 8 B case's flags: one checkpointed case, each system initialized on its own device, int8 moments
+    without the BF16 copy."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    args = "--device cpu --tiny --batch 0 --large-batch 4 --seq 32 --steps 3 --warmup 1 --meta-init"
+    args += " --optimizer-state int8 --no-bf16-copy"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), *args.split(), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "plain" not in report and report["optimizer_state"] == "int8" and not report["bf16_copy"]
+    large = report["large"]
+    for system in ("plain", "slidedp"):
+        assert "error" not in large[system], large[system]
+    assert "max_abs_loss_diff" not in large  # different initial weights: no comparison
+    assert 6 * report["params"] <= large["slidedp"]["ledger_bytes"] < 6.2 * report["params"]
+    assert (tmp_path / "slidedp_trace" / "trace_rank0.json").exists()  # the one case keeps its trace

@@ -4,15 +4,35 @@ import json
 
 import pytest
 
+from slidedp_lightning.steptime.graph import StepConfig
 from slidedp_lightning.steptime.profiles import GB, SOURCE_KINDS, Profile, load_profile, shipped_profiles
+from slidedp_lightning.steptime.simulate import simulate
+from slidedp_lightning.steptime.workload import load_config
 
 
 def test_shipped_profiles_have_sources():
     names = shipped_profiles()
-    assert set(names) == {"rtx4090x4", "a800x8_bridge", "a800x8_nobridge", "h100x8", "h200x1"}
+    assert set(names) == {"rtx4090x4", "a800x8_bridge", "a800x8_nobridge", "h100x8", "h200x1", "h200x1_vm16"}
     for name in names:
         p = load_profile(name)
         assert all(p.sources[k].startswith(SOURCE_KINDS) for k in p.values)
+
+
+@pytest.mark.parametrize(
+    "model, batch, activation, optimizer_state, measured_s",
+    [
+        ("qwen3-1.7b", 8, "none", "fp32", 0.7287),  # fitted to (compute, update)
+        ("qwen3-1.7b", 32, "full", "fp32", 1.3706),  # fitted to (compute)
+        ("qwen3-8b", 32, "full", "int8", 4.3978),  # out of sample
+    ],
+)
+def test_the_measured_h200_profile_predicts_its_runs_within_20_percent(
+    model, batch, activation, optimizer_state, measured_s
+):
+    """The step times bench/gpu_check.py measured on one H200 (docs/PERFORMANCE.md, "One H200")."""
+    cfg = StepConfig(load_config(model), batch, 1024, 1, activation=activation, optimizer_state=optimizer_state)
+    predicted = simulate(cfg, load_profile("h200x1_vm16")).step_time
+    assert predicted == pytest.approx(measured_s, rel=0.2)
 
 
 def test_paper_constants():
