@@ -233,15 +233,17 @@ class SlideDPEngine:
 
     def _log_setup(self, threads: int, seconds: float) -> None:
         layout, geometry, config = self.layout, self.geometry, self.config
+        private = self.ledger.file.kind.startswith("private")  # one local rank: no other process maps it
         log.log(
             logging.INFO if self.topology.global_rank == 0 else logging.DEBUG,
-            "SlideDP %s: %d units, %s params (%s), ledger %s in shared memory (%.2f B/param), route %s/%s, "
+            "SlideDP %s: %d units, %s params (%s), ledger %s in %s memory (%.2f B/param), route %s/%s, "
             "window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
             self.topology.describe(),
             len(layout.units),
             f"{layout.num_params:,}",
             _trainable_note(layout.num_trainable, layout.num_params - layout.num_trainable, self.ledger_stats()),
             format_bytes(geometry.nbytes),
+            "private" if private else "shared",
             geometry.nbytes / layout.num_params,
             config.param_route,
             config.grad_route,
