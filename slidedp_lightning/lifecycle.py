@@ -153,11 +153,12 @@ class SlideDPLifecycle:
         )
         process_groups.claim_default_group(self.cluster_environment.main_address, self.cluster_environment.main_port)
 
-    def _topology(self) -> Topology:
-        """Every process group the runtime uses, created once per process (collectively, on every rank)."""
+    def _topology(self, config: EngineConfig) -> Topology:
+        """Every process group the runtime uses, for ``config``'s routes, created once per process (collectively,
+        on every rank)."""
         if self.topology is None:
             self.topology = Topology.for_routes(
-                self.options.base_engine_config(),
+                config,
                 global_rank=self.global_rank,
                 local_rank=self.local_rank,
                 ranks_per_host=self.num_processes,
@@ -191,13 +192,14 @@ class SlideDPLifecycle:
         if planner is not None and planner.plan is not None:
             config = replace(config, activation_policy=planner.plan.activations)
             planner = None
-        warn_if_materialized(model, self._topology())
+        topology = self._topology(config)
+        warn_if_materialized(model, topology)
         self.engine = SlideDPEngine(
             model,
             config,
             device=self.root_device,
             compute_dtype=compute_dtype,
-            topology=self._topology(),
+            topology=topology,
             planner=planner,
         )
 

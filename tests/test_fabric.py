@@ -334,6 +334,7 @@ def check_against_ddp_and_resume(tmp_path: Path, model: str) -> None:
         assert rel <= RTOL, f"{k}: final weights differ from DDP by {rel:.2e} relative"
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_two_ranks_nanogpt_equal_ddp_and_resume_bit_exactly(tmp_path: Path) -> None:
     check_against_ddp_and_resume(tmp_path, "nanogpt")
 

@@ -37,6 +37,7 @@ def functions(names: list[str]) -> set[str]:
     return {n.split("[")[0] for n in names}
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_no_unknown_timeout_option_without_pytest_timeout(tmp_path):
     def run(*args: str, cwd: Path) -> str:
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:timeout", "--collect-only", "-q"]
@@ -76,6 +77,7 @@ def test_quick_selects_the_paper_comparison_and_the_kernel_suites():
     assert sizes == ({"4M"} if kernels else set())  # the kernel suites at their smallest size only
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_one_table_alone():
     assert functions(collect("--benchmark", "--bench-table", "systems")) == {"test_throughput"}
     assert functions(collect("--benchmark", "--bench-table", "capacity", "moe")) == {"test_capacity", "test_moe"}

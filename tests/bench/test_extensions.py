@@ -50,6 +50,7 @@ def test_a_second_holder_waits_with_a_bound_and_names_the_first(tmp_path):
     extensions.OwnedBuildDir(tmp_path).acquire(timeout_s=1)  # free again
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_the_op_build_is_bounded_and_clears_the_lock_it_left(tmp_path, monkeypatch):
     """A build that hangs (here: holds its baton and sleeps) is stopped at the time limit, with a message; its lock
     is gone after, and its process too."""

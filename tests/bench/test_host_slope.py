@@ -129,6 +129,7 @@ def test_every_slidedp_knob_is_a_strategy_argument(name):
     assert "zero_offload" in SYSTEMS and set(runner.NEEDS) <= set(SYSTEMS)
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_the_loss_chunk_knob_computes_the_same_loss_in_chunks(tmp_path):
     import torch
 

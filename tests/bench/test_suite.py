@@ -108,6 +108,7 @@ def test_every_quick_table_has_a_definition_and_runs():
             assert any(n.startswith(table.prefixes) for n in names), name
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_sigterm_stops_the_run_and_the_tables_are_written(tmp_path):
     """A SIGTERM during a job ends the run as Ctrl-C does (bench/conftest.py): the table is on disk after."""
     script = textwrap.dedent(

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.integration.signal_trials import session_pids
 from tests.shm_usage import private_tmpfs, used_bytes
 
@@ -28,6 +30,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_a_killed_process_is_followed_until_its_shared_pages_are_released() -> None:
     with private_tmpfs("1g") as shm:
         empty = used_bytes(shm)

@@ -146,6 +146,7 @@ def test_help_is_fast(paths, record_property):
     assert min(times) < 2.0, times
 
 
+@pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_the_package_import_still_registers_the_strategy(tmp_path):
     """The console script avoids ``import slidedp_lightning``; that import itself still registers
     ``strategy="slidedp"`` with the Trainer and Fabric, before the user imports Lightning (a fresh interpreter)."""
