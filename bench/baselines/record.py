@@ -23,6 +23,7 @@ class Recorder:
         self.extra: dict = {}
         self.end: float | None = None  # when the training steps ended (None: when ``write`` is called)
         self.end_wall: float | None = None
+        self._shared_at_start = 0  # file + shared-memory RSS when the window started
 
     def steps_done(self) -> None:
         """The training steps are over; what follows (the trainer's teardown, writing results) is outside the
@@ -31,10 +32,15 @@ class Recorder:
         self._private_peak()
 
     def _private_peak(self) -> None:
-        """This rank's peak private memory in the training window (once, at its end)."""
+        """This rank's peak private memory in the training window (once, at its end): the kernel's high-water mark
+        of the whole RSS less the file and shared-memory RSS at the end. The mark has no private part of its own,
+        so where file or shared pages grew inside the window the peak may be under by that growth, recorded as
+        ``private_peak_slack_bytes``."""
         if self.starts and "private_peak_bytes" not in self.extra:
             status = _status()
-            self.extra["private_peak_bytes"] = status["VmHWM"] - status["RssFile"] - status["RssShmem"]
+            shared = status["RssFile"] + status["RssShmem"]
+            self.extra["private_peak_bytes"] = status["VmHWM"] - shared
+            self.extra["private_peak_slack_bytes"] = max(0, shared - self._shared_at_start)
 
     def step_start(self) -> None:
         if not self.starts:  # the training window starts: the kernel's RSS high-water mark restarts from now
@@ -43,6 +49,8 @@ class Recorder:
                     f.write("5")
             except OSError:
                 self.extra["private_peak_bytes"] = None
+            status = _status()
+            self._shared_at_start = status["RssFile"] + status["RssShmem"]
         self.starts.append(time.perf_counter())
         self.walls.append(time.time())
 
