@@ -164,6 +164,7 @@ class SlideDPEngine:
             window=config.prefetch_window,
             sharded=self._sharded_params,
             h2d_convert="host" if config.h2d_convert == "host" else "device",
+            copies="always" if config.unit_copies == "always" else "auto",
         )
         self.residency.bind()
         # close() resolves "auto" to a bool first; a construction failing midway still holds "auto" (truthy)

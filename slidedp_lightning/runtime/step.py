@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -151,7 +151,7 @@ class StepDriver:
         self.residency.begin_forward()
         if not self._checked and torch.is_grad_enabled():
             self._checked = True
-            self._check = ResidencyCheck(self.layout, self.slot_of)
+            self._check = ResidencyCheck(self.layout, self.slot_of, self.residency.resident)
             self._check.__enter__()
 
     def _end_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -460,18 +460,23 @@ METADATA = frozenset(
 class ResidencyCheck(TorchFunctionMode):
     """During the first training forward: an operation reading a streamed parameter whose unit is not on the device
     (a tie or weight read that no module call shows, e.g. through a global) is refused by name, before the storage
-    error it would otherwise raise deep inside the operator."""
+    error it would otherwise raise deep inside the operator (or, on a CPU device computing on the ledger itself, the
+    read that would otherwise succeed there and fail on a GPU). ``resident``: the residency's live flags per unit."""
 
-    def __init__(self, layout: Layout, slot_of: dict[int, tuple[int, int]]) -> None:
+    def __init__(self, layout: Layout, slot_of: dict[int, tuple[int, int]], resident: Sequence[bool]) -> None:
         super().__init__()
-        self.layout, self.slot_of = layout, slot_of
+        self.layout, self.slot_of, self.resident = layout, slot_of, resident
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") in METADATA:  # reads no data: fine for a unit that is not resident
             return func(*args, **kwargs)
         for arg in (*args, *kwargs.values()):
-            if isinstance(arg, nn.Parameter) and id(arg) in self.slot_of and arg.untyped_storage().size() == 0:
+            if (
+                isinstance(arg, nn.Parameter)
+                and id(arg) in self.slot_of
+                and not self.resident[self.slot_of[id(arg)][0]]
+            ):
                 ui, si = self.slot_of[id(arg)]
                 unit = self.layout.units[ui]
                 raise UnsupportedModelError(

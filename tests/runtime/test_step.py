@@ -97,6 +97,8 @@ def test_end_step_without_backward_is_no_step(engines) -> None:
 
 
 # -- (h): residency -----------------------------------------------------------------------------------------
+# these follow the device copies of units (a CPU device computes on the ledger itself unless unit_copies="always")
+COPIES = "always"
 
 
 def device_bytes(res) -> int:
@@ -127,7 +129,7 @@ def sample_after_acquire(res) -> list[int]:
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_residency_after_step_and_peak(engines, window: int, tied: bool) -> None:
     model = tiny_model(tied)
-    engine = engines(model, prefetch_window=window)
+    engine = engines(model, prefetch_window=window, unit_copies=COPIES)
     engine.attach_optimizer(adamw_groups(model))
     res = engine.residency
     unit_bytes = [u.padded * 4 for u in engine.layout.units]
@@ -160,7 +162,7 @@ def test_prefetch_stays_within_window(engines, tied: bool, window: int) -> None:
     (Regression: a tied lm_head, whose only unit is the embedding, used to prefetch layers.0 at the end of forward.)
     """
     model = tiny_model(tied)
-    engine = engines(model, prefetch_window=window)
+    engine = engines(model, prefetch_window=window, unit_copies=COPIES)
     engine.attach_optimizer(adamw_groups(model))
     res = engine.residency
     physical_peak = sample_after_acquire(res)
@@ -182,7 +184,7 @@ def test_forward_leaves_nothing_in_flight(engines, tied: bool, window: int, grad
     """After a whole forward nothing is being filled and at most the unit the forward used last stays on the
     device (backward starts there); in particular no prefetch of layers.0 wraps around from a tied lm_head."""
     model = tiny_model(tied)
-    engine = engines(model, prefetch_window=window)
+    engine = engines(model, prefetch_window=window, unit_copies=COPIES)
     engine.attach_optimizer(adamw_groups(model))
     res = engine.residency
     with torch.set_grad_enabled(grad):

@@ -9,6 +9,11 @@ and fills it from the ledger (the FP32 master, or the BF16 transfer copy under b
 - route ``sharded``: once this rank's own shard is updated, copy that 1/R shard host->device and
   all-gather the unit across the ranks (on a process group of its own, issued from the H2D lane thread in
   the same order on every rank).
+
+On a CPU device, a unit whose ledger source already has the compute dtype (the BF16 copy under bf16-mixed, the
+master under 32-true) and the route ``full`` is not copied at all: its buffer is the ledger's range itself, and
+making it resident only waits for the update. A copy would hold a second instance of host memory the ledger
+already holds (a tied 0.3 B-parameter embedding: 0.6 GB per rank).
 """
 
 from __future__ import annotations
@@ -45,9 +50,11 @@ class UnitResidency:
         window: int,
         sharded: bool = False,
         h2d_convert: Literal["host", "device"] = "host",
+        copies: Literal["auto", "always"] = "auto",
     ) -> None:
         """``sharded``: the sharded parameter route (own shard H2D, then an all-gather on the topology's
-        ``param_group``); else every rank copies each whole unit."""
+        ``param_group``); else every rank copies each whole unit. ``copies="always"``: no unit is computed on in
+        the ledger (see the module's docstring)."""
         self.layout = layout
         self.ledger = ledger
         self.lanes = lanes
@@ -76,6 +83,15 @@ class UnitResidency:
         if len(self._sources) != len(sources):
             raise ValueError("the ledger has neither a master nor a BF16 copy of some unit")
         self.h2d_convert = h2d_convert
+        # units whose buffer is the ledger's own range (CPU device, route full, source in the compute dtype)
+        self.aliased = [
+            copies == "auto"
+            and self.device.type == "cpu"
+            and not sharded
+            and src.dtype == dtype
+            and src.numel() == unit.padded
+            for unit, src in zip(layout.units, self._sources)
+        ]
         self._staging: torch.Tensor | None = None  # host conversion: one unit's BF16 bytes, reused
         self._staging_copied = None  # marker of the last copy that read the staging buffer
         self.resident_bytes = 0
@@ -109,14 +125,18 @@ class UnitResidency:
         once would be the whole model, which is what this system exists not to need)."""
         if self.buffers:
             raise RuntimeError("the model is already bound to this residency")
-        for unit in self.layout.units:
-            buf = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
+        for unit, src, aliased in zip(self.layout.units, self._sources, self.aliased):
+            if aliased:  # its own version counter: the ledger's other writers are no in-place edits to autograd
+                buf = _alias(src.untyped_storage(), src.storage_offset(), unit.padded, self.dtype)
+            else:
+                buf = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
             for slot in unit.slots:
                 view = buf[slot.offset : slot.end].view(slot.shape)
                 param = nn.Parameter(view, requires_grad=slot.trainable)
                 for module, attr in slot.locations:
                     setattr(module, attr, param)
-            buf.untyped_storage().resize_(0)  # views keep their geometry; the memory goes until acquire
+            if not aliased:
+                buf.untyped_storage().resize_(0)  # views keep their geometry; the memory goes until acquire
             self.buffers.append(buf)
         if self.device.type == "cuda":
             # the emptied blocks are cached for the current stream, which fills (on the h2d stream) cannot reuse
@@ -135,6 +155,7 @@ class UnitResidency:
                 param = nn.Parameter(data, requires_grad=slot.trainable)
                 for module, attr in slot.locations:
                     setattr(module, attr, param)
+        self.buffers = []  # an aliased buffer would keep the ledger's mapping alive
 
     def resident_storages(self) -> list[int]:
         """Data pointers of the resident units' device buffers (saved parameters are views of these)."""
@@ -160,6 +181,8 @@ class UnitResidency:
         lane_delay()
         self.fills[u] += 1
         lanes = self.lanes
+        if self.aliased[u]:  # the buffer is the ledger's range: the update it waited for is all there is to do
+            return lanes.mark("h2d")
         src = self._sources[u]
         with lanes.on("h2d"):
             # memory allocated here belongs to the H2D lane: a block the compute lane freed is handed out only
@@ -168,7 +191,7 @@ class UnitResidency:
             storage.resize_(unit.padded * self.buffers[u].element_size())
             # an alias with its own version counter: refilling must not look like an in-place edit to autograd,
             # which saved these parameters for backward
-            buf = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, (unit.padded,), (1,))
+            buf = _alias(storage, 0, unit.padded, self.dtype)
             if self.route == "full":
                 with lanes.span("h2d", "copy", step, u):
                     self._copy(buf, src)
@@ -226,7 +249,7 @@ class UnitResidency:
             marker = fut.result()
         self.lanes.wait("compute", marker)
         self.resident[u] = True
-        self.resident_bytes += self.buffers[u].numel() * self.buffers[u].element_size()
+        self.resident_bytes += self._device_bytes(u)
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
     def acquire(self, units: tuple[int, ...], step: int, backward: bool) -> None:
@@ -277,11 +300,18 @@ class UnitResidency:
     def _maybe_evict(self, u: int) -> None:
         if self.refs[u] > 0 or self.held_for_backward[u] or not self.resident[u]:
             return
+        self.resident[u] = False
+        self.resident_bytes -= self._device_bytes(u)
+        if self.aliased[u]:
+            return
         buf = self.buffers[u]
         self.lanes.hand_over(buf, "compute")  # the compute lane may still read it: the allocator must wait
         buf.untyped_storage().resize_(0)
-        self.resident[u] = False
-        self.resident_bytes -= buf.numel() * buf.element_size()
+
+    def _device_bytes(self, u: int) -> int:
+        """Device memory unit ``u``'s buffer holds while resident (none when it is the ledger's range)."""
+        buf = self.buffers[u]
+        return 0 if self.aliased[u] else buf.numel() * buf.element_size()
 
     def evict_all(self) -> None:
         self._parked = None
@@ -291,3 +321,9 @@ class UnitResidency:
             self.refs[u] = 0
             self.held_for_backward[u] = False
             self._maybe_evict(u)
+
+
+def _alias(storage: torch.UntypedStorage, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D tensor of ``numel`` elements of ``storage`` from element ``offset`` with a version counter of its own
+    (a view would share its base's: any in-place write into the base would then invalidate what autograd saved)."""
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, (numel,), (1,))

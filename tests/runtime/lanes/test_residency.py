@@ -7,9 +7,12 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine
+from tests.runtime.helpers import assert_rel_close
 
 
-def _engine(tied: bool, window: int) -> tuple[torch.nn.Module, SlideDPEngine]:
+def _engine(
+    tied: bool, window: int, dtype: torch.dtype = torch.float32, **options
+) -> tuple[torch.nn.Module, SlideDPEngine]:
     cfg = Qwen3Config(
         vocab_size=64,
         hidden_size=64,
@@ -23,7 +26,7 @@ def _engine(tied: bool, window: int) -> tuple[torch.nn.Module, SlideDPEngine]:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     engine = SlideDPEngine(
-        model, EngineConfig(prefetch_window=window), device=torch.device("cpu"), compute_dtype=torch.float32
+        model, EngineConfig(prefetch_window=window, **options), device=torch.device("cpu"), compute_dtype=dtype
     )
     engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     return model, engine
@@ -32,7 +35,7 @@ def _engine(tied: bool, window: int) -> tuple[torch.nn.Module, SlideDPEngine]:
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_each_unit_visits_the_device_once_per_pass(tied, window):
-    model, engine = _engine(tied, window)
+    model, engine = _engine(tied, window, unit_copies="always")  # the copies a CUDA device makes
     res = engine.residency
     try:
         x = torch.randint(0, 64, (2, 8))
@@ -77,7 +80,7 @@ def test_binding_holds_one_unit_on_the_device_at_a_time(monkeypatch):
         return out
 
     monkeypatch.setattr(params.torch, "empty", tracked)
-    _, engine = _engine(tied=False, window=1)
+    _, engine = _engine(tied=False, window=1, unit_copies="always")
     monkeypatch.undo()
     try:
         assert len(made) == len(engine.layout.units) >= 4
@@ -85,3 +88,60 @@ def test_binding_holds_one_unit_on_the_device_at_a_time(monkeypatch):
         assert all(t.untyped_storage().nbytes() == 0 for t in engine.residency.buffers)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    "dtype, cfg, in_place",
+    [
+        (torch.float32, {}, True),  # FP32 compute reads the master
+        (torch.bfloat16, {}, True),  # bf16 compute reads the BF16 copy
+        (torch.bfloat16, {"bf16_copy": False}, False),  # converted from the master: a buffer of its own
+        (torch.float32, {"unit_copies": "always"}, False),
+    ],
+    ids=["fp32", "bf16", "bf16-no-copy", "always"],
+)
+def test_a_cpu_device_computes_on_the_ledger_itself_where_its_dtype_allows(dtype, cfg, in_place):
+    """On a CPU device a unit copy would be a second instance of host memory: the parameters are views of the
+    ledger's range (no device bytes held), they follow each update, and training still reads each step's weights."""
+    model, engine = _engine(tied=True, window=2, dtype=dtype, **cfg)
+    res, ledger = engine.residency, engine.ledger
+    try:
+        lo = ledger.mapping_address()
+        hi = lo + ledger.geometry.nbytes
+        for _ in range(2):
+            x = torch.randint(0, 64, (2, 8))
+            model(input_ids=x, labels=x).loss.backward()
+            assert engine.end_step()
+        assert res.aliased == [in_place] * len(engine.layout.units)
+        embed = model.model.embed_tokens.weight
+        assert (lo <= embed.data_ptr() < hi) is in_place
+        assert (res.peak_resident_bytes == 0) is in_place
+        if in_place:  # exactly the embedding's range of the unit's source region
+            source, slot = res._sources[0], engine.layout.units[0].slots[0]
+            assert embed.data_ptr() == source.data_ptr() + slot.offset * source.element_size()
+    finally:
+        engine.close()
+    assert not res.buffers, "closed: no buffer keeps the ledger's mapping alive"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_computing_on_the_ledger_trains_bit_identically_to_unit_copies(dtype, tied):
+    runs = []
+    for copies in ("auto", "always"):
+        model, engine = _engine(tied, window=2, dtype=dtype, unit_copies=copies)
+        try:
+            torch.manual_seed(1)
+            losses = []
+            for _ in range(3):
+                x = torch.randint(0, 64, (2, 8))
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+                assert engine.end_step()
+                losses.append(loss.item())
+            runs.append((losses, engine.state_dict()))
+        finally:
+            engine.close()
+    (losses, state), (copied_losses, copied_state) = runs
+    assert losses == copied_losses
+    assert_rel_close(state, copied_state, tol=0.0)
