@@ -13,6 +13,10 @@ def _lane_delay_from_env() -> float:
     return float(os.environ.get("SLIDEDP_TEST_LANE_DELAY_MS", "0"))
 
 
+def _unit_copies_from_env() -> str:
+    return os.environ.get("SLIDEDP_UNIT_COPIES", "auto")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's choices. ``"auto"`` routes and chunk sizes are measured at setup (the resolved config is
@@ -42,8 +46,9 @@ class EngineConfig:
     h2d_convert: str = "auto"
     # "auto": on a CPU device, a unit whose ledger source has the compute dtype (the BF16 copy under bf16 compute,
     # the master under FP32) is computed on in place, route full (a copy would be a second instance of host memory
-    # the ledger holds); "always": every unit is copied into a buffer of its own, as on CUDA
-    unit_copies: str = "auto"
+    # the ledger holds); "always": every unit is copied into a buffer of its own, as on CUDA (default from
+    # SLIDEDP_UNIT_COPIES: a CPU run of the GPU path's copies)
+    unit_copies: str = field(default_factory=_unit_copies_from_env)
     # test-only fault injection (see lanes.liveness.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=_lane_delay_from_env)
 

@@ -238,7 +238,8 @@ class SlideDPEngine:
         log.log(
             logging.INFO if self.topology.global_rank == 0 else logging.DEBUG,
             "SlideDP %s: %d units, %s params (%s), ledger %s in %s memory (%.2f B/param), route %s/%s, "
-            "window %d, %s %s, %d update thread(s), kernels ready in %.2f s, setup %.2f s",
+            "window %d, %s %s (%d of %d units computed in the ledger, unit copies %s), %d update thread(s), "
+            "kernels ready in %.2f s, setup %.2f s",
             self.topology.describe(),
             len(layout.units),
             f"{layout.num_params:,}",
@@ -251,6 +252,9 @@ class SlideDPEngine:
             config.prefetch_window,
             self.device,
             self.compute_dtype,
+            sum(self.residency.aliased),
+            len(layout.units),
+            config.unit_copies,
             threads,
             self.lane.jit_s,
             seconds,

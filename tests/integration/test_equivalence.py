@@ -125,6 +125,31 @@ def test_every_route_chunk_and_window_is_bit_identical_to_the_p1_path(job_runner
 
 @pytest.mark.slow
 @pytest.mark.integration
+def test_unit_copies_are_bit_identical_to_computing_on_the_ledger(job_runner, trace_dir):
+    """A CPU device computes on the ledger's own range; the copies a GPU makes (forced here) change nothing."""
+    base = _p1_path(job_runner, True, trace_dir)
+    got = job_runner(
+        "slidedp_unit_copies",
+        env={"SLIDEDP_UNIT_COPIES": "always"},
+        strategy="slidedp",
+        devices=2,
+        steps=STEPS,
+        batch=BATCH,
+        tied=True,
+        grad_route="gpu_reduce",
+    )
+    assert_ok(base)
+    assert_ok(got)
+    assert "unit copies always" in got.output
+    for rank in range(2):
+        assert got.losses(rank) == base.losses(rank), f"rank {rank}: losses differ with unit copies"
+    a, b = base.state(), got.state()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs with unit copies"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
 def test_full_matrix_is_bit_identical_to_the_p1_path(job_runner):
     """All 30 combinations against the P1 path fitted in that same job."""
     res = run_matrix(job_runner)
