@@ -127,7 +127,7 @@ class UnitResidency:
             raise RuntimeError("the model is already bound to this residency")
         for unit, src, aliased in zip(self.layout.units, self._sources, self.aliased):
             if aliased:  # its own version counter: the ledger's other writers are no in-place edits to autograd
-                buf = _alias(src.untyped_storage(), src.storage_offset(), unit.padded, self.dtype)
+                buf = _alias(src.untyped_storage(), int(src.storage_offset()), unit.padded, self.dtype)
             else:
                 buf = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
             for slot in unit.slots:
