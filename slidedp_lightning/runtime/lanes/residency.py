@@ -144,7 +144,11 @@ class UnitResidency:
 
     def unbind(self, restore: bool) -> None:
         """Give the model ordinary parameters again: FP32 copies of the master (of the BF16 copy for a unit
-        without one), or meta tensors."""
+        without one), or meta tensors. The parameters it replaces (an optimizer may still hold them) keep their
+        geometry over empty storage, as a copied unit's do while not resident."""
+        for unit, aliased in zip(self.layout.units, self.aliased):
+            if aliased:  # else they would keep the ledger's mapping (the whole ledger) alive after close
+                self._off_ledger(unit)
         for unit in self.layout.units:
             weights = self.ledger.weights(unit.index) if restore else None
             for slot in unit.slots:
@@ -156,6 +160,15 @@ class UnitResidency:
                 for module, attr in slot.locations:
                     setattr(module, attr, param)
         self.buffers = []  # an aliased buffer would keep the ledger's mapping alive
+
+    def _off_ledger(self, unit) -> None:
+        """Point ``unit``'s parameters, views of the ledger, at an emptied buffer of their own."""
+        own = torch.empty(unit.padded, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for slot in unit.slots:
+                module, attr = slot.locations[0]
+                getattr(module, attr).set_(own.untyped_storage(), slot.offset, slot.shape)
+        own.untyped_storage().resize_(0)
 
     def resident_storages(self) -> list[int]:
         """Data pointers of the resident units' device buffers (saved parameters are views of these)."""

@@ -119,9 +119,11 @@ def test_a_cpu_device_computes_on_the_ledger_itself_where_its_dtype_allows(dtype
         if in_place:  # exactly the embedding's range of the unit's source region
             source, slot = res._sources[0], engine.layout.units[0].slots[0]
             assert embed.data_ptr() == source.data_ptr() + slot.offset * source.element_size()
+        held = [p for p in model.parameters()]  # what an optimizer holds past the run
     finally:
         engine.close()
     assert not res.buffers, "closed: no buffer keeps the ledger's mapping alive"
+    assert all(p.untyped_storage().nbytes() == 0 for p in held), "closed: no parameter keeps the ledger alive"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
