@@ -166,6 +166,8 @@ class StepDriver:
             tracing = self.tracer.enabled and torch.is_grad_enabled()
             if tracing and self._step_t0 is None:
                 self._step_t0 = time.perf_counter()
+                if self._outside is None:  # the first step: no loop span is open, and this acquire belongs to one
+                    self._outside = (self._step_t0, None, self.step)
             self.residency.acquire(units, self.step, backward=False)
             if tracing:
                 self._back("model code between units")

@@ -60,6 +60,8 @@ class Lanes:
         self._workers = {
             lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"slidedp-{lane}") for lane in WORKER_LANES
         }
+        for worker in self._workers.values():  # each thread starts now, not inside the first step's first acquire
+            worker.submit(int).result()
 
     # -- device work (overridden by the CUDA backend) -------------------------------------------------
     def on(self, lane: str) -> AbstractContextManager:

@@ -51,8 +51,9 @@ def test_each_worker_lane_is_one_thread_running_its_work_in_order():
 
 def test_close_without_waiting_cancels_queued_work():
     lanes = make_lanes(torch.device("cpu"))
-    gate = threading.Event()
-    first = lanes.submit("h2d", gate.wait, 5.0)
+    gate, running = threading.Event(), threading.Event()
+    first = lanes.submit("h2d", lambda: running.set() or gate.wait(5.0))
+    assert running.wait(5.0)  # the lane's thread holds the first item: the second stays queued
     queued = lanes.submit("h2d", lambda: None)
     lanes.close(wait=False)
     assert queued.cancelled()
