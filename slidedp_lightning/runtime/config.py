@@ -44,10 +44,11 @@ class EngineConfig:
     # "device" copies the FP32 master and converts on the device; "auto": "host" on CUDA (half the link bytes),
     # "device" on a CPU device (no link: the staging pass is pure overhead, docs/PERFORMANCE.md)
     h2d_convert: str = "auto"
-    # "auto": on a CPU device, a unit whose ledger source has the compute dtype (the BF16 copy under bf16 compute,
-    # the master under FP32) is computed on in place, route full (a copy would be a second instance of host memory
-    # the ledger holds); "always": every unit is copied into a buffer of its own, as on CUDA (default from
-    # SLIDEDP_UNIT_COPIES: a CPU run of the GPU path's copies)
+    # on a CPU device, route full, a unit whose ledger source has the compute dtype (the BF16 copy under bf16
+    # compute, the master under FP32) can be computed on in the ledger (a copy is a second instance of host memory
+    # the ledger holds): "auto" does so for units of at least IN_LEDGER_MIN_BYTES (a smaller copy fits in the cache
+    # and acts as a prefetch: computing in place was slower there, docs/PERFORMANCE.md), "never" for every such
+    # unit, "always" copies every unit, as on CUDA (default from SLIDEDP_UNIT_COPIES)
     unit_copies: str = field(default_factory=_unit_copies_from_env)
     # test-only fault injection (see lanes.liveness.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=_lane_delay_from_env)
@@ -85,8 +86,8 @@ class EngineConfig:
             raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
         if self.h2d_convert not in ("host", "device", "auto"):
             raise ValueError(f"h2d_convert must be 'host', 'device' or 'auto', got {self.h2d_convert!r}.")
-        if self.unit_copies not in ("auto", "always"):
-            raise ValueError(f"unit_copies must be 'auto' or 'always', got {self.unit_copies!r}.")
+        if self.unit_copies not in ("auto", "always", "never"):
+            raise ValueError(f"unit_copies must be 'auto', 'always' or 'never', got {self.unit_copies!r}.")
         if self.optimizer_state == "int8" and isinstance(self.chunk_bytes, int) and self.chunk_bytes < 4 * QUANT_BLOCK:
             raise ValueError(
                 f"optimizer_state='int8' updates whole blocks of {QUANT_BLOCK} elements: chunk_bytes must be at "

@@ -21,7 +21,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -164,7 +164,7 @@ class SlideDPEngine:
             window=config.prefetch_window,
             sharded=self._sharded_params,
             h2d_convert="host" if config.h2d_convert == "host" else "device",
-            copies="always" if config.unit_copies == "always" else "auto",
+            copies=cast(Literal["auto", "always", "never"], config.unit_copies),
         )
         self.residency.bind()
         # close() resolves "auto" to a bool first; a construction failing midway still holds "auto" (truthy)

@@ -121,10 +121,12 @@ def test_the_tree_shows_ties_it_holds_registered() -> None:
     assert hidden_uses(decoder(head="linear")) == []
 
 
-def test_a_read_no_attribute_shows_is_refused_by_name_at_the_first_forward() -> None:
+@pytest.mark.parametrize("unit_copies", ["always", "never"])  # "never": the read would succeed in the ledger
+def test_a_read_no_attribute_shows_is_refused_by_name_at_the_first_forward(unit_copies: str) -> None:
     model = decoder(head="global")
     assert hidden_uses(model) == []
-    engine = SlideDPEngine(model, EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
+    config = EngineConfig(unit_copies=unit_copies)
+    engine = SlideDPEngine(model, config, device=torch.device("cpu"), compute_dtype=torch.float32)
     try:
         engine.attach_optimizer(adamw(model))
         x = token_batches(1, 2, 12)[0]

@@ -10,10 +10,12 @@ and fills it from the ledger (the FP32 master, or the BF16 transfer copy under b
   all-gather the unit across the ranks (on a process group of its own, issued from the H2D lane thread in
   the same order on every rank).
 
-On a CPU device, a unit whose ledger source already has the compute dtype (the BF16 copy under bf16-mixed, the
-master under 32-true) and the route ``full`` is not copied at all: its buffer is the ledger's range itself, and
-making it resident only waits for the update. A copy would hold a second instance of host memory the ledger
-already holds (a tied 0.3 B-parameter embedding: 0.6 GB per rank).
+On a CPU device, a unit of at least :data:`IN_LEDGER_MIN_BYTES` whose ledger source already has the compute dtype
+(the BF16 copy under bf16-mixed, the master under 32-true) and the route ``full`` is not copied at all: its buffer
+is the ledger's range itself, and making it resident only waits for the update. A copy would hold a second
+instance of host memory the ledger already holds (a tied 0.3 B-parameter embedding: 0.6 GB per rank). A smaller
+unit is copied: its copy fits in the cache and acts as a prefetch on the H2D thread (computing on the shared
+ledger in place made a 1 M-parameter job's steps slower, docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from slidedp_lightning.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
 
+IN_LEDGER_MIN_BYTES = 32 << 20  # the last-level cache of a typical server core complex
+
 
 class UnitResidency:
     """Device buffers of all units, their reference counts and the prefetch lane."""
@@ -50,11 +54,12 @@ class UnitResidency:
         window: int,
         sharded: bool = False,
         h2d_convert: Literal["host", "device"] = "host",
-        copies: Literal["auto", "always"] = "auto",
+        copies: Literal["auto", "always", "never"] = "auto",
     ) -> None:
         """``sharded``: the sharded parameter route (own shard H2D, then an all-gather on the topology's
-        ``param_group``); else every rank copies each whole unit. ``copies="always"``: no unit is computed on in
-        the ledger (see the module's docstring)."""
+        ``param_group``); else every rank copies each whole unit. ``copies``: which units a CPU device computes on
+        in the ledger (see the module's docstring): ``"auto"`` the large ones, ``"never"`` every one the dtype
+        allows, ``"always"`` none."""
         self.layout = layout
         self.ledger = ledger
         self.lanes = lanes
@@ -85,11 +90,12 @@ class UnitResidency:
         self.h2d_convert = h2d_convert
         # units whose buffer is the ledger's own range (CPU device, route full, source in the compute dtype)
         self.aliased = [
-            copies == "auto"
+            copies != "always"
             and self.device.type == "cpu"
             and not sharded
             and src.dtype == dtype
             and src.numel() == unit.padded
+            and (copies == "never" or unit.padded * src.element_size() >= IN_LEDGER_MIN_BYTES)
             for unit, src in zip(layout.units, self._sources)
         ]
         self._staging: torch.Tensor | None = None  # host conversion: one unit's BF16 bytes, reused
