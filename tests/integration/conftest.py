@@ -247,6 +247,15 @@ def assert_ok(result) -> None:
     assert result.returncode == 0, result.output[-4000:]
 
 
+def assert_bit_identical(base, got, what: str) -> None:
+    """Two 2-rank jobs give the same losses on every rank and the same final weights, bit for bit."""
+    for rank in range(2):
+        assert got.losses(rank) == base.losses(rank), f"rank {rank}: losses differ {what}"
+    a, b = base.state(), got.state()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs {what}"
+
+
 def compare_runs(ref, got, ranks: int) -> None:
     for r in range(ranks):
         ia, ib = ref.initial(r), got.initial(r)
