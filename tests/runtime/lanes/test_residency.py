@@ -148,3 +148,11 @@ def test_computing_in_the_ledger_trains_bit_identically_to_unit_copies(dtype, ti
     (losses, state), (copied_losses, copied_state) = runs
     assert losses == copied_losses
     assert_rel_close(state, copied_state, tol=0.0)
+
+
+def test_unit_copies_takes_its_default_from_the_environment_and_refuses_other_values(monkeypatch):
+    monkeypatch.setenv("SLIDEDP_UNIT_COPIES", "never")
+    assert EngineConfig().unit_copies == "never"
+    monkeypatch.setenv("SLIDEDP_UNIT_COPIES", "sometimes")
+    with pytest.raises(ValueError, match="unit_copies must be 'auto', 'always' or 'never', got 'sometimes'"):
+        EngineConfig()
