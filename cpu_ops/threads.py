@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from numbers import Integral
 
 import numba
 
-__all__ = ["logical_cpus", "physical_cores", "thread_budget", "set_kernel_threads"]
+__all__ = ["logical_cpus", "physical_cores", "thread_budget", "set_kernel_threads", "start_kernel_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +98,15 @@ def set_kernel_threads(n: int) -> None:
         log.warning("requested %d kernel threads, clamping to NUMBA_NUM_THREADS=%d", n, limit)
         n = limit
     numba.set_num_threads(n)
+
+
+def start_kernel_pool() -> None:
+    """Start Numba's kernel threads from a short-lived thread of their own (nothing to do once they run).
+
+    Numba's OpenMP layer sets the OpenMP thread count of the thread that starts its pool (the first call of
+    ``numba.get_num_threads``, ``set_num_threads`` or a parallel kernel) to ``NUMBA_NUM_THREADS``, and torch's CPU
+    operators on that thread read the same count. Started from a training thread, the pool would leave that
+    thread's forward and backward on every core of the host, beside the host's other ranks."""
+    starter = threading.Thread(target=numba.get_num_threads, name="numba-pool-start")
+    starter.start()
+    starter.join()

@@ -93,6 +93,8 @@ class SlideDPEngine:
         planner: Any = None,
     ) -> None:
         t0 = time.perf_counter()
+        torch_threads = torch.get_num_threads()
+        cpu_ops.start_kernel_pool()  # not from this thread: it would take this thread's torch ops to every core
         self.root, self.device, self.compute_dtype = root, device, compute_dtype
         self.topology = topology or Topology()
         self._closed = self._aborted = False
@@ -106,6 +108,11 @@ class SlideDPEngine:
             self._bind_units(specs, planner, stack)
             threads = self._start_update_lane(stack)
             self._install_step(weights, stack)
+            if torch.get_num_threads() != torch_threads:
+                raise RuntimeError(
+                    f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
+                    f"{torch.get_num_threads()}): the training thread would oversubscribe the host's cores"
+                )
             self._teardown = stack.pop_all()
         self._log_setup(threads, time.perf_counter() - t0)
 
@@ -206,7 +213,6 @@ class SlideDPEngine:
 
     def _install_step(self, weights: InitialWeights, stack: ExitStack) -> None:
         """The hooks and the step boundary, the named views of the ledger, and the kernels compiled."""
-        torch_threads = torch.get_num_threads()
         self.steps = StepDriver(
             model=self.model,
             layout=self.layout,
@@ -226,11 +232,6 @@ class SlideDPEngine:
         )
         self.lane.wait_ready()
         trim_host_heap()  # the model's original parameters are gone: return their memory to the OS
-        if torch.get_num_threads() != torch_threads:
-            raise RuntimeError(
-                f"torch's thread count changed during SlideDP setup ({torch_threads} -> "
-                f"{torch.get_num_threads()}); a CPU kernel ran on the training thread"
-            )
 
     def _log_setup(self, threads: int, seconds: float) -> None:
         layout, geometry, config = self.layout, self.geometry, self.config

@@ -64,3 +64,29 @@ def test_set_kernel_threads() -> None:
             set_kernel_threads(0)
     finally:
         numba.set_num_threads(before)
+
+
+KERNEL_ON_MAIN = """
+import sys, numpy as np, torch, cpu_ops
+(torch.randn(1 << 20) * 2).sum()  # as a job builds its model: torch's OpenMP team at 2 threads
+torch.set_num_threads(1)  # then the launcher's share of the cores
+if sys.argv[1] == "pool-started-aside":
+    cpu_ops.start_kernel_pool()
+cpu_ops.set_kernel_threads(1)
+cpu_ops.sum_squares(np.ones(4096, np.float32))  # a parallel kernel on this (the training) thread
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("case", ["pool-started-aside", "pool-started-here"])
+def test_a_kernel_on_the_training_thread_keeps_its_torch_threads_once_the_pool_started_aside(case) -> None:
+    """Numba's OpenMP layer resets the thread count of the thread that starts its pool once torch's OpenMP team
+    ran there; torch's ops on that thread read it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"NUMBA_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", KERNEL_ON_MAIN, case], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # started here, the pool takes this thread's torch ops to NUMBA_NUM_THREADS: why the engine starts it aside
+    assert int(out.stdout) == (1 if case == "pool-started-aside" else 2)

@@ -33,6 +33,10 @@ class JobResult:
     def losses(self, rank: int) -> list[float]:
         return json.loads((self.out / f"losses_rank{rank}.json").read_text())
 
+    def threads(self, rank: int) -> int:
+        """torch's thread count on the rank's training thread, as its last training step saw it."""
+        return json.loads((self.out / f"threads_rank{rank}.json").read_text())
+
     def state(self) -> dict[str, torch.Tensor]:
         return torch.load(self.out / "final_state.pt")
 

@@ -52,6 +52,7 @@ class TinyLM(L.LightningModule):
         self.cfg = cfg
         self.model = None
         self.losses: list[float] = []
+        self.torch_threads = 0  # set by every training step
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -102,6 +103,7 @@ class TinyLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         cfg = self.cfg
+        self.torch_threads = torch.get_num_threads()  # what the forward and backward of this rank run on
         if batch_idx == cfg.raise_at_step:
             raise RuntimeError("deliberate failure in training_step")
         kill = batch_idx == cfg.kill_at_step and self.global_rank == cfg.kill_rank
@@ -196,6 +198,8 @@ class TinyLM(L.LightningModule):
                 json.dump({"allocated": stats.allocated_bytes, "nbytes": stats.nbytes}, f)
         with open(os.path.join(out, f"losses_rank{self.global_rank}.json"), "w") as f:
             json.dump(self.losses, f)
+        with open(os.path.join(out, f"threads_rank{self.global_rank}.json"), "w") as f:
+            json.dump(self.torch_threads, f)
 
 
 class SaveAt(L.Callback):

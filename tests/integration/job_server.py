@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # what a job imports, loaded once here (this module must not run any torch operation: a forked child
 # cannot use a thread pool its parent started)
+import torch  # noqa: E402
+
 from tests.integration import fabric_job, job  # noqa: E402
 
 # each job script's entry point, called with the path of its configuration file
@@ -64,6 +66,11 @@ def _run_rank(request: dict, rank: int, port: int) -> None:
         os.dup2(null, 0)
         os.close(null)
         os.environ.update(request["env"])
+        # torch's threads as Lightning's launcher sets them for its ranks (the cores shared out, unless
+        # OMP_NUM_THREADS says otherwise): torch was imported here before the job's environment could
+        threads = request["env"].get("OMP_NUM_THREADS")
+        if threads or request["devices"] > 1:
+            torch.set_num_threads(int(threads or max(1, (os.cpu_count() or 1) // request["devices"])))
         if request["devices"] > 1:
             os.environ.update(
                 MASTER_ADDR="127.0.0.1",

@@ -7,6 +7,7 @@ The job loads its ``pretrained`` directory with ``slidedp_lightning.from_pretrai
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,8 @@ def test_two_ranks_from_a_checkpoint_equal_ddp_from_the_same_checkpoint(job_runn
     assert ref.returncode == 0, ref.output[-4000:]
     assert got.returncode == 0, got.output[-4000:]
     assert "materialized on every rank" not in got.output  # not the naive path
+    # the checkpoint's conversion kernels ran on the training thread and left its torch threads as DDP's
+    assert [got.threads(r) for r in range(2)] == [ref.threads(r) for r in range(2)] == [max(1, os.cpu_count() // 2)] * 2
     expected = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True)
     initial = torch.load(got.out / "initial_state.pt")
     for name, value in expected.state_dict().items():
