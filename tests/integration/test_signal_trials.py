@@ -71,17 +71,28 @@ def complete_checkpoints(ckpt: Path) -> list[str]:
     return names
 
 
+SIGTERM_JOB = dict(steps=4, save_every=1, step_sleep=0.5, **JOB)
+
+
+@pytest.fixture(scope="module")
+def sigterm_baseline(tmp_path_factory) -> tuple[float, float]:
+    """The SIGTERM trials' job without a signal, run once for both targets: (seconds to its first step, in all)."""
+    out = tmp_path_factory.mktemp("sigterm") / "baseline"
+    with private_tmpfs() as shm:
+        code, first, total, output = baseline(out, env={"SLIDEDP_SHM_DIR": shm}, **SIGTERM_JOB)
+    assert code == 0, output[-3000:]
+    assert complete_checkpoints(out / "ckpt") == [f"step-{s}" for s in range(1, 5)]
+    return first, total
+
+
 @pytest.mark.parametrize("target", ["launcher", "rank1"])
 def test_sigterm_at_random_moments_ends_every_rank_within_30_s_leaving_complete_checkpoints_only(
-    tmp_path: Path, target: str
+    tmp_path: Path, target: str, sigterm_baseline: tuple[float, float]
 ) -> None:
-    cfg = dict(steps=4, save_every=1, step_sleep=0.5, **JOB)
+    cfg, (first, total) = SIGTERM_JOB, sigterm_baseline
     with private_tmpfs() as shm:
         env = {"SLIDEDP_SHM_DIR": shm}
         empty = used_bytes(shm)
-        code, first, total, output = baseline(tmp_path / "baseline", env=env, **cfg)
-        assert code == 0, output[-3000:]
-        assert complete_checkpoints(tmp_path / "baseline" / "ckpt") == [f"step-{s}" for s in range(1, 5)]
         rows = []
         seed = SEED + (target == "rank1")
         for i, moment in enumerate(moments(TRIALS, total, seed)):
