@@ -114,7 +114,6 @@ def test_the_skeleton_is_configured_as_from_pretrained_configures_it(ckpt) -> No
     assert getattr(model, WEIGHT_SOURCE_ATTR).names() == {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
-@pytest.mark.slow  # about 20 s: transformers' own from_pretrained path
 def test_outside_slidedp_it_is_transformers_from_pretrained(ckpt) -> None:
     model = slidedp_lightning.from_pretrained(ckpt, attn_implementation="eager")
     expected = AutoModelForCausalLM.from_pretrained(
@@ -125,7 +124,7 @@ def test_outside_slidedp_it_is_transformers_from_pretrained(ckpt) -> None:
     got, want = model.state_dict(), expected.state_dict()
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == torch.float32 for k in want)
-    with pytest.raises(OSError):  # transformers' own error for a hub id that is not cached, offline
+    with pytest.raises(OSError):  # transformers' own error for a hub id that is not cached, offline (HF_HUB_OFFLINE)
         slidedp_lightning.from_pretrained("no-such-org/no-such-model")
 
 
