@@ -53,6 +53,11 @@ class EngineConfig:
     # test-only fault injection (see lanes.liveness.lane_delay); read from SLIDEDP_TEST_LANE_DELAY_MS
     lane_delay_ms: float = field(default_factory=_lane_delay_from_env)
 
+    @property
+    def auto_routes(self) -> bool:
+        """Whether a route or the chunk size is left to the route probe (``"auto"``)."""
+        return "auto" in (self.param_route, self.grad_route, self.chunk_bytes)
+
     def __post_init__(self) -> None:
         if self.grad_route not in GRAD_ROUTES + ("auto",):
             raise ValueError(f"grad_route must be one of {GRAD_ROUTES + ('auto',)}, got {self.grad_route!r}.")

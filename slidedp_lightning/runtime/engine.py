@@ -125,7 +125,9 @@ class SlideDPEngine:
         specs = self.adapter.units(model)
         hidden = models.hidden_uses(model)
         self.layout = layout = build_layout(self.root, specs, topology.shard_world, topology.owners, hidden)
-        self.config, self.route_probe = resolve_auto_routes(config, topology, layout, device, self.compute_dtype)
+        self.config, self.route_probe = config, None
+        if config.auto_routes:  # measured: the route probe (explicit routes are used as given)
+            self.config, self.route_probe = resolve_auto_routes(config, topology, layout, device, self.compute_dtype)
         if self.config.h2d_convert == "auto":  # CUDA: half the link bytes; a CPU device: no link, no staging pass
             self.config = replace(self.config, h2d_convert="host" if device.type == "cuda" else "device")
         check_stream_concurrency(device, self._sharded_params)

@@ -146,10 +146,10 @@ def probe_routes(
 def resolve_auto_routes(
     config: EngineConfig, topology: Topology, layout: Layout, device: torch.device, dtype: torch.dtype
 ) -> tuple[EngineConfig, RouteProbe | None]:
-    """Replace every "auto" of ``config`` by the route the probe measured fastest (the same on every rank)."""
+    """Replace every "auto" of ``config`` (one at least: ``config.auto_routes``) by the route the probe measured
+    fastest (the same on every rank)."""
+    assert config.auto_routes, "nothing to resolve"
     want = (config.param_route == "auto", config.grad_route == "auto", config.chunk_bytes == "auto")
-    if not any(want):
-        return config, None
     if topology.shard_world == 1:
         log.info("SlideDP auto routes: one rank, nothing to choose: full / gpu_reduce / one chunk per unit")
         resolved = replace(

@@ -360,6 +360,25 @@ def test_engine_config_validation(kw: dict, match: str) -> None:
         EngineConfig(**kw)
 
 
+def test_explicit_routes_are_used_as_given_without_the_probe(monkeypatch) -> None:
+    from slidedp_lightning.runtime import engine as engine_module
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the route probe ran for explicit routes")
+
+    monkeypatch.setattr(engine_module, "resolve_auto_routes", no_probe)
+    config = EngineConfig(param_route="full", grad_route="host_reduce", chunk_bytes=4096)
+    assert not config.auto_routes
+    assert all(EngineConfig(**{k: "auto"}).auto_routes for k in ("param_route", "grad_route", "chunk_bytes"))
+    engine = make_engine(tiny_model(), param_route="full", grad_route="host_reduce", chunk_bytes=4096)
+    try:
+        got = engine.config
+        assert (got.param_route, got.grad_route, got.chunk_bytes) == ("full", "host_reduce", 4096)
+        assert engine.route_probe is None
+    finally:
+        engine.close()
+
+
 # -- checkpoint round trip ----------------------------------------------------------------------------------
 
 
