@@ -1,7 +1,7 @@
 """The cost of checking a distributed checkpoint's files at resume (XXH3-64 per file, docs/checkpoints.md), side by
-side: a 2-rank CPU SlideDP job loads one checkpoint ``--rounds`` times with the check and as many without it
-(``verify_files`` replaced by a no-op: what a resume did before checksums), alternating which goes first in each
-round, and prints the medians and their ratio.
+side: a 2-rank CPU SlideDP job loads one checkpoint ``--rounds`` times with the check and as many as a resume did
+before checksums (the checksums left out of the metadata it reads, and DCP's ``.metadata`` read again by each check
+that needs it, as it was then), alternating which goes first in each round, and prints the medians and their ratio.
 
 Each rank holds a Qwen3 model in one shared ledger (gloo group, ``Topology.build``); rank 0 fills the ledger with
 random values, the job saves it once, and every load is timed on rank 0 from a barrier to a barrier (the whole
@@ -70,6 +70,7 @@ def cpu_seconds() -> float:
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     from slidedp_lightning import checkpoint, checkpoint_files
+    from slidedp_lightning.runtime import compat
     from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
     from slidedp_lightning.runtime.topology import Topology
 
@@ -82,7 +83,21 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     engine = SlideDPEngine(
         model, EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32, topology=topology
     )
-    verify = checkpoint_files.verify_files
+    read_meta = checkpoint.read_meta
+
+    def unchecked_meta(path):  # the metadata of a save that recorded no checksums: nothing is verified
+        meta = read_meta(path)
+        for key in (checkpoint_files.CHECKSUMS, checkpoint_files.PIECES):
+            meta["slidedp"].pop(key, None)
+        return meta
+
+    reader_class = compat.CheckedFileSystemReader
+    read_once = reader_class.read_metadata
+
+    def read_each_time(self, *args, **kwargs):  # no metadata kept by the reader: each check reads it again
+        self._metadata.clear()
+        return read_once(self, *args, **kwargs)
+
     try:
         engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         views = engine.state.ledger_tensors(list(engine.state.named_slots()), writing=True)
@@ -99,8 +114,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
         cpu: dict[str, list[float]] = {"with": [], "without": []}  # CPU seconds of both ranks (every thread)
         for i in range(args.rounds):
             for case in ("with", "without") if i % 2 == 0 else ("without", "with"):
-                check = verify if case == "with" else (lambda *a, **k: None)
-                checkpoint_files.verify_files = checkpoint.verify_files = check  # type: ignore[assignment]
+                checkpoint.read_meta = read_meta if case == "with" else unchecked_meta  # type: ignore[assignment]
+                reader_class.read_metadata = read_once if case == "with" else read_each_time  # type: ignore[method-assign]
                 if rank == 0:  # the ledger is shared: one rank clears it
                     for v in views.values():
                         v.zero_()
@@ -117,7 +132,8 @@ def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
                 if rank == 0:
                     assert all(torch.equal(v, saved[k]) for k, v in views.items()), "a load is not bit-exact"
                 dist.barrier()
-        checkpoint_files.verify_files = checkpoint.verify_files = verify  # type: ignore[assignment]
+        checkpoint.read_meta = read_meta  # type: ignore[assignment]
+        reader_class.read_metadata = read_once  # type: ignore[method-assign]
         t0 = time.perf_counter()
         checkpoint_files.sums(sorted(path.glob("*.distcp")))
         hash_alone = time.perf_counter() - t0

@@ -53,6 +53,7 @@ from cpu_ops.adamw8 import MOMENT_FORMAT
 from slidedp_lightning.checkpoint_files import (
     CHECKSUMS,
     META_HASH,
+    PIECES,
     CorruptCheckpointError,
     Verifier,
     content_digest,
@@ -63,11 +64,12 @@ from slidedp_lightning.checkpoint_files import (
     space_error,
     sums,
     swap_in,
+    tensor_digest,
     verify_files,
     write_target,
 )
 from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
-from slidedp_lightning.checkpoint_ranges import dcp_metadata, piece_key, read_ranges, stored_pieces
+from slidedp_lightning.checkpoint_ranges import PieceChecks, dcp_metadata, piece_key, read_ranges, stored_pieces
 from slidedp_lightning.runtime.compat import DCP_METADATA, CheckedFileSystemReader
 
 if TYPE_CHECKING:
@@ -259,11 +261,14 @@ def check_mode(path: Path, info: dict[str, Any], engine: EngineView) -> None:
 # -- integrity ----------------------------------------------------------------------------------------------
 
 
-def check_files(path: Path, expected: dict[str, list[int]], names: list[str]) -> None:
+def check_files(
+    path: Path, expected: dict[str, list[int]], names: list[str], reader: CheckedFileSystemReader | None = None
+) -> None:
     """Refuse the checkpoint at ``path`` if DCP's metadata is planted (refused as such) or unreadable, or one of the
-    files ``names`` is not as its save recorded (:func:`verify_files`)."""
+    files ``names`` is not as its save recorded (:func:`verify_files`). ``reader``: the caller's, which keeps the
+    metadata it read."""
     try:
-        dcp_metadata(path, CheckedFileSystemReader(path))
+        dcp_metadata(path, reader or CheckedFileSystemReader(path))
     except CorruptCheckpointError:
         problem = verify_files(path, expected, names)
         if problem is not None:
@@ -343,18 +348,18 @@ def save(engine: EngineView, checkpoint: dict[str, Any], path: str | os.PathLike
     rank = engine.topology.global_rank
     try:
         try:
-            dcp.save(
-                {piece_key(k, a, b): own_storage(v) for k, a, b, v in _pieces(_held(engine))},
-                checkpoint_id=tmp,
-                process_group=_job_group(engine),
-            )
-            written = _gather(engine, sums(sorted(tmp.glob(f"__{rank}_*"))))  # the files this rank wrote
+            pieces = {piece_key(k, a, b): own_storage(v) for k, a, b, v in _pieces(_held(engine))}
+            dcp.save(pieces, checkpoint_id=tmp, process_group=_job_group(engine))
+            # the files this rank wrote, and its pieces' digests (what a resume checks as it reads them)
+            mine = sums(sorted(tmp.glob(f"__{rank}_*"))), {k: tensor_digest(v) for k, v in pieces.items()}
+            written = _gather(engine, mine)
             if files is not None:
                 doc, tensors = files
                 (tmp / TENSORS).write_bytes(tensors)
-                hashes = {k: v for part in written for k, v in part.items()}
+                hashes = {k: v for part, _ in written for k, v in part.items()}
                 hashes.update(sums([tmp / DCP_METADATA, tmp / TENSORS]))
                 doc["slidedp"][CHECKSUMS] = dict(sorted(hashes.items()))
+                doc["slidedp"][PIECES] = dict(sorted((k, v) for _, part in written for k, v in part.items()))
                 doc["slidedp"][META_HASH] = content_digest(json.loads(json.dumps(doc)))  # of what a resume parses
                 (tmp / META).write_text(json.dumps(doc, indent=1), encoding="utf-8")
         except BaseException as err:  # DCP's CheckpointException is a BaseException
@@ -393,10 +398,10 @@ def _hf_configs(model) -> dict[str, dict]:
     return {**out, **peft_configs(model)}
 
 
-def _check_moments(path: Path, engine: EngineView) -> None:
+def _check_moments(path: Path, engine: EngineView, reader: CheckedFileSystemReader) -> None:
     """Refuse a checkpoint that holds no Adam moments for parameters this run trains (they were frozen when it was
     saved); moments of parameters this run freezes are left unread."""
-    stored = stored_pieces(path, dcp_metadata(path, CheckedFileSystemReader(path)))
+    stored = stored_pieces(path, dcp_metadata(path, reader))
     saved = {k.split("/", 1)[1] for k in stored if k.startswith("exp_avg/")}
     views = engine.state.ledger_tensors(list(engine.state.named_slots()))
     mine = {k.split("/", 1)[1] for k in views if k.startswith("exp_avg/")}
@@ -437,21 +442,35 @@ def load(engine: EngineView, path: str | os.PathLike) -> dict[str, Any]:
     if not expected:
         log.info("SlideDP checkpoint %s records no checksums (written by an older release): not verified", path)
     small = sorted(n for n in expected if not n.endswith(".distcp"))
-    check_files(path, expected, small)  # every rank: a few small files, read by every rank anyway
-    _check_moments(path, engine)
+    reader = CheckedFileSystemReader(path)  # DCP's metadata read once, by the first check
+    check_files(path, expected, small, reader)  # every rank: a few small files, read by every rank anyway
+    _check_moments(path, engine, reader)
     large = sorted(n for n in expected if n.endswith(".distcp"))
-    index, count = engine.topology.global_rank, _job_size(engine)
-    verifier = Verifier(path, expected, share({n: expected[n][0] for n in large}, count)[index])
+    digests: dict[str, int] | None = info.get(PIECES)
+    verifier = None
+    if digests is None and expected:  # an older save without piece digests: this rank's share of the files
+        index, count = engine.topology.global_rank, _job_size(engine)
+        verifier = Verifier(path, expected, share({n: expected[n][0] for n in large}, count)[index])
+    checks = PieceChecks()
     engine.synchronize()
     engine.drop_resident()
     try:
-        read_ranges(path, _held(engine, writing=True), process_group=_job_group(engine))
+        held = _held(engine, writing=True)
+        read_ranges(path, held, _job_group(engine), digests=digests, checks=checks, reader=reader)
     except BaseException as err:  # a damaged file DCP tripped over: name it (a signal: at once, unchecked)
-        problem = verifier.result() if isinstance(err, (Exception, CheckpointException)) else None
+        problem = None
+        if isinstance(err, (Exception, CheckpointException)) and expected:
+            problem = verifier.result() if verifier else verify_files(path, expected, sorted(checks.files_read))
         if problem is not None:
             raise damaged(path, problem) from err
         raise
-    problems = [p for p in _gather(engine, verifier.result()) if p is not None]
+    if verifier is not None:
+        problem = verifier.result()
+    elif checks.problems:
+        problem = checks.problems[0]
+    else:  # pieces read in part (another rank count or host layout): their files whole
+        problem = verify_files(path, expected, sorted(checks.unchecked_files & expected.keys()))
+    problems = [p for p in _gather(engine, problem) if p is not None]
     if problems:
         raise damaged(path, problems[0])
     engine.restored(info["step"], info["buffers"])

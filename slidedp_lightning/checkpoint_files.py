@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
 import xxhash
 
 from slidedp_lightning.runtime.host_os import format_bytes, process_start_time
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 _WINDOW = 64 << 20  # bytes of a file mapped and hashed at a time (a multiple of mmap.ALLOCATIONGRANULARITY)
 CHECKSUMS = "files"  # meta.json's "slidedp" entry: {file name: [size, XXH3-64]} of every other file
+# meta.json's "slidedp" entry: {stored piece (DCP key): XXH3-64 of its bytes}, checked on the piece as a resume
+# reads it into the ledger (no second pass over the files)
+PIECES = "pieces"
 META_HASH = "meta_xxh3"  # meta.json's "slidedp" entry: XXH3-64 (16 hex digits) of the rest of meta.json's content
 
 
@@ -45,6 +49,11 @@ def file_checksum(path: str | os.PathLike) -> int:
             with mmap.mmap(f.fileno(), min(_WINDOW, size - offset), offset=offset, access=mmap.ACCESS_READ) as m:
                 digest.update(m)
     return digest.intdigest()
+
+
+def tensor_digest(tensor: torch.Tensor) -> int:
+    """XXH3-64 of the bytes of a contiguous tensor, read in place."""
+    return xxhash.xxh3_64_intdigest(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def sums(files: Iterable[Path]) -> dict[str, list[int]]:

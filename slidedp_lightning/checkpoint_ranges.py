@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,7 @@ from torch.distributed.checkpoint import CheckpointException, LoadPlan, LoadPlan
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from slidedp_lightning.checkpoint_files import (
-    CorruptCheckpointError,
-)
+from slidedp_lightning.checkpoint_files import CorruptCheckpointError, tensor_digest
 from slidedp_lightning.runtime.compat import DCP_METADATA, CheckedFileSystemReader, UnsafeCheckpointError
 
 
@@ -72,12 +71,26 @@ def stored_pieces(path: Path, metadata: Any) -> dict[str, list[tuple[int, int, s
     return out
 
 
+@dataclass
+class PieceChecks:
+    """What :func:`read_ranges` read and could vouch for: the stored files it read from, the files among them
+    holding a piece it read in part or without a recorded digest (their bytes unchecked), and one line per piece
+    whose bytes did not match its digest."""
+
+    files_read: set[str] = field(default_factory=set)
+    unchecked_files: set[str] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+
+
 class _RangeReads(LoadPlanner):
     """A DCP load planner that reads exactly the given items: element ranges of stored 1-D pieces into element
-    ranges of the 1-D tensors of the state dict. Tensors only: the checkpoint's objects are never unpickled."""
+    ranges of the 1-D tensors of the state dict. Tensors only: the checkpoint's objects are never unpickled. A
+    piece read whole whose digest is known is hashed right after DCP copied it (in cache) and compared."""
 
-    def __init__(self, items: list[ReadItem]) -> None:
-        self.items = items
+    def __init__(
+        self, items: list[ReadItem], digests: dict[str, int], files: dict[str, str], path: Path, checks: PieceChecks
+    ) -> None:
+        self.items, self.digests, self.files, self.path, self.checks = items, digests, files, path, checks
         self.state_dict: dict[str, torch.Tensor] = {}
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
@@ -99,7 +112,17 @@ class _RangeReads(LoadPlanner):
         return self.state_dict[read_item.dest_index.fqn].narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
+        fqn = read_item.storage_index.fqn
+        want = self.digests.get(fqn)
+        piece = parse_piece(fqn)
+        whole = piece is not None and read_item.storage_offsets[0] == 0 and tensor.numel() == piece[2] - piece[1]
+        if want is None or not whole:
+            self.checks.unchecked_files.add(self.files[fqn])
+        elif tensor_digest(tensor) != want:
+            self.checks.problems.append(
+                f"{self.path / self.files[fqn]} does not match the XXH3-64 its save recorded for {fqn} "
+                "(the file is corrupted)"
+            )
 
 
 def read_ranges(
@@ -107,14 +130,24 @@ def read_ranges(
     wanted: Iterable[tuple[str, int, int, torch.Tensor]],
     process_group: Any = None,
     no_dist: bool = False,
-) -> None:
+    *,
+    digests: dict[str, int] | None = None,
+    checks: PieceChecks | None = None,
+    reader: CheckedFileSystemReader | None = None,
+) -> PieceChecks:
     """Fill each ``(key, start, stop, out)`` of ``wanted`` (``out`` 1-D, ``stop - start`` elements) with the
     elements ``[start, stop)`` of the flattened tensor ``key`` of the checkpoint at ``path``, from the pieces
     that overlap them: one DCP load (collective over ``process_group`` unless ``no_dist``). Each stored piece
-    is read into memory whole, once per range it overlaps, as DCP reads any chunk."""
+    is read into memory whole, once per range it overlaps, as DCP reads any chunk. ``digests`` (the save's
+    XXH3-64 per piece): each piece read whole is checked; what was found goes into ``checks`` (filled before
+    DCP reads, so a caller sees which files were read even when the read raises) and is returned. ``reader``: the
+    caller's reader of ``path`` (its metadata read once)."""
     path = Path(path)
-    reader = CheckedFileSystemReader(path)
-    stored = stored_pieces(path, dcp_metadata(path, reader))
+    checks = checks if checks is not None else PieceChecks()
+    reader = reader or CheckedFileSystemReader(path)
+    metadata = dcp_metadata(path, reader)
+    stored = stored_pieces(path, metadata)
+    files = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
     items, dest = [], {}
     for key, lo, hi, out in wanted:
         name = piece_key(key, lo, hi)
@@ -140,11 +173,14 @@ def read_ranges(
             raise ValueError(
                 f"{path} holds {covered} of the elements [{lo}, {hi}) of {key}: an incomplete or damaged checkpoint."
             )
+    checks.files_read.update(files[item.storage_index.fqn] for item in items)
+    planner = _RangeReads(items, digests or {}, files, path, checks)
     try:
-        dcp.load(dest, storage_reader=reader, planner=_RangeReads(items), process_group=process_group, no_dist=no_dist)
+        dcp.load(dest, storage_reader=reader, planner=planner, process_group=process_group, no_dist=no_dist)
     except CheckpointException as err:  # DCP wraps even a KeyboardInterrupt: a signal on this rank stays itself
         rank = 0 if no_dist or not dist.is_initialized() else dist.get_rank(process_group)
         own = err.failures.get(rank)
         if own is not None and not isinstance(own[0], Exception):
             raise own[0] from None
         raise
+    return checks

@@ -329,6 +329,94 @@ def test_a_byte_flipped_in_a_checkpoint_file_is_refused_naming_the_file(saved, t
         assert "\n" not in str(err.value)
 
 
+def test_every_stored_piece_is_recorded_with_the_xxh3_of_its_bytes(saved):
+    from slidedp_lightning.checkpoint_files import PIECES, tensor_digest
+
+    recorded = json.loads((saved / META).read_text())["slidedp"][PIECES]
+    keys = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    assert set(recorded) == set(keys)
+    stored = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in keys.items()}
+    dcp.load(stored, checkpoint_id=saved, no_dist=True)
+    assert all(recorded[k] == tensor_digest(v) for k, v in stored.items())
+
+
+def _flip_inside_a_piece(ck) -> str:
+    name = next(p.name for p in ck.glob("*.distcp"))
+    data_ = bytearray((ck / name).read_bytes())
+    data_[len(data_) * 2 // 3] ^= 0x10  # inside the tensor data
+    (ck / name).write_bytes(bytes(data_))
+    return name
+
+
+def _refused_naming(ck, name: str) -> str:
+    from slidedp_lightning.checkpoint_files import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError) as err:
+        _resume(ck)
+    line = str(err.value)
+    assert name in line and "resume from another checkpoint" in line and "\n" not in line, line
+    return line
+
+
+def test_a_flipped_byte_is_found_by_the_digest_of_the_piece_as_it_is_read(saved, tmp_path, monkeypatch):
+    """A resume that reads each piece whole hashes it in the pass that reads it: no file is hashed again."""
+    from slidedp_lightning import checkpoint
+
+    hashed_files: list[str] = []
+    original = checkpoint.verify_files
+    monkeypatch.setattr(
+        checkpoint, "verify_files", lambda p, e, names: hashed_files.extend(names) or original(p, e, names)
+    )
+    _resume(_copy(saved, tmp_path / "good"))
+    assert not [n for n in hashed_files if n.endswith(".distcp")], hashed_files  # the pieces vouched for the files
+    ck = _copy(saved, tmp_path / "bad")
+    name = _flip_inside_a_piece(ck)
+    assert re.search(r"recorded for \S+/\S+@\d+-\d+ \(the file is corrupted\)", _refused_naming(ck, name))
+
+
+def test_a_resume_checks_and_unpickles_dcps_metadata_once(saved, tmp_path, monkeypatch):
+    from slidedp_lightning.runtime import compat
+
+    read: list[str] = []
+    check = compat.check_dcp_metadata
+    monkeypatch.setattr(compat, "check_dcp_metadata", lambda path: read.append(str(path)) or check(path))
+    _resume(_copy(saved, tmp_path))
+    assert len(read) == 1, read
+
+
+def test_pieces_read_in_part_have_their_files_checked_whole(saved, tmp_path, monkeypatch):
+    """Another layout reads stored pieces in part (here: every range cut in two): their files are hashed whole."""
+    from slidedp_lightning import checkpoint
+
+    held = checkpoint._held
+
+    def halves(engine, writing=False):
+        out = []
+        for key, lo, hi, view in held(engine, writing):
+            mid = lo + (hi - lo) // 2 + 1 if hi - lo > 2 else hi
+            out += [(key, lo, mid, view[: mid - lo]), (key, mid, hi, view[mid - lo :])]
+        return [w for w in out if w[2] > w[1]]
+
+    monkeypatch.setattr(checkpoint, "_held", halves)
+    _resume(_copy(saved, tmp_path / "good"))  # the halves read back what was saved
+    ck = _copy(saved, tmp_path / "bad")
+    name = _flip_inside_a_piece(ck)
+    assert "does not match the XXH3-64 its save recorded (the file is corrupted)" in _refused_naming(ck, name)
+
+
+def test_a_checkpoint_without_piece_digests_is_checked_file_by_file(saved, tmp_path):
+    """A save by the release before piece digests (files hashed, pieces not) is still refused when damaged."""
+    from slidedp_lightning.checkpoint_files import PIECES, content_digest
+
+    ck = _copy(saved, tmp_path)
+    doc = json.loads((ck / META).read_text())
+    del doc["slidedp"][PIECES]
+    doc["slidedp"][META_HASH] = content_digest(doc)
+    (ck / META).write_text(json.dumps(doc, indent=1))
+    name = _flip_inside_a_piece(ck)
+    assert "does not match the XXH3-64 its save recorded (the file is corrupted)" in _refused_naming(ck, name)
+
+
 def _refused_naming_meta(ck) -> str:
     from slidedp_lightning.checkpoint_files import CorruptCheckpointError
 

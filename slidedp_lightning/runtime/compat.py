@@ -221,12 +221,22 @@ class CheckedFileSystemReader(dcp.FileSystemReader):
     (:func:`check_dcp_metadata`) before DCP unpickles it, so that a planted payload is refused, not run.
 
     Depends on the reader reading ``<checkpoint>/.metadata`` (``__<rank>.metadata`` when asked for a rank's)
-    in ``read_metadata``; the tensor data it reads with ``torch.load(weights_only=True)``."""
+    in ``read_metadata``; the tensor data it reads with ``torch.load(weights_only=True)``. The metadata is
+    checked, read and unpickled once per reader: a load's checks and DCP's own read share it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._metadata: dict[Any, Any] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         rank = kwargs.get("rank")
-        check_dcp_metadata(Path(self.checkpoint_id) / (DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"))
-        return super().read_metadata(*args, **kwargs)
+        if rank not in self._metadata:
+            name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+            check_dcp_metadata(Path(self.checkpoint_id) / name)
+            self._metadata[rank] = super().read_metadata(*args, **kwargs)
+        metadata = self._metadata[rank]
+        metadata.storage_meta.load_id = self.load_id  # as the base reader sets it (a reset draws another)
+        return metadata
 
 
 # collectives under the names of this torch release (2.13 renamed the tensor forms; older ones have the old)
