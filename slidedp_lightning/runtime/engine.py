@@ -35,7 +35,7 @@ from slidedp_lightning.runtime.lanes.activations import ActivationManager
 from slidedp_lightning.runtime.lanes.grad_route import GradRoute
 from slidedp_lightning.runtime.lanes.liveness import Liveness, peer_states, set_lane_delay, wait_until
 from slidedp_lightning.runtime.lanes.residency import UnitResidency
-from slidedp_lightning.runtime.lanes.streams import check_stream_concurrency, make_lanes
+from slidedp_lightning.runtime.lanes.streams import make_lanes
 from slidedp_lightning.runtime.lanes.update import UpdateLane, validate_optimizer
 from slidedp_lightning.runtime.layout import build_layout
 from slidedp_lightning.runtime.ledger.geometry import LedgerStats
@@ -60,6 +60,19 @@ def find_streamed_model(root: nn.Module) -> nn.Module:
     """The module of ``root`` (itself included) that SlideDP streams (see :func:`models.find_streamed_model`); the
     error, when there is none, names ``root``'s class."""
     return models.find_streamed_model(root)
+
+
+def check_stream_concurrency(device: torch.device, threads_issue_collectives: bool) -> None:
+    """Refuse ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when collectives of several groups are issued from several threads
+    (the sharded route's all-gathers come from the H2D lane while backward reduce-scatters gradients): with one
+    hardware queue every stream's kernels run in launch order, and two ranks that launched the same two
+    collectives in a different order would each wait on a kernel queued behind the other's."""
+    if device.type == "cuda" and threads_issue_collectives and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        raise ValueError(
+            "SlideDP: CUDA_DEVICE_MAX_CONNECTIONS=1 serializes the CUDA streams, and the sharded param_route issues "
+            "its all-gathers from another thread than the gradient collectives: ranks could deadlock. Unset "
+            "CUDA_DEVICE_MAX_CONNECTIONS, or use param_route='full'."
+        )
 
 
 def _trainable_note(trainable: int, frozen: int, stats: LedgerStats | None = None) -> str:
@@ -130,7 +143,7 @@ class SlideDPEngine:
             self.config, self.route_probe = resolve_auto_routes(config, topology, layout, device, self.compute_dtype)
         if self.config.h2d_convert == "auto":  # CUDA: half the link bytes; a CPU device: no link, no staging pass
             self.config = replace(self.config, h2d_convert="host" if device.type == "cuda" else "device")
-        check_stream_concurrency(device, self._sharded_params)
+        check_stream_concurrency(device, self._sharded_params)  # before any state: the route as configured
         self.adapter.materialize_buffers(model)
         return specs
 

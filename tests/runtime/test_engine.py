@@ -12,7 +12,7 @@ from torch import nn
 from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.models import UnsupportedModelError
-from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine, check_stream_concurrency
 from slidedp_lightning.runtime.lanes.update import UnsupportedOptimizerError
 from slidedp_lightning.runtime.ledger.memory import PrivateLedgerMemory
 from slidedp_lightning.runtime.ledger.pages import PAGE, lock_ranges
@@ -377,6 +377,17 @@ def test_explicit_routes_are_used_as_given_without_the_probe(monkeypatch) -> Non
         assert engine.route_probe is None
     finally:
         engine.close()
+
+
+def test_one_cuda_connection_is_refused_only_where_threads_issue_collectives(monkeypatch) -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(ValueError, match="Unset CUDA_DEVICE_MAX_CONNECTIONS, or use param_route='full'"):
+        check_stream_concurrency(cuda, threads_issue_collectives=True)
+    check_stream_concurrency(cuda, threads_issue_collectives=False)  # the full route: one thread's collectives
+    check_stream_concurrency(cpu, threads_issue_collectives=True)  # no streams
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    check_stream_concurrency(cuda, threads_issue_collectives=True)
 
 
 # -- checkpoint round trip ----------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ overlap and ordering come from the worker threads, so ordering bugs surface in C
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -214,19 +213,6 @@ class CudaLanes(Lanes):
         event = torch.cuda.Event(enable_timing=True)
         event.record(self._stream(lane))
         return event
-
-
-def check_stream_concurrency(device: torch.device, threads_issue_collectives: bool) -> None:
-    """Refuse ``CUDA_DEVICE_MAX_CONNECTIONS=1`` when collectives of several groups are issued from several threads
-    (the sharded route's all-gathers come from the H2D lane while backward reduce-scatters gradients): with one
-    hardware queue every stream's kernels run in launch order, and two ranks that launched the same two
-    collectives in a different order would each wait on a kernel queued behind the other's."""
-    if device.type == "cuda" and threads_issue_collectives and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        raise ValueError(
-            "SlideDP: CUDA_DEVICE_MAX_CONNECTIONS=1 serializes the CUDA streams, and the sharded param_route issues "
-            "its all-gathers from another thread than the gradient collectives: ranks could deadlock. Unset "
-            "CUDA_DEVICE_MAX_CONNECTIONS, or use param_route='full'."
-        )
 
 
 def make_lanes(device: torch.device, tracer: Tracer | None = None) -> Lanes:

@@ -157,19 +157,6 @@ def test_cuda_copies_issued_on_another_lane_wait_for_the_compute_stream(cuda_lan
         assert torch.equal(host, expected), f"{route}: the copy ran before the compute stream wrote its source"
 
 
-def test_one_cuda_connection_is_refused_only_where_threads_issue_collectives(monkeypatch) -> None:
-    from slidedp_lightning.runtime.lanes.streams import check_stream_concurrency
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    with pytest.raises(ValueError, match="Unset CUDA_DEVICE_MAX_CONNECTIONS, or use param_route='full'"):
-        check_stream_concurrency(cuda, threads_issue_collectives=True)
-    check_stream_concurrency(cuda, threads_issue_collectives=False)  # the full route: one thread's collectives
-    check_stream_concurrency(cpu, threads_issue_collectives=True)  # no streams
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-    check_stream_concurrency(cuda, threads_issue_collectives=True)
-
-
 @pytest.mark.gpu
 def test_a_bounded_drain_reports_work_still_running_and_a_full_one_waits(cuda_lanes):
     lanes = cuda_lanes
