@@ -255,7 +255,7 @@ class SlideDPEngine:
             logging.INFO if self.topology.global_rank == 0 else logging.DEBUG,
             "SlideDP %s: %d units, %s params (%s), ledger %s in %s memory (%.2f B/param), route %s/%s, "
             "window %d, %s %s (%d of %d units computed in the ledger, unit copies %s), %d update thread(s), "
-            "kernels ready in %.2f s, setup %.2f s",
+            "%d torch thread(s), kernels ready in %.2f s, setup %.2f s",
             self.topology.describe(),
             len(layout.units),
             f"{layout.num_params:,}",
@@ -272,6 +272,7 @@ class SlideDPEngine:
             len(layout.units),
             config.unit_copies,
             threads,
+            torch.get_num_threads(),  # the training thread's (its forward and backward on a CPU device)
             self.lane.jit_s,
             seconds,
         )

@@ -45,7 +45,9 @@ def test_two_ranks_from_a_checkpoint_equal_ddp_from_the_same_checkpoint(job_runn
     assert got.returncode == 0, got.output[-4000:]
     assert "materialized on every rank" not in got.output  # not the naive path
     # the checkpoint's conversion kernels ran on the training thread and left its torch threads as DDP's
-    assert [got.threads(r) for r in range(2)] == [ref.threads(r) for r in range(2)] == [max(1, os.cpu_count() // 2)] * 2
+    share = max(1, os.cpu_count() // 2)
+    assert [got.threads(r) for r in range(2)] == [ref.threads(r) for r in range(2)] == [share] * 2
+    assert f", {share} torch thread(s), " in got.output  # the setup log says it
     expected = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True)
     initial = torch.load(got.out / "initial_state.pt")
     for name, value in expected.state_dict().items():
