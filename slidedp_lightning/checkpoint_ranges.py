@@ -134,14 +134,14 @@ def read_ranges(
     digests: dict[str, int] | None = None,
     checks: PieceChecks | None = None,
     reader: CheckedFileSystemReader | None = None,
-) -> PieceChecks:
+) -> None:
     """Fill each ``(key, start, stop, out)`` of ``wanted`` (``out`` 1-D, ``stop - start`` elements) with the
     elements ``[start, stop)`` of the flattened tensor ``key`` of the checkpoint at ``path``, from the pieces
     that overlap them: one DCP load (collective over ``process_group`` unless ``no_dist``). Each stored piece
     is read into memory whole, once per range it overlaps, as DCP reads any chunk. ``digests`` (the save's
     XXH3-64 per piece): each piece read whole is checked; what was found goes into ``checks`` (filled before
-    DCP reads, so a caller sees which files were read even when the read raises) and is returned. ``reader``: the
-    caller's reader of ``path`` (its metadata read once)."""
+    DCP reads, so a caller sees which files were read even when the read raises). ``reader``: the caller's reader
+    of ``path`` (its metadata read once)."""
     path = Path(path)
     checks = checks if checks is not None else PieceChecks()
     reader = reader or CheckedFileSystemReader(path)
@@ -183,4 +183,3 @@ def read_ranges(
         if own is not None and not isinstance(own[0], Exception):
             raise own[0] from None
         raise
-    return checks
