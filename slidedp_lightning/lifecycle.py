@@ -145,12 +145,13 @@ class SlideDPLifecycle:
         self.set_world_ranks()
         assert self.cluster_environment is not None
         self._failed = False
-        signals.end_with_launcher(self.cluster_environment.creates_processes_externally)
+        armed = signals.end_with_launcher(self.cluster_environment.creates_processes_externally)
         if dist.is_initialized():
             return  # the user's group (or, after a failed run, SlideDP's own: destroyed at the next good teardown)
-        _init_dist_connection(
-            self.cluster_environment, process_groups.backend_for(self.root_device), timeout=self._timeout
-        )
+        with signals.killed_with_launcher(armed):
+            _init_dist_connection(
+                self.cluster_environment, process_groups.backend_for(self.root_device), timeout=self._timeout
+            )
         process_groups.claim_default_group(self.cluster_environment.main_address, self.cluster_environment.main_port)
 
     def _topology(self, config: EngineConfig) -> Topology:

@@ -18,6 +18,7 @@ records either signal, and at the end of the step the ranks agree on what arrive
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -184,18 +185,38 @@ def end_with_launcher(launched: bool) -> bool:
     say_why_when_stopped()
     if not launched or not sys.platform.startswith("linux"):
         return False
-    import ctypes
-
-    try:
-        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        armed = False
+    armed = _set_parent_death_signal(signal.SIGTERM)
     pid, _, started = os.environ.get(LAUNCHER_ENV, "").partition(":")
     gone = pid.isdigit() and (process_start_time(int(pid)) != started or process_state(int(pid)) in ("Z", "X"))
     if gone and int(pid) != os.getppid():  # (a zombie has exited: its parent has not collected it yet)
         log.error("SlideDP: the launcher of this rank (local rank 0, pid %s) has died: stopping this rank.", pid)
         raise SignalExit(signal.SIGTERM)
     return armed
+
+
+def _set_parent_death_signal(signum: int) -> bool:
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def killed_with_launcher(armed: bool) -> Iterator[None]:
+    """Around torch's rendezvous: its store client retries a lost connection in C++ for the whole process-group
+    timeout (twice), where no Python SIGTERM handler can run, so a rank whose launcher died there would stay for
+    minutes. Inside, the launcher's death SIGKILLs this rank (nothing of the run exists yet: no group, no ledger);
+    after it, SIGTERM again. ``armed``: what :func:`end_with_launcher` returned."""
+    if not armed:
+        yield
+        return
+    _set_parent_death_signal(signal.SIGKILL)
+    try:
+        yield
+    finally:
+        _set_parent_death_signal(signal.SIGTERM)
 
 
 class LaunchedAtExit:

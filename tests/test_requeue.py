@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -123,6 +124,46 @@ def test_a_launched_rank_ends_when_its_launcher_dies(launched: bool) -> None:
     if alive:
         os.kill(pid, signal.SIGKILL)
     assert alive != launched, "the orphaned rank must end with its launcher (and only a launched one)"
+
+
+CHILD_IN_RENDEZVOUS = """
+import importlib.util, socket, sys
+from datetime import timedelta
+import torch.distributed as dist
+spec = importlib.util.spec_from_file_location("signals", sys.argv[1])
+signals = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(signals)
+armed = signals.end_with_launcher(True)
+with socket.socket() as s:  # a port nobody listens on: the store client retries its connect in C++
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+print(armed, flush=True)
+with signals.killed_with_launcher(armed):
+    dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_in_the_rendezvous_ends_when_its_launcher_dies() -> None:
+    """torch's store client retries a refused connect in C++ for the whole timeout, where the rank's Python SIGTERM
+    handler cannot run: there the launcher's death must kill the rank outright."""
+    from slidedp_lightning import signals
+
+    out = subprocess.run(
+        [sys.executable, "-c", PARENT, CHILD_IN_RENDEZVOUS, signals.__file__, "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split()
+    pid, armed = int(out[0]), out[1]
+    assert armed == "True"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and signals.process_state(pid) not in (None, "Z"):
+        time.sleep(0.05)
+    alive = signals.process_state(pid) not in (None, "Z")
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "a rank in the rendezvous outlived its launcher by 10 s"
 
 
 def test_a_rank_whose_script_launcher_died_before_it_could_ask_to_end_with_it_stops(monkeypatch) -> None:
