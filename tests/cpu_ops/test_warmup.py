@@ -36,3 +36,14 @@ def test_warmup_adam8_compiles_the_8bit_kernels() -> None:
     assert expected <= found
     assert _kernels8.quantize_kernel.signatures
     assert _kernels8.dequantize_kernel.signatures
+
+
+def test_the_module_compiles_the_signatures_it_is_asked_for(caplog: pytest.LogCaptureFixture) -> None:
+    from cpu_ops.__main__ import main
+
+    with caplog.at_level("INFO", logger="cpu_ops.warmup"):
+        main(["--sum-rows", "1", "2"])
+    assert "cpu_ops kernels ready" in caplog.text and "sum rows [1, 2]" in caplog.text
+    assert len(_kernels.adamw_kernel.signatures) >= 3  # 1-D grads, and rows of 1 and 2 summed
+    with pytest.raises(SystemExit):
+        main(["--sum-rows", "x"])

@@ -145,11 +145,14 @@ def run_job(
 ) -> JobResult:
     """Run one job (``cfg``: JobConfig fields; ``out`` defaults to ``tmp``); an unknown key raises before it starts.
     ``launch="script"`` starts it as ``python job.py`` (Lightning's script launcher starts the other ranks);
-    ``"auto"`` forks its ranks from the job server where :func:`forked` allows."""
+    ``"auto"`` forks its ranks from the job server where :func:`forked` allows; ``"fork"`` forks them for a job
+    with an injected fault too (its ranks are then launched as torchrun launches them: no rank watches the others)."""
     config = JobConfig.from_dict({"out": str(tmp), **cfg})
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(config.to_json())
-    if launch == "auto" and forked(config, env or {}):
+    if launch == "fork" and (config.num_nodes != 1 or config.accelerator != "cpu" or config.record_memory):
+        raise ValueError("launch='fork' runs single-host CPU jobs that measure no memory")
+    if launch == "fork" or (launch == "auto" and forked(config, env or {})):
         code, output = JobServer.run(tmp / "config.json", config.devices, env or {}, timeout)
         return JobResult(code, output, tmp, config.devices)
     proc = subprocess.run(

@@ -134,7 +134,14 @@ def run(request: dict) -> dict:
                         deadline = min(deadline, time.monotonic() + FAILED_RANK_GRACE_S)
         if len(codes) < len(pids) and time.monotonic() > deadline:
             timed_out = not any(codes.values())
-            _kill_groups([p for p in pids if p not in codes])
+            running = [p for p in pids if p not in codes]
+            if not timed_out:  # said in the job's log: a test can tell a job that ended by itself from this
+                with open(request["log"], "a") as log:
+                    ranks = [pids.index(p) for p in running]
+                    log.write(
+                        f"\njob server: rank(s) {ranks} still ran {FAILED_RANK_GRACE_S:.0f} s after a rank failed; killed\n"
+                    )
+            _kill_groups(running)
             for pid in pids:
                 if pid not in codes:
                     codes[pid] = _status(os.waitpid(pid, 0)[1])

@@ -10,7 +10,7 @@ from tests.integration.equivalence_cases import MATRIX, _case_knobs, case_result
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 
-DELAYS = {"SLIDEDP_TEST_LANE_DELAY_MS": "3"}
+DELAYS = {"SLIDEDP_TEST_LANE_DELAY_MS": "1"}
 
 
 CASES = [

@@ -79,7 +79,17 @@ def test_replicated_mode_holds_one_ledger_per_rank(job_runner, tmp_path_factory,
 @pytest.mark.integration
 def test_exception_in_training_step_leaves_no_shared_memory(tmp_path):
     before = shm_files()
-    res = run_job(tmp_path, timeout=180, strategy="slidedp", devices=2, tied=True, steps=10, batch=2, raise_at_step=3)
+    res = run_job(
+        tmp_path,
+        timeout=180,
+        launch="fork",
+        strategy="slidedp",
+        devices=2,
+        tied=True,
+        steps=10,
+        batch=2,
+        raise_at_step=3,
+    )
     assert res.returncode != 0
     assert "deliberate failure in training_step" in res.output
     assert shm_files() == before
@@ -89,10 +99,15 @@ def test_exception_in_training_step_leaves_no_shared_memory(tmp_path):
 @pytest.mark.parametrize("grad_route", ["gpu_reduce", "host_reduce"])
 @pytest.mark.parametrize("kill_in", ["forward", "backward", "update"])
 def test_killed_rank_stops_the_job_without_leak_or_hang(tmp_path, grad_route, kill_in):
+    """Rank 1 SIGKILLs itself in a training step. Under Lightning's launcher (one case) the launching rank sees its
+    child die; with ranks launched as torchrun launches them (the others, forked from the job server) nothing
+    watches the ranks, and the survivor must notice the dead peer and end by itself."""
     before = shm_files()
     started = time.monotonic()
+    launch = "script" if (kill_in, grad_route) == ("update", "host_reduce") else "fork"
     res = run_job(
         tmp_path,
+        launch=launch,
         timeout=150,
         strategy="slidedp",
         devices=2,
@@ -111,6 +126,7 @@ def test_killed_rank_stops_the_job_without_leak_or_hang(tmp_path, grad_route, ki
     clear = ("terminated with code -9", "died while this rank waited", "Connection reset by peer", "Connection closed")
     assert any(s in res.output for s in clear), res.output[-3000:]
     assert elapsed < 30 + 45, f"the surviving rank took {elapsed:.0f} s to stop (process-group timeout 30 s)"
+    assert "job server:" not in res.output, "the surviving rank did not end by itself"
     assert shm_files() == before
 
 

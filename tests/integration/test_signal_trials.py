@@ -39,26 +39,6 @@ def report(name: str, rows: list[tuple[float, Trial]]) -> None:
         )
 
 
-def test_sigkill_of_local_rank_0_before_the_first_step_leaves_no_shared_memory(tmp_path: Path) -> None:
-    with private_tmpfs() as shm:
-        env = {"SLIDEDP_SHM_DIR": shm}
-        empty = used_bytes(shm)
-        cfg = dict(steps=3, step_sleep=1.0, **JOB)  # a training tail: a moment past a fast run's start still hits it
-        code, first, _, output = baseline(tmp_path / "baseline", env=env, **cfg)
-        assert code == 0, output[-3000:]
-        during = int((tmp_path / "baseline" / "shm_rank0").read_text())
-        # pages count once written: at least the FP32 master (78,208 params x 4 B) is in the ledger directory's tmpfs
-        assert during - empty >= 78_208 * 4, f"the ledger is not in {shm}: {during - empty} bytes used there"
-        assert used_bytes(shm) == empty, "the ledger's memory outlived the job"
-        rows = []
-        for i, moment in enumerate(moments(TRIALS, first, SEED)):
-            t = run_trial(tmp_path / f"kill{i}", moment, signal.SIGKILL, "launcher", env=env, deadline_s=90, **cfg)
-            rows.append((moment, t))
-            assert os.listdir(shm) == [] and used_bytes(shm) == empty, (moment, t.phase, used_bytes(shm) - empty)
-        report(f"SIGKILL of local rank 0 in [0, {first:.1f}] s (the first step)", rows)
-        assert all(not t.leftover for _, t in rows), "a rank outlived local rank 0 by more than 90 s"
-
-
 def complete_checkpoints(ckpt: Path) -> list[str]:
     """The checkpoint directory holds complete checkpoints only: no hidden (unfinished) save, each readable."""
     if not ckpt.exists():
@@ -71,25 +51,50 @@ def complete_checkpoints(ckpt: Path) -> list[str]:
     return names
 
 
-SIGTERM_JOB = dict(steps=4, save_every=1, step_sleep=0.5, **JOB)
+# a training tail of 4 steps of 0.5 s, each saving a checkpoint: a moment past a fast run's first step still hits it
+TRIAL_JOB = dict(steps=4, save_every=1, step_sleep=0.5, **JOB)
 
 
 @pytest.fixture(scope="module")
-def sigterm_baseline(tmp_path_factory) -> tuple[float, float]:
-    """The SIGTERM trials' job without a signal, run once for both targets: (seconds to its first step, in all)."""
-    out = tmp_path_factory.mktemp("sigterm") / "baseline"
+def trial_baseline(tmp_path_factory) -> tuple[float, float]:
+    """The trials' job without a signal, run once for every test here: (seconds to its first step, in all). Its
+    ledger is in the private tmpfs it was given while it trains, and gone from it after."""
+    out = tmp_path_factory.mktemp("signals") / "baseline"
     with private_tmpfs() as shm:
-        code, first, total, output = baseline(out, env={"SLIDEDP_SHM_DIR": shm}, **SIGTERM_JOB)
-    assert code == 0, output[-3000:]
+        empty = used_bytes(shm)
+        code, first, total, output = baseline(out, env={"SLIDEDP_SHM_DIR": shm}, **TRIAL_JOB)
+        assert code == 0, output[-3000:]
+        during = int((out / "shm_rank0").read_text())
+        # pages count once written: at least the FP32 master (78,208 params x 4 B) is in the ledger directory's tmpfs
+        assert during - empty >= 78_208 * 4, f"the ledger is not in {shm}: {during - empty} bytes used there"
+        assert used_bytes(shm) == empty, "the ledger's memory outlived the job"
     assert complete_checkpoints(out / "ckpt") == [f"step-{s}" for s in range(1, 5)]
     return first, total
 
 
+def test_sigkill_of_local_rank_0_before_the_first_step_leaves_no_shared_memory(
+    tmp_path: Path, trial_baseline: tuple[float, float]
+) -> None:
+    first, _ = trial_baseline
+    with private_tmpfs() as shm:
+        env = {"SLIDEDP_SHM_DIR": shm}
+        empty = used_bytes(shm)
+        rows = []
+        for i, moment in enumerate(moments(TRIALS, first, SEED)):
+            t = run_trial(
+                tmp_path / f"kill{i}", moment, signal.SIGKILL, "launcher", env=env, deadline_s=90, **TRIAL_JOB
+            )
+            rows.append((moment, t))
+            assert os.listdir(shm) == [] and used_bytes(shm) == empty, (moment, t.phase, used_bytes(shm) - empty)
+        report(f"SIGKILL of local rank 0 in [0, {first:.1f}] s (the first step)", rows)
+        assert all(not t.leftover for _, t in rows), "a rank outlived local rank 0 by more than 90 s"
+
+
 @pytest.mark.parametrize("target", ["launcher", "rank1"])
 def test_sigterm_at_random_moments_ends_every_rank_within_30_s_leaving_complete_checkpoints_only(
-    tmp_path: Path, target: str, sigterm_baseline: tuple[float, float]
+    tmp_path: Path, target: str, trial_baseline: tuple[float, float]
 ) -> None:
-    cfg, (first, total) = SIGTERM_JOB, sigterm_baseline
+    cfg, (first, total) = TRIAL_JOB, trial_baseline
     with private_tmpfs() as shm:
         env = {"SLIDEDP_SHM_DIR": shm}
         empty = used_bytes(shm)
