@@ -198,7 +198,7 @@ def _set_parent_death_signal(signum: int) -> bool:
     import ctypes
 
     try:
-        return bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0)
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

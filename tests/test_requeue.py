@@ -100,31 +100,34 @@ print(child.pid, child.stdout.readline().strip(), flush=True)
 """
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launched", [True, False])
-def test_a_launched_rank_ends_when_its_launcher_dies(launched: bool) -> None:
-    import subprocess
-    import sys
-    import time
-
+def orphan(child: str, launched: bool, wait_s: float) -> tuple[str, bool]:
+    """Start ``child`` (its argv: this project's signals.py, "1" if launched) from a parent that exits once the child
+    printed a line; wait up to ``wait_s`` for the orphaned child to end. Returns (its line, whether it still ran)."""
     from slidedp_lightning import signals
 
     out = subprocess.run(
-        [sys.executable, "-c", PARENT, CHILD, signals.__file__, "1" if launched else "0"],
+        [sys.executable, "-c", PARENT, child, signals.__file__, "1" if launched else "0"],
         capture_output=True,
         text=True,
         timeout=60,
     ).stdout.split()
-    pid, armed = int(out[0]), out[1]
-    assert armed == str(launched)
-    # an armed rank gets its signal as the launcher exits and ends in well under a second: the one not armed has
-    # shown it does not end with it after 3 s
-    deadline = time.monotonic() + (10 if launched else 3)
+    pid, line = int(out[0]), out[1]
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and signals.process_state(pid) not in (None, "Z"):
         time.sleep(0.05)
     alive = signals.process_state(pid) not in (None, "Z")
     if alive:
         os.kill(pid, signal.SIGKILL)
+    return line, alive
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_launched_rank_ends_when_its_launcher_dies(launched: bool) -> None:
+    # an armed rank gets its signal as the launcher exits and ends in well under a second: the one not armed has
+    # shown it does not end with it after 3 s
+    armed, alive = orphan(CHILD, launched, 10 if launched else 3)
+    assert armed == str(launched)
     assert alive != launched, "the orphaned rank must end with its launcher (and only a launched one)"
 
 
@@ -135,7 +138,7 @@ import torch.distributed as dist
 spec = importlib.util.spec_from_file_location("signals", sys.argv[1])
 signals = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(signals)
-armed = signals.end_with_launcher(True)
+armed = signals.end_with_launcher(sys.argv[2] == "1")
 with socket.socket() as s:  # a port nobody listens on: the store client retries its connect in C++
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -149,22 +152,8 @@ with signals.killed_with_launcher(armed):
 def test_a_rank_in_the_rendezvous_ends_when_its_launcher_dies() -> None:
     """torch's store client retries a refused connect in C++ for the whole timeout, where the rank's Python SIGTERM
     handler cannot run: there the launcher's death must kill the rank outright."""
-    from slidedp_lightning import signals
-
-    out = subprocess.run(
-        [sys.executable, "-c", PARENT, CHILD_IN_RENDEZVOUS, signals.__file__, "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout.split()
-    pid, armed = int(out[0]), out[1]
+    armed, alive = orphan(CHILD_IN_RENDEZVOUS, True, 10)
     assert armed == "True"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and signals.process_state(pid) not in (None, "Z"):
-        time.sleep(0.05)
-    alive = signals.process_state(pid) not in (None, "Z")
-    if alive:
-        os.kill(pid, signal.SIGKILL)
     assert not alive, "a rank in the rendezvous outlived its launcher by 10 s"
 
 
