@@ -10,7 +10,8 @@ Rules that keep every loop vectorized and the numerics identical to torch
 * ``for i in prange(n)`` over the flat index, ``error_model='numpy'``, no fastmath;
 * every scalar argument is an ``np.float32`` (a Python float would turn the math
   into float64);
-* bf16 <-> fp32 by bit operations on 32-bit integers (round-to-nearest-even).
+* bf16 <-> fp32 by bit operations on 32-bit integers (round-to-nearest-even); fp32 -> bf16 by the CPU's
+  conversion instruction where Numba compiles for one that has it (AVX512-BF16), with the same results.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, TypedDict, cast
 
+import llvmlite.binding
+import numba
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
@@ -71,13 +75,76 @@ def bf16_bits_to_f32(bits):
 
 
 @njit(**_INLINE)
-def f32_to_bf16_bits(x):
+def f32_to_bf16_bits_integer(x):
     """float32 -> bf16 bits (uint16), round-to-nearest-even; NaN -> quiet NaN (sign kept)."""
     bits = np.float32(x).view(np.uint32)
     high = np.uint32(bits >> _U16)
     rounded = np.uint32(np.uint32(bits + _RNE_BIAS + (high & _ONE)) >> _U16)
     quiet_nan = np.uint32(high | _QUIET_BIT)
     return np.uint16(quiet_nan) if x != x else np.uint16(rounded)
+
+
+def _compiles_for_bf16_conversion() -> bool:
+    """Whether Numba targets a CPU with AVX512-BF16 (``vcvtneps2bf16``) and llvmlite can spell LLVM's ``bfloat``."""
+    if not hasattr(ir.types, "_BaseFloatType"):
+        return False
+    config = numba.config  # CPU_NAME / CPU_FEATURES: set from the environment (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)
+    if getattr(config, "CPU_NAME", None):
+        features = getattr(config, "CPU_FEATURES", None) or ""
+    else:
+        features = llvmlite.binding.get_host_cpu_features().flatten()
+    return "+avx512bf16" in str(features).split(",")
+
+
+NATIVE_BF16 = _compiles_for_bf16_conversion()
+
+if NATIVE_BF16:
+
+    class _BFloat(ir.types._BaseFloatType):  # llvmlite has no bfloat type; only its name is needed
+        null = "0.0"
+        intrinsic_name = "bf16"
+
+        def __str__(self) -> str:
+            return "bfloat"
+
+    _BFloat._create_instance()
+
+    @intrinsic
+    def _fptrunc_bf16_intrinsic(typingctx, x):
+        """float32 -> bfloat bits (``fptrunc``: ``vcvtneps2bf16``): nearest even, NaN -> x's high half | 0x40,
+        subnormal -> signed zero (the instruction flushes them; see :func:`f32_to_bf16_bits_native`)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], _BFloat()), ir.IntType(16))
+
+        return types.uint16(types.float32), codegen
+
+    _fptrunc_bf16 = cast("Callable[[np.float32], np.uint16]", _fptrunc_bf16_intrinsic)
+
+    _EXPONENT = np.uint32(0x7F800000)
+    _U23 = np.uint32(23)
+    _SMALLEST_NORMAL_BF16 = np.uint16(0x0080)
+
+    @njit(**_INLINE)
+    def f32_to_bf16_bits_native(x):
+        """:func:`f32_to_bf16_bits_integer` by the conversion instruction, bit for bit.
+
+        The instruction flushes subnormal inputs to zero, so a zero or subnormal ``x`` = +-k * 2**-149 (k < 2**23)
+        is converted as +-(2**-126 + k * 2**-149) (its exponent field set to 1): a normal number with the same
+        fraction bits, hence the same bf16 rounding (spacing 2**-133 in both ranges, same tie parity), whose bf16 is
+        0x0080 (2**-126) above x's; subtracting 0x0080 leaves x's bits (a rounding carry into 2**-125 leaves 0x0080,
+        the smallest normal, as rounding x does). Four vector operations instead of about ten.
+        """
+        bits = np.float32(x).view(np.uint32)
+        tiny = np.uint32((bits & _EXPONENT) == np.uint32(0))
+        converted = _fptrunc_bf16(np.uint32(bits | (tiny << _U23)).view(np.float32))
+        return np.uint16(converted - np.uint16(np.uint16(tiny) * _SMALLEST_NORMAL_BF16))
+
+    f32_to_bf16_bits = f32_to_bf16_bits_native
+else:
+    f32_to_bf16_bits = f32_to_bf16_bits_integer
 
 
 def as_f32(x):
@@ -253,9 +320,12 @@ def adam_shaped_copy_bf16_out_kernel(param, exp_avg, exp_avg_sq, grads, bf16_out
 
 @njit(**KERNEL_OPTIONS)
 def fp32_to_bf16_kernel(src, dst):
-    """dst[i] = bf16 bits of src[i] (round-to-nearest-even)."""
+    """dst[i] = bf16 bits of src[i] (round-to-nearest-even).
+
+    By integer operations on every CPU: in a loop that only converts, LLVM vectorizes the conversion instruction
+    4 lanes wide (measured 16 % slower than the integer helper, which it vectorizes 16 wide)."""
     for i in prange(src.shape[0]):
-        dst[i] = f32_to_bf16_bits(src[i])
+        dst[i] = f32_to_bf16_bits_integer(src[i])
 
 
 @njit(**KERNEL_OPTIONS)

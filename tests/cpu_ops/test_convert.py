@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import numba
 import numpy as np
 import pytest
 import torch
 
-from cpu_ops import bf16_to_fp32, fp32_to_bf16, is_vectorized
+from cpu_ops import _kernels, bf16_to_fp32, fp32_to_bf16, is_vectorized
 
 SPECIAL_BITS = [
     0x00000000,
@@ -140,3 +145,50 @@ def test_widen_bf16_refuses_mismatched_or_read_only_arrays() -> None:
     read_only.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         widen_bf16(src, np.zeros(8, np.float32), read_only)
+
+
+def _converter(helper):  # type: ignore[no-untyped-def]
+    @numba.njit(parallel=True, error_model="numpy")
+    def convert(x, out):  # type: ignore[no-untyped-def]
+        for i in numba.prange(x.shape[0]):
+            out[i] = helper(x[i])
+
+    return convert
+
+
+@pytest.mark.skipif(not _kernels.NATIVE_BF16, reason="Numba does not compile for a CPU with AVX512-BF16 here")
+def test_native_bf16_conversion_equals_the_integer_one_bit_for_bit() -> None:
+    """The instruction flushes subnormals to zero; the native helper must not: every subnormal of both signs, the
+    special values, NaNs and random bit patterns give the integer helper's bits."""
+    assert _kernels.f32_to_bf16_bits is _kernels.f32_to_bf16_bits_native
+    subnormals = np.arange(1, 1 << 23, dtype=np.uint32)
+    rng = np.random.default_rng(1)
+    bits = np.concatenate(
+        [
+            np.array(SPECIAL_BITS + NAN_BITS, np.uint32),
+            subnormals,
+            subnormals | np.uint32(0x80000000),
+            rng.integers(0, 2**32, size=1 << 22, dtype=np.uint32),
+        ]
+    )
+    x = bits.view(np.float32)
+    native = np.empty(x.shape[0], np.uint16)
+    integer = np.empty(x.shape[0], np.uint16)
+    _converter(_kernels.f32_to_bf16_bits_native)(x, native)
+    _converter(_kernels.f32_to_bf16_bits_integer)(x, integer)
+    differ = np.flatnonzero(native != integer)
+    assert differ.size == 0, [(hex(bits[i]), hex(native[i]), hex(integer[i])) for i in differ[:5]]
+    kernel = _converter(_kernels.f32_to_bf16_bits_native)
+    kernel(x[:64], native[:64])
+    assert "vcvtneps2bf16" in kernel.inspect_asm(kernel.signatures[0])
+
+
+@pytest.mark.parametrize(
+    ("cpu", "features", "native"), [("generic", "", False), ("znver4", "+avx512f,+avx512bf16", True)]
+)
+def test_the_conversion_instruction_is_used_only_where_numba_targets_it(cpu: str, features: str, native: bool) -> None:
+    """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES (a portable cache) decide, not the host."""
+    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
+    code = "from cpu_ops import _kernels; print(_kernels.NATIVE_BF16)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == str(native)
