@@ -15,7 +15,8 @@ Layout: the arrays are cut into blocks of ``block`` elements (the last one may b
 float32 scale per moment. The parallel loop runs over chunks of whole blocks; each chunk owns two float32 scratch
 rows of one block (L1-resident). Per block, one pass decodes, updates and writes the parameter, its bf16 copy and
 the new ``exp_avg`` and ``exp_avg_sq`` to the scratch rows while taking their absmax; a second pass encodes both
-rows with the new scales.
+rows with the new scales. Around them the next block's master and gradient are prefetched (see
+:func:`adamw8_kernel`).
 """
 
 from __future__ import annotations
