@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 FUNCTION = re.compile(r"^([^\s.][^:]*):\s*$")
 LABEL = re.compile(r"^(\.LBB\d+_\d+):")
-JUMP = re.compile(r"^\s+j\w+\s+(\.LBB\d+_\d+)\s*$")
+JUMP = re.compile(r"^\s+j(?!mp\b)\w+\s+(\.LBB\d+_\d+)\s*$")  # conditional: a loop's latch, not a layout jump
 STEP = re.compile(r"^\s+addq\s+\$(\d+), %(\w+)\s*$")
 PACKED = re.compile(r"\bv\w+p[sd]\b.*%ymm|\bvp\w+\b.*%ymm")
 # the costly instructions of interest: (F16C or AVX512-FP16 "x") float16 conversions, gathers/inserts of table lookups
