@@ -47,3 +47,12 @@ def test_a_loop_without_an_element_index_has_no_elements() -> None:
     asm = "_ZN_numba_parfor_gufunc_1:\n.LBB1_1:\n\tvaddps\t%ymm0, %ymm1, %ymm1\n\taddq\t$32, %rax\n\tjne\t.LBB1_1\n"
     (loop,) = vector_loops(parallel_bodies(asm))
     assert loop.elements == 0  # %rax is a pointer bump, not an index: bytes, not elements
+
+
+def test_an_unconditional_backward_jump_is_not_a_loop() -> None:
+    """LLVM places blocks after the loop that ``jmp`` back into it; only a conditional latch closes a loop."""
+    asm = (
+        "_ZN_numba_parfor_gufunc_2:\n.LBB2_1:\n\tvmovups\t64(%rsp), %ymm26\n\tjmp\t.LBB2_3\n"
+        ".LBB2_2:\n\tmovq\t(%rsp), %r11\n\tjmp\t.LBB2_1\n.LBB2_3:\n\tret\n"
+    )
+    assert vector_loops(parallel_bodies(asm)) == []
