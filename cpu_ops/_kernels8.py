@@ -1,7 +1,9 @@
-"""Numba kernels of the 8-bit (block-wise int8 and FP8 E4M3) Adam moments (private; use :mod:`cpu_ops.adamw8`).
+"""Numba kernels of the 8-bit (block-wise square-root int8 and FP8 E4M3) Adam moments (private; use
+:mod:`cpu_ops.adamw8`).
 
-The format is described in :mod:`cpu_ops.adamw8`. ``exp_avg``: a linear int8 code is one fused multiply-add whose
-float32 result holds the rounded integer in its low byte, and one int8 -> float32 conversion back. ``exp_avg_sq``:
+The format is described in :mod:`cpu_ops.adamw8`. ``exp_avg``: the int8 code, ``127 * sqrt(|m| / scale)`` rounded and signed,
+is one multiply, one square root (``vsqrtps``), a sign copy and one addition whose float32 result holds the rounded
+integer in its low byte; back, one int8 -> float32 conversion and three multiplies. ``exp_avg_sq``:
 an E4M3 code of a value in [0, 256] is bits 7..14 of the IEEE half-precision number value / 2**8 (exponent field and
 3 mantissa bits, subnormals included), so encoding is one float32 -> float16 conversion (``vcvtps2ph``, LLVM's
 ``fptrunc``) and an integer rounding, decoding a shift and one float16 -> float32 conversion (``vcvtph2ps``). No
@@ -39,8 +41,8 @@ _TO_F16 = np.uint32(0xFFFFE000)  # keeps float16's 11 significant bits of a floa
 _ZERO = np.float32(0.0)
 _HALF7 = np.uint32(0x40)
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: x + _MAGIC holds round(x) in its low bits (|x| < 2**22)
-_LIN = np.float32(127.0)
-_INV127 = np.float32(1.0) / np.float32(127.0)
+_SQ = np.float32(127.0 * 127.0)  # the square of the int8 code of a block's absmax of exp_avg
+_INV_SQ = np.float32(1.0) / _SQ  # 16129 * _INV_SQ == 1 in float32
 
 SCALE_MIN = np.float32(2.0**-96)  # a non-zero block scale is at least this, so that 1 / scale is finite
 MOMENT_MAX = np.float32(2.0**127)  # a stored |exp_avg| or exp_avg_sq is at most this (never inf)
@@ -105,17 +107,19 @@ def _f16_trunc(y):
 
 @njit(**_INLINE)
 def decode_signed(code, scale):
-    """``exp_avg`` value of the int8 ``code`` (two's complement, -127..127): (code * (1 / 127)) * scale. The first
-    product is exact at +-127 (127 * float32(1 / 127) == 1), so the block's absmax element reads back exactly."""
-    return (np.float32(np.int8(code)) * _INV127) * scale
+    """``exp_avg`` value of the int8 ``code`` (two's complement, -127..127): ((code * |code|) * (1 / 127**2)) * scale.
+    code * |code| is exact and the second product is exact at +-127 (16129 * float32(1 / 16129) == 1), so the
+    block's absmax element reads back exactly."""
+    c = np.float32(np.int8(code))
+    return ((c * abs(c)) * _INV_SQ) * scale
 
 
 @njit(**_INLINE)
 def encode_signed(x, inv):
-    """int8 code of ``exp_avg`` element ``x``: x * inv rounded to the nearest integer, ties to even (``inv`` = 127 /
-    the block's scale, so the result is in -127..127); ``fma(x, inv, 1.5 * 2**23)`` puts that integer in the low
-    byte of the float32's bits, in two's complement."""
-    return np.uint8(np.float32(_fma(x, inv, _MAGIC)).view(np.uint32))
+    """int8 code of ``exp_avg`` element ``x``: sign(x) * sqrt(|x| * inv) rounded to the nearest integer, ties to even
+    (``inv`` = 127**2 / the block's scale, so the result is in -127..127); adding 1.5 * 2**23 puts that integer in
+    the low byte of the float32's bits, in two's complement."""
+    return np.uint8(np.float32(np.copysign(np.sqrt(abs(x) * inv), x) + _MAGIC).view(np.uint32))
 
 
 @njit(**_INLINE)
@@ -169,7 +173,7 @@ def quantize_kernel(x, q, scales, block, chunks, signed):
             top = _absmax(x[s:e], e - s)
             saturate = top > MOMENT_MAX  # NaN: False
             scale = block_scale(MOMENT_MAX if saturate else top)
-            inv = _inverse(_LIN if signed else np.float32(1.0), scale)
+            inv = _inverse(_SQ if signed else np.float32(1.0), scale)
             for j in range(e - s):
                 xj = x[s + j]
                 if saturate:
@@ -385,7 +389,7 @@ def adamw8_kernel(
                 am, av = _saturate(m, r, e - s)
             new_m = block_scale(am)
             new_v = block_scale(av)
-            inv_m = _inverse(_LIN, new_m)
+            inv_m = _inverse(_SQ, new_m)
             inv_v = _inverse(np.float32(1.0), new_v)
             m_scale[b] = new_m
             v_scale[b] = new_v

@@ -1,10 +1,15 @@
-"""AdamW with 8-bit moments: block-wise int8 (``exp_avg``) and FP8 E4M3 (``exp_avg_sq``) codes, one fused Numba pass.
+"""AdamW with 8-bit moments: block-wise square-root int8 (``exp_avg``) and FP8 E4M3 (``exp_avg_sq``) codes, one fused
+Numba pass.
 
-Format (:data:`MOMENT_FORMAT` ``"int8-e4m3"``): per block of :data:`QUANT_BLOCK` elements and per moment, one uint8
+Format (:data:`MOMENT_FORMAT` ``"sqrt8-e4m3"``): per block of :data:`QUANT_BLOCK` elements and per moment, one uint8
 code per element and one float32 scale, the block's absmax (regions ``exp_avg_absmax``, ``exp_avg_sq_absmax``):
 
-* ``exp_avg``: linear signed int8 (two's complement, -127..127): ``code = round(m * (127 / scale))``, ties to even;
-  read back as ``(code * float32(1 / 127)) * scale`` (exact at +-127, so the absmax element reads back exactly).
+* ``exp_avg``: signed int8 of the square root (two's complement, -127..127):
+  ``code = sign(m) * round(sqrt(|m| * float32(127**2 / scale)))``, ties to even; read back as
+  ``((code * |code|) * float32(1 / 127**2)) * scale`` (exact at +-127, so the absmax element reads back exactly).
+  A value is at most 126.75 / 127**2 (0.79 %) of the absmax off; the smallest non-zero value is 1 / 127**2 of it
+  (about 2**-14; values under a quarter of it round to 0), where a linear int8 code's is 1 / 127 (values under
+  1 / 254 of the absmax round to 0).
 * ``exp_avg_sq``: FP8 E4M3 (OCP: 4 exponent bits, 3 mantissa bits, subnormals; "FP8 Formats for Deep Learning",
   arXiv 2209.05433) of ``v * (1 / scale) * 2**8``: the absmax maps to E4M3 256 (codes up to 0x78; the values above
   it are unused), nearest, ties away from zero; read back as ``e4m3(code) * (scale * 2**-8)``. 1/16 relative error
@@ -22,13 +27,16 @@ code per element and one float32 scale, the block's absmax (regions ``exp_avg_ab
   that element's steps at ~0, while finite. That step's update is FP32 Adam's.
 
 Why this format (measured side by side against the dynamic tree map of 8-bit Adam, Dettmers et al., "8-bit
-Optimizers via Block-wise Quantization", arXiv 2110.02861, FP8 for both moments, and a square-root mapping of ``v``;
-docs/PERFORMANCE.md): the int8 code is one fused multiply-add each way and the E4M3 code one float16 conversion and
-an integer rounding each way, so the update vectorizes without tables and keeps up with the FP32 kernel, which the
-dynamic tree (table lookups) and FP8 ``exp_avg`` do not. Linear int8 keeps ``exp_avg`` within 1/254 of its block's
-absmax, as the dequantized state must be (within 5 % of each tensor's max), where FP8's 3 or 2 mantissa bits put a
-value up to 6 % or 12 % off; elements far below their block's absmax round to 0, which can only shrink a step.
-``exp_avg_sq``, a denominator, needs relative precision and range: E4M3 gives 1/16 over 14 binades.
+Optimizers via Block-wise Quantization", arXiv 2110.02861, FP8 for both moments, a square-root mapping of ``v``, and
+a linear int8 ``exp_avg``; docs/PERFORMANCE.md): the int8 code is a multiply and a square root one way and three
+multiplies back, and the E4M3 code one float16 conversion and an integer rounding each way, so the update vectorizes
+without tables and keeps up with the FP32 kernel, which the dynamic tree (table lookups) and FP8 ``exp_avg`` do not.
+The square-root code keeps ``exp_avg`` within 0.79 % of its block's absmax, as the dequantized state must be (within
+5 % of each tensor's max), where FP8's 3 or 2 mantissa bits put a value up to 6 % or 12 % off; against the linear
+int8 code (1/254 of the absmax, smaller values round to 0) it reaches 2**-14 of the absmax and, on the fine-tuning
+task of docs/PERFORMANCE.md, ended at 0.72x and 0.77x its loss in two runs of 18 seeds (level with exact AdamW),
+for 2-5 % of the kernel's speed from memory. ``exp_avg_sq``, a denominator, needs relative precision and range: E4M3
+gives 1/16 over 14 binades.
 
 Block size: 1024 elements (the ledger's shards start on 1024-element boundaries, so it must divide 1024); its
 scales cost 8 bytes per 1024 parameters.
@@ -58,7 +66,7 @@ __all__ = [
 ]
 
 QUANT_BLOCK: int = 1024
-MOMENT_FORMAT: str = "int8-e4m3"  # names the code format above: a checkpoint records which format wrote it
+MOMENT_FORMAT: str = "sqrt8-e4m3"  # names the code format above: a checkpoint records which format wrote it
 CODES = np.dtype(np.uint8)
 _CHUNKS_PER_THREAD = 4
 
@@ -98,7 +106,8 @@ def quantize_blockwise(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndar
 
 def dequantize_blockwise(q: np.ndarray, absmax: np.ndarray, signed: bool) -> np.ndarray:
     """float32 values of codes ``q`` with their block scales ``absmax`` (the inverse of :func:`quantize_blockwise`):
-    ``(int8(q[i]) * float32(1 / 127)) * absmax[b]`` for ``exp_avg``, ``e4m3(q[i]) * (absmax[b] * 2**-8)`` for
+    ``((c * |c|) * float32(1 / 127**2)) * absmax[b]``, c = int8(q[i]), for ``exp_avg``,
+    ``e4m3(q[i]) * (absmax[b] * 2**-8)`` for
     ``exp_avg_sq``, b = i // QUANT_BLOCK."""
     _check_signed(signed)
     check_vector("q", q, None, (CODES,))

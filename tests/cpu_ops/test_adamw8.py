@@ -1,4 +1,4 @@
-"""cpu_ops.adamw8: the int8 / E4M3 block format, block-wise (de)quantization and the fused 8-bit AdamW against torch."""
+"""cpu_ops.adamw8: the square-root int8 / E4M3 block format, block-wise (de)quantization and the fused 8-bit AdamW against torch."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ B = QUANT_BLOCK
 F32 = np.float32
 TOP = F32(2.0**8)  # the E4M3 value a block's absmax of exp_avg_sq maps to
 LIN = F32(127.0)  # the int8 code of a block's absmax of exp_avg
+SQ = F32(127.0**2)  # its square: exp_avg's codes are of sqrt(|value| * 127**2 / scale)
 SCALE_MIN, MOMENT_MAX = F32(2.0**-96), F32(2.0**127)
 
 
@@ -47,15 +48,18 @@ def fp8_codes(y: np.ndarray) -> np.ndarray:
 
 
 def code_values(q: np.ndarray, signed: bool) -> np.ndarray:
-    """Values of codes relative to their block's scale: int8 / 127 (exp_avg), E4M3 / 256 (exp_avg_sq)."""
+    """Values of codes relative to their block's scale: c * |c| / 127**2, c = int8 (exp_avg), E4M3 / 256
+    (exp_avg_sq)."""
     if signed:
-        return torch.from_numpy(np.ascontiguousarray(q).view(np.int8)).float().mul(F32(1) / LIN).numpy()
+        c = torch.from_numpy(np.ascontiguousarray(q).view(np.int8)).float()
+        return (c * c.abs()).mul(F32(1) / SQ).numpy()
     return fp8_values(q) / TOP
 
 
 def ref_quantize(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray]:
     """The format, written out per block with torch: scale = the absmax (values saturated at 2**127; at least 2**-96
-    unless 0); exp_avg: int8 code = round(value * float32(127 / scale)), ties to even; exp_avg_sq: E4M3 code of
+    unless 0); exp_avg: int8 code = sign * round(sqrt(|value| * float32(127**2 / scale))) in float32, ties to even;
+    exp_avg_sq: E4M3 code of
     value * (1 / scale) * 2**8, and a positive value never gets code 0."""
     n = x.shape[0]
     q = np.zeros(n, np.uint8)
@@ -67,8 +71,11 @@ def ref_quantize(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray]:
             v, top = v.clamp(-MOMENT_MAX, MOMENT_MAX), MOMENT_MAX
         scale = top if top >= SCALE_MIN else (SCALE_MIN if top > 0 else top)
         if signed:
-            inv = LIN / scale if scale != 0 else F32(0)  # the exact product (float64), rounded once
-            code = torch.round(v.double() * float(inv)).to(torch.int8).numpy().view(np.uint8)
+            inv = SQ / scale if scale != 0 else F32(0)
+            # the float32 product, its correctly rounded float32 square root (through float64: torch's float32 sqrt
+            # on CPU can be half an ulp off), rounded to an integer
+            root = torch.round(torch.sqrt((v.abs() * torch.tensor(inv)).double()).float())
+            code = torch.copysign(root, v).to(torch.int8).numpy().view(np.uint8)
         else:
             inv = F32(1) / scale if scale != 0 else F32(0)
             y = (v * float(inv) * float(TOP)).abs()  # v >= 0: abs turns -0 into 0 (the codes have no sign bit)
@@ -104,12 +111,14 @@ def code_order(q: np.ndarray) -> np.ndarray:
 
 
 def test_format_constant_and_code_values() -> None:
-    assert MOMENT_FORMAT == "int8-e4m3"
+    assert MOMENT_FORMAT == "sqrt8-e4m3"
     codes = np.arange(256, dtype=np.uint8)
-    # exp_avg: int8 codes -127..127 (-128 unused) read back as code / 127 of the block's scale, +-1 and 0 exact
+    # exp_avg: int8 codes -127..127 (-128 unused) read back as code * |code| / 127**2 of the block's scale, +-1 and 0
+    # exact, the smallest non-zero +-1 / 127**2
     used = codes != 0x80
     values = code_values(codes, True)
     assert values[127] == 1.0 and values[0x81] == -1.0 and values[0] == 0.0
+    assert values[1] == F32(1) / SQ and values[0xFF] == -values[1]
     # exp_avg_sq: E4M3 codes without sign bit, up to 256 (the value of the block's absmax): 0 and 120 positive values
     used_v = (codes < 0x80) & (fp8_values(codes) <= TOP)
     assert used_v.sum() == 121
@@ -146,12 +155,15 @@ def test_round_trip_within_half_a_step(signed: bool, n: int) -> None:
         assert_codes_close(q, ref_q, f16_normal(x, scales), rate=1e-2)
     back = dequantize_blockwise(q, scales, signed)
     np.testing.assert_array_equal(back, ref_dequantize(q, scales, signed))
-    # |error| <= half the local code spacing, plus float32 rounding: exp_avg 1/254 of its block's absmax;
+    # |error| <= half the local code spacing, plus float32 rounding: exp_avg (c - 1/4) / 127**2 of its block's
+    # absmax around code c (0.79 % at most), and 0 only below a quarter of its smallest non-zero value (1 / 127**2);
     # exp_avg_sq 1/16 relative (3 mantissa bits) within 14 binades of its block's absmax
     scale = np.repeat(scales, B)[:n].astype(np.float64)
     err = np.abs(back.astype(np.float64) - x)
     if signed:
-        assert np.all(err <= scale / 254 * (1 + 1e-6) + 1e-7 * np.abs(x))
+        assert np.all(err <= scale * 126.75 / 127**2 * (1 + 1e-5) + 1e-7 * np.abs(x)), np.max(err / scale)
+        quarters = np.abs(x) * 4 * 127**2  # in units of the block's scale: 1 is half the smallest value
+        assert np.all(back[quarters <= scale * (1 - 1e-5)] == 0) and np.all(back[quarters > scale * (1 + 1e-5)] != 0)
     else:
         normal = (x >= scale * 2.0**-14) & (x != 0)
         assert np.all(err[normal] <= x[normal] * (1 / 16 + 1e-6)), np.max(err[normal] / x[normal])
@@ -164,12 +176,17 @@ def test_round_trip_within_half_a_step(signed: bool, n: int) -> None:
 
 
 def sweep(signed: bool) -> np.ndarray:
-    """A dense sweep of float32 bit patterns in [-1, 1] (or [0, 1]), every code value and midpoint, and their
-    neighbours one ulp away; absmax 1 in every block, so that a value is its own scaled value."""
+    """A dense sweep of float32 bit patterns in [-1, 1] (or [0, 1]), every code value and rounding boundary (E4M3:
+    the midpoints; exp_avg: the squares of the midpoints of the square roots), and their neighbours one ulp away;
+    absmax 1 in every block, so that a value is its own scaled value."""
     v = np.arange(0, 2**32, 1013, dtype=np.uint64).astype(np.uint32).view(F32)
     values = code_values(np.arange(256, dtype=np.uint8), signed)
     values = np.sort(values[np.isfinite(values) & (np.abs(values) <= 1)]).astype(np.float64)
-    mid = ((values[1:] + values[:-1]) / 2).astype(F32)
+    if signed:
+        roots = np.sign(values) * np.sqrt(np.abs(values))
+        mid = (np.sign(roots[1:] + roots[:-1]) * ((roots[1:] + roots[:-1]) / 2) ** 2).astype(F32)
+    else:
+        mid = ((values[1:] + values[:-1]) / 2).astype(F32)
     v = np.concatenate([v[np.isfinite(v)], values.astype(F32), mid, F32([0.0, -0.0])])
     v = np.concatenate([v, np.nextafter(v, F32(np.inf)), np.nextafter(v, F32(-np.inf))])
     v = v[np.isfinite(v) & (np.abs(v) <= 1) & ((v >= 0) | signed)]
@@ -302,7 +319,7 @@ def test_padding_stays_zero_and_all_frozen_only_requantizes() -> None:
     np.testing.assert_array_equal(m[frozen], 0.0)
     np.testing.assert_array_equal(v[frozen], 0.0)
     # updated elements hold their new moments; a positive v is never stored as 0 (the zero guard); m is 0 only where
-    # its nearest int8 code is (below half a code step of its block's absmax)
+    # its nearest code is (below a quarter of the smallest non-zero value, 1 / 127**2 of its block's absmax)
     assert np.all(v[~frozen] > 0) and np.mean(m[~frozen] != 0) > 0.95
     np.testing.assert_array_equal(m == 0, dequantize_blockwise(ref[1], ref[3], True) == 0)
     # no segments: the parameters stay, the moments are requantized with their own absmax (a fixed point)

@@ -232,10 +232,13 @@ def test_int8_with_frozen_parameters(bf16_copy: bool) -> None:
         engine.close(restore=False)
 
 
-@pytest.mark.parametrize("recorded", [None, "dynamic-tree"], ids=["unrecorded", "another-code"])
+@pytest.mark.parametrize(
+    "recorded", [None, "dynamic-tree", "int8-e4m3"], ids=["unrecorded", "dynamic-tree", "linear-int8"]
+)
 def test_int8_moments_of_another_code_are_refused_naming_both(tmp_path: Path, recorded: str | None) -> None:
     """A checkpoint's int8 codes are read only by the code that wrote them (``cpu_ops.adamw8.MOMENT_FORMAT``,
-    recorded in meta.json); one of the earlier dynamic-tree code, which records none, is refused by name."""
+    recorded in meta.json): re-encoding them in another code would not be exact. One of the earlier dynamic-tree
+    code, which records none, and one of the linear int8 code are refused by name."""
     ck = tmp_path / "ck"
     run(EngineConfig(optimizer_state="int8"), steps=2, ck=ck)
     meta_file = ck / "meta.json"
@@ -254,7 +257,8 @@ def test_int8_moments_of_another_code_are_refused_naming_both(tmp_path: Path, re
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with pytest.raises(
-                ValueError, match=rf"'dynamic-tree' code, and this release reads '{cpu_ops.adamw8.MOMENT_FORMAT}'"
+                ValueError,
+                match=rf"'{recorded or 'dynamic-tree'}' code, and this release reads '{cpu_ops.adamw8.MOMENT_FORMAT}'",
             ):
                 checkpoint.load(engine, ck)
     finally:
