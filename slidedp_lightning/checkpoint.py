@@ -241,7 +241,8 @@ def ledger_mode(engine: EngineView) -> dict[str, Any]:
 
 def check_mode(path: Path, info: dict[str, Any], engine: EngineView) -> None:
     """Refuse a checkpoint whose moments are in another form than this run's ledger (older ones: fp32), or int8
-    moments of another code than this release reads (older ones: the dynamic tree, which it no longer decodes)."""
+    moments of another code than this release reads (older ones: the dynamic tree, or the linear ``int8-e4m3``; no
+    release decodes them into this code, which would not be exact)."""
     saved, mine = info.get("optimizer_state", "fp32"), engine.config.optimizer_state
     if saved != mine:
         raise ValueError(
