@@ -1,9 +1,9 @@
 """Numba kernels of the 8-bit (block-wise square-root int8 and FP8 E4M3) Adam moments (private; use
 :mod:`cpu_ops.adamw8`).
 
-The format is described in :mod:`cpu_ops.adamw8`. ``exp_avg``: the int8 code, ``127 * sqrt(|m| / scale)`` rounded and signed,
-is one multiply, one square root (``vsqrtps``), a sign copy and one addition whose float32 result holds the rounded
-integer in its low byte; back, one int8 -> float32 conversion and three multiplies. ``exp_avg_sq``:
+The format is described in :mod:`cpu_ops.adamw8`. ``exp_avg``: the int8 code, ``127 * sqrt(|m| / scale)`` rounded
+and signed, is one multiply, one square root (``vsqrtps``), a sign copy and one addition whose float32 result holds
+the rounded integer in its low byte; back, one int8 -> float32 conversion and three multiplies. ``exp_avg_sq``:
 an E4M3 code of a value in [0, 256] is bits 7..14 of the IEEE half-precision number value / 2**8 (exponent field and
 3 mantissa bits, subnormals included), so encoding is one float32 -> float16 conversion (``vcvtps2ph``, LLVM's
 ``fptrunc``) and an integer rounding, decoding a shift and one float16 -> float32 conversion (``vcvtph2ps``). No

@@ -107,8 +107,7 @@ def quantize_blockwise(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndar
 def dequantize_blockwise(q: np.ndarray, absmax: np.ndarray, signed: bool) -> np.ndarray:
     """float32 values of codes ``q`` with their block scales ``absmax`` (the inverse of :func:`quantize_blockwise`):
     ``((c * |c|) * float32(1 / 127**2)) * absmax[b]``, c = int8(q[i]), for ``exp_avg``,
-    ``e4m3(q[i]) * (absmax[b] * 2**-8)`` for
-    ``exp_avg_sq``, b = i // QUANT_BLOCK."""
+    ``e4m3(q[i]) * (absmax[b] * 2**-8)`` for ``exp_avg_sq``, b = i // QUANT_BLOCK."""
     _check_signed(signed)
     check_vector("q", q, None, (CODES,))
     check_vector("absmax", absmax, num_blocks(q.shape[0]), (FP32,))

@@ -1,4 +1,5 @@
-"""cpu_ops.adamw8: the square-root int8 / E4M3 block format, block-wise (de)quantization and the fused 8-bit AdamW against torch."""
+"""cpu_ops.adamw8: the square-root int8 / E4M3 block format, block-wise (de)quantization and the fused 8-bit AdamW
+against torch."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ from cpu_ops import (
 B = QUANT_BLOCK
 F32 = np.float32
 TOP = F32(2.0**8)  # the E4M3 value a block's absmax of exp_avg_sq maps to
-LIN = F32(127.0)  # the int8 code of a block's absmax of exp_avg
-SQ = F32(127.0**2)  # its square: exp_avg's codes are of sqrt(|value| * 127**2 / scale)
+SQ = F32(127.0**2)  # the square of the int8 code of a block's absmax of exp_avg: codes of sqrt(|value| * SQ / scale)
 SCALE_MIN, MOMENT_MAX = F32(2.0**-96), F32(2.0**127)
 
 
@@ -59,8 +59,7 @@ def code_values(q: np.ndarray, signed: bool) -> np.ndarray:
 def ref_quantize(x: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray]:
     """The format, written out per block with torch: scale = the absmax (values saturated at 2**127; at least 2**-96
     unless 0); exp_avg: int8 code = sign * round(sqrt(|value| * float32(127**2 / scale))) in float32, ties to even;
-    exp_avg_sq: E4M3 code of
-    value * (1 / scale) * 2**8, and a positive value never gets code 0."""
+    exp_avg_sq: E4M3 code of value * (1 / scale) * 2**8, and a positive value never gets code 0."""
     n = x.shape[0]
     q = np.zeros(n, np.uint8)
     scales = np.zeros(-(-n // B), F32)
