@@ -104,6 +104,16 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_PREVIOUS] = {s: signal.signal(s, _interrupt) for s in _SIGNALS}
 
 
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if config.getoption("--benchmark") and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # what a shell without job control does to a background command: the kernel drops every SIGINT
+        return (
+            "SIGINT is ignored by this process (started in the background): Ctrl-C and kill -INT do not stop it; "
+            "SIGTERM or SIGHUP does, and its jobs go with it"
+        )
+    return None
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     for s, handler in config.stash.get(_PREVIOUS, {}).items():
         signal.signal(s, handler)

@@ -4,6 +4,7 @@ pyproject's ``timeout`` key when pytest-timeout is absent. Each case collects on
 from __future__ import annotations
 
 import importlib.util
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,18 @@ def test_one_table_alone():
 
 def test_without_benchmark_everything_is_skipped():
     assert "test_throughput" in functions(collect())  # collected, each skipped (no --benchmark)
+
+
+def test_a_benchmark_that_ignores_sigint_says_how_to_stop_it(capsys):
+    def header(*args: str) -> str:
+        argv = [str(REPO / "bench"), "--rootdir", str(REPO), "-p", "no:cacheprovider", "--collect-only", *args]
+        assert pytest.main(argv) == 0
+        return " ".join(capsys.readouterr().out.split())
+
+    stop = "Ctrl-C and kill -INT do not stop it; SIGTERM or SIGHUP does"
+    assert stop not in header("--benchmark")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background command of a non-interactive shell
+    try:
+        assert stop in header("--benchmark") and stop not in header()
+    finally:
+        signal.signal(signal.SIGINT, previous)
