@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from bench.baselines.workload import SYSTEMS, ModelShape
+from bench.fit import slope
 
 GB = 1e9
 
@@ -44,8 +45,6 @@ def throughput_series(runs: dict[str, dict]) -> dict[str, list[tuple[float, floa
 
 def host_series(runs: dict[str, dict]) -> dict[str, tuple[list[float], list[float], float | None, float | None]]:
     """system -> (billions of params, host peak GB, slope GB per B, intercept GB); no line below two sizes."""
-    from bench.tables import slope
-
     out = {}
     for s, rs in _systems(runs).items():
         xs = [_params(r) / 1e9 for r in rs if r.get("host_peak")]

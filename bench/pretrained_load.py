@@ -159,8 +159,8 @@ def alternate(args: argparse.Namespace, rank: int, ranks: int) -> dict:
     import torch.distributed as dist
 
     import slidedp_lightning
+    from slidedp_lightning.hf.pretrained import loading_into_ledger
     from slidedp_lightning.models import adapter_for
-    from slidedp_lightning.pretrained import loading_into_ledger
     from slidedp_lightning.runtime import EngineConfig, Topology
     from slidedp_lightning.runtime.layout import build_layout
     from slidedp_lightning.runtime.ledger import initial_weights
@@ -256,7 +256,7 @@ def worker(args: argparse.Namespace) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         import slidedp_lightning
-        from slidedp_lightning.pretrained import loading_into_ledger
+        from slidedp_lightning.hf.pretrained import loading_into_ledger
         from slidedp_lightning.runtime import EngineConfig, SlideDPEngine, Topology
         from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights
 

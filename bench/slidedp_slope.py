@@ -20,7 +20,8 @@ from pathlib import Path
 
 from bench import configs
 from bench.baselines.runner import run_job
-from bench.tables import GB, slope
+from bench.fit import slope
+from bench.tables import GB
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from bench.baselines.hostmem import INTERVAL_S
 from bench.baselines.runner import RunResult
 from bench.baselines.workload import SYSTEMS
 from bench.configs import DEFAULT_ROUTE, ROUTES, Scale
+from bench.fit import slope
 from bench.report import Table
 
 GB = 1e9
@@ -35,14 +36,6 @@ def _tps(r: RunResult) -> str | float:
 
 def _ms(r: RunResult) -> str | float:
     return round(r.step_median * 1e3, 1) if r.ok else r.status
-
-
-def slope(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares line through (xs, ys): (slope, intercept)."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return b, my - b * mx
 
 
 def geomean(values: list[float]) -> float:

@@ -69,7 +69,8 @@ def cpu_seconds() -> float:
 
 
 def rank_main(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    from slidedp_lightning import checkpoint, checkpoint_files
+    from slidedp_lightning.checkpoints import distributed as checkpoint
+    from slidedp_lightning.checkpoints import files as checkpoint_files
     from slidedp_lightning.runtime import compat
     from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
     from slidedp_lightning.runtime.topology import Topology

@@ -11,10 +11,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from slidedp_lightning.callbacks import LaneTrace, SaveHuggingFace
 from slidedp_lightning.fabric import SlideDPFabricStrategy
+from slidedp_lightning.hf.pretrained import from_pretrained
 from slidedp_lightning.models.block_list import stream_blocks
 from slidedp_lightning.models.chunked_loss import use_chunked_loss
 from slidedp_lightning.precision import SlideDPFabricPrecision, SlideDPPrecision
-from slidedp_lightning.pretrained import from_pretrained
 from slidedp_lightning.strategy import SlideDPStrategy
 
 # like Lightning's own logger: show what the strategy decided unless the application configured logging

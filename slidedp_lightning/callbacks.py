@@ -1,11 +1,19 @@
-"""Lightning callbacks for SlideDP runs."""
+"""Lightning callbacks for SlideDP runs. They recognise the strategy by its ``strategy_name``: the strategy reads
+:class:`LaneTrace`, and this module does not import the strategy back."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+
+from slidedp_lightning.constants import STRATEGY_NAME
+
+
+def _is_slidedp(trainer: pl.Trainer) -> bool:
+    return getattr(trainer.strategy, "strategy_name", None) == STRATEGY_NAME
 
 
 class SaveHuggingFace(pl.Callback):
@@ -23,16 +31,14 @@ class SaveHuggingFace(pl.Callback):
     ) -> None:
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be >= 1 or None, got {every_n_train_steps}.")
-        from slidedp_lightning.export import check_export_target
+        from slidedp_lightning.hf.export import check_export_target
 
         check_export_target(dirpath)  # a path that cannot take an export fails now, not after training
         self.dirpath, self.dtype, self.every, self.adapter_only = dirpath, dtype, every_n_train_steps, adapter_only
         self._last = -1
 
-    def _strategy(self, trainer: pl.Trainer):
-        from slidedp_lightning.strategy import SlideDPStrategy
-
-        if not isinstance(trainer.strategy, SlideDPStrategy):
+    def _strategy(self, trainer: pl.Trainer) -> Any:
+        if not _is_slidedp(trainer):
             raise TypeError(
                 f"SaveHuggingFace exports from SlideDP's ledger; the Trainer runs "
                 f"{type(trainer.strategy).__name__}. Use save_pretrained on the model instead."
@@ -44,7 +50,7 @@ class SaveHuggingFace(pl.Callback):
         if not self.adapter_only:
             strategy.save_hf(directory, self.dtype)
             return
-        from slidedp_lightning import export
+        from slidedp_lightning.hf import export
 
         if strategy.engine is None:
             raise RuntimeError(
@@ -85,7 +91,5 @@ class LaneTrace(pl.Callback):
         return found[0].dirpath if found else None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from slidedp_lightning.strategy import SlideDPStrategy
-
-        if not isinstance(trainer.strategy, SlideDPStrategy):
+        if not _is_slidedp(trainer):
             raise TypeError(f"LaneTrace records SlideDP's lanes; the Trainer runs {type(trainer.strategy).__name__}.")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+STRATEGY_NAME = "slidedp"  # Trainer(strategy=...) and Fabric(strategy=...), and the Trainer strategy's strategy_name
+
 ParamRoute = Literal["full", "sharded", "replicated"]
 GradRoute = Literal["gpu_reduce", "host_reduce"]
 HostLayout = Literal["replicated", "sharded"]

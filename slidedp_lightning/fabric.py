@@ -3,7 +3,7 @@
 Everything but what Fabric's API differs in is shared with the Trainer's strategy through
 :class:`~slidedp_lightning.lifecycle.SlideDPLifecycle` (options, process group, Topology, engine, step, signals,
 teardown), :mod:`slidedp_lightning.precision` (:class:`~slidedp_lightning.precision.LossScaling`) and
-:mod:`slidedp_lightning.checkpoint` (the distributed checkpoint format).
+:mod:`slidedp_lightning.checkpoints.distributed` (the distributed checkpoint format).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning import fabric_checkpoints
+from slidedp_lightning.checkpoints import distributed as sharded
+from slidedp_lightning.checkpoints import fabric as fabric_checkpoints
 from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
 from slidedp_lightning.options import SlideDPOptions
 from slidedp_lightning.precision import SlideDPFabricPrecision, slidedp_precision
@@ -294,7 +294,7 @@ class SlideDPFabricStrategy(SlideDPLifecycle, ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return SlideDPLifecycle.broadcast(self, obj, src)
 
-    # -- checkpoints (slidedp_lightning.fabric_checkpoints) ----------------------------------------------
+    # -- checkpoints (slidedp_lightning.checkpoints.fabric) ----------------------------------------------
     def save_checkpoint(
         self,
         path: _PATH,
@@ -302,7 +302,7 @@ class SlideDPFabricStrategy(SlideDPLifecycle, ParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """``fabric.save`` (:func:`~slidedp_lightning.fabric_checkpoints.save`)."""
+        """``fabric.save`` (:func:`~slidedp_lightning.checkpoints.fabric.save`)."""
         if self.engine is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         fabric_checkpoints.save(self, path, state, storage_options, filter)
@@ -315,7 +315,7 @@ class SlideDPFabricStrategy(SlideDPLifecycle, ParallelStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """``fabric.load`` (:func:`~slidedp_lightning.fabric_checkpoints.load`)."""
+        """``fabric.load`` (:func:`~slidedp_lightning.checkpoints.fabric.load`)."""
         if not sharded.is_sharded(path) and (self.engine is None or not state):
             return super().load_checkpoint(path, state, strict, True if weights_only is None else weights_only)
         return fabric_checkpoints.load(self, path, state, strict, weights_only)

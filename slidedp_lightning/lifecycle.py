@@ -26,11 +26,12 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import nn
 
-from slidedp_lightning import process_groups, signals
 from slidedp_lightning.autopolicy import AutoPolicy
+from slidedp_lightning.hf.pretrained import loading_into_ledger, warn_if_materialized
 from slidedp_lightning.options import SlideDPOptions
 from slidedp_lightning.precision import LossScaling
-from slidedp_lightning.pretrained import loading_into_ledger, warn_if_materialized
+from slidedp_lightning.process import groups as process_groups
+from slidedp_lightning.process import signals
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.engine import SlideDPEngine
 from slidedp_lightning.runtime.topology import Topology

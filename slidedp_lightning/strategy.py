@@ -19,15 +19,24 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning import export, requeue
 from slidedp_lightning.callbacks import LaneTrace
-from slidedp_lightning.checkpoint_full import save_full
+from slidedp_lightning.checkpoints import distributed as sharded
+from slidedp_lightning.checkpoints.full import save_full
 from slidedp_lightning.checks import refuse_what_cannot_see_gradients
-from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, OptimizerState, ParamRoute, UpdateMode
+from slidedp_lightning.constants import (
+    STRATEGY_NAME,
+    CheckpointFormat,
+    GradRoute,
+    HostLayout,
+    OptimizerState,
+    ParamRoute,
+    UpdateMode,
+)
+from slidedp_lightning.hf import export
 from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
 from slidedp_lightning.options import ActivationOption, SlideDPOptions
 from slidedp_lightning.precision import SlideDPPrecision, slidedp_precision
+from slidedp_lightning.process import requeue
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,7 +79,7 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
     (:mod:`slidedp_lightning.checks`). Lane tracing: :class:`~slidedp_lightning.LaneTrace`; the loss in chunks:
     :func:`~slidedp_lightning.use_chunked_loss`."""
 
-    strategy_name = "slidedp"
+    strategy_name = STRATEGY_NAME
     script_launcher = _SubprocessScriptLauncher
 
     def __init__(
@@ -276,9 +285,9 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Distributed format: a directory written by every rank through ``torch.distributed.checkpoint``,
         swapped into place atomically, Lightning's part of ``checkpoint`` stored as JSON and tensors (what has
-        no such form is refused; see :mod:`slidedp_lightning.checkpoint`); full format: one file."""
+        no such form is refused; see :mod:`slidedp_lightning.checkpoints.distributed`); full format: one file."""
         if self.engine is None or self.checkpoint_format == "full":
-            if self.is_global_zero:  # atomically, a full disk named: slidedp_lightning.checkpoint_full
+            if self.is_global_zero:  # atomically, a full disk named: slidedp_lightning.checkpoints.full
                 save_full(self.checkpoint_io, checkpoint, filepath, storage_options)
             return None
         if storage_options is not None:
@@ -351,8 +360,8 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
         """Close the engine, then destroy the process groups of the run: the runtime's own groups, and the default
         group when this strategy created it (at the very end), so that no collective backend's thread is left to
         interpreter shutdown. After a failure the groups are left to the process's exit (see
-        :func:`~slidedp_lightning.process_groups.destroy_default_group`). What happens to the rank processes this one
-        launched when it exits: :class:`~slidedp_lightning.signals.LaunchedAtExit`."""
+        :func:`~slidedp_lightning.process.groups.destroy_default_group`). What happens to the rank processes this one
+        launched when it exits: :class:`~slidedp_lightning.process.signals.LaunchedAtExit`."""
         self._close_engine()
         self.precision_plugin.teardown()
         assert self.accelerator is not None

@@ -276,7 +276,7 @@ def check_outputs(args: argparse.Namespace) -> str | None:
     """Why one of the run's output paths cannot be written (one line naming the flag, the cause and the fix), or
     None: checked before training, so that a run's weights are never trained and then lost."""
     if args.export:
-        from slidedp_lightning.export import check_export_target  # the library: what a model directory holds
+        from slidedp_lightning.hf.export import check_export_target  # the library: what a model directory holds
 
         try:
             check_export_target(args.export)

@@ -17,11 +17,11 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from slidedp_lightning import SlideDPStrategy
-from slidedp_lightning.checkpoint import FORMAT, LEGACY_META, META, TENSORS, read_meta, share
-from slidedp_lightning.checkpoint_files import META_HASH, content_digest
-from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
-from slidedp_lightning.checkpoint_ranges import parse_piece, piece_key, read_ranges
-from slidedp_lightning.export import export_checkpoint
+from slidedp_lightning.checkpoints.distributed import FORMAT, LEGACY_META, META, TENSORS, read_meta, share
+from slidedp_lightning.checkpoints.files import META_HASH, content_digest
+from slidedp_lightning.checkpoints.json_codec import CheckpointContentError, decode, encode
+from slidedp_lightning.checkpoints.ranges import parse_piece, piece_key, read_ranges
+from slidedp_lightning.hf.export import export_checkpoint
 from slidedp_lightning.runtime.compat import DCP_METADATA, UnsafeCheckpointError
 from tests.trainers import (
     TinyLM,
@@ -71,7 +71,7 @@ def test_ranges_are_read_from_whatever_pieces_overlap_them(tmp_path, cuts):
 def test_a_signal_while_dcp_reads_is_raised_as_itself_not_wrapped(tmp_path, monkeypatch):
     """DCP turns any exception of a read, a KeyboardInterrupt too, into a CheckpointException (whose message is a
     traceback): a signal that lands inside DCP's read stays itself, so a CLI says "interrupted" and a run stops."""
-    from slidedp_lightning import checkpoint_ranges
+    from slidedp_lightning.checkpoints import ranges as checkpoint_ranges
 
     _save_pieces(tmp_path, torch.arange(12, dtype=torch.float32), "model/w", [0, 12])
 
@@ -286,7 +286,7 @@ def _stored_tensors(path) -> dict[str, torch.Tensor]:
 def test_parameters_are_stored_in_bounded_pieces_and_read_back_alike(saved, tmp_path, monkeypatch):
     """A parameter larger than PIECE_ELEMS is cut into pieces (a resume reads one piece at a time into memory),
     and the checkpoint holds the same tensors as one stored whole."""
-    from slidedp_lightning import checkpoint
+    from slidedp_lightning.checkpoints import distributed as checkpoint
 
     monkeypatch.setattr(checkpoint, "PIECE_ELEMS", 1000)
     small = _save_after_two_steps(tmp_path / "small")
@@ -305,7 +305,7 @@ def test_parameters_are_stored_in_bounded_pieces_and_read_back_alike(saved, tmp_
 
 
 def test_every_file_of_a_checkpoint_is_recorded_with_its_size_and_crc(saved):
-    from slidedp_lightning.checkpoint_files import CHECKSUMS, file_checksum
+    from slidedp_lightning.checkpoints.files import CHECKSUMS, file_checksum
 
     recorded = json.loads((saved / META).read_text())["slidedp"][CHECKSUMS]
     files = {p.name for p in saved.iterdir()} - {META}
@@ -315,7 +315,7 @@ def test_every_file_of_a_checkpoint_is_recorded_with_its_size_and_crc(saved):
 
 @pytest.mark.parametrize("where", ["distcp", "metadata", "tensors"])
 def test_a_byte_flipped_in_a_checkpoint_file_is_refused_naming_the_file(saved, tmp_path, where):
-    from slidedp_lightning.checkpoint_files import CorruptCheckpointError
+    from slidedp_lightning.checkpoints.files import CorruptCheckpointError
 
     ck = _copy(saved, tmp_path)
     name = {"distcp": next(p.name for p in ck.glob("*.distcp")), "metadata": DCP_METADATA, "tensors": TENSORS}[where]
@@ -330,7 +330,7 @@ def test_a_byte_flipped_in_a_checkpoint_file_is_refused_naming_the_file(saved, t
 
 
 def test_every_stored_piece_is_recorded_with_the_xxh3_of_its_bytes(saved):
-    from slidedp_lightning.checkpoint_files import PIECES, tensor_digest
+    from slidedp_lightning.checkpoints.files import PIECES, tensor_digest
 
     recorded = json.loads((saved / META).read_text())["slidedp"][PIECES]
     keys = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
@@ -349,7 +349,7 @@ def _flip_inside_a_piece(ck) -> str:
 
 
 def _refused_naming(ck, name: str) -> str:
-    from slidedp_lightning.checkpoint_files import CorruptCheckpointError
+    from slidedp_lightning.checkpoints.files import CorruptCheckpointError
 
     with pytest.raises(CorruptCheckpointError) as err:
         _resume(ck)
@@ -360,7 +360,7 @@ def _refused_naming(ck, name: str) -> str:
 
 def test_a_flipped_byte_is_found_by_the_digest_of_the_piece_as_it_is_read(saved, tmp_path, monkeypatch):
     """A resume that reads each piece whole hashes it in the pass that reads it: no file is hashed again."""
-    from slidedp_lightning import checkpoint
+    from slidedp_lightning.checkpoints import distributed as checkpoint
 
     hashed_files: list[str] = []
     original = checkpoint.verify_files
@@ -386,7 +386,7 @@ def test_a_resume_checks_and_unpickles_dcps_metadata_once(saved, tmp_path, monke
 
 def test_pieces_read_in_part_have_their_files_checked_whole(saved, tmp_path, monkeypatch):
     """Another layout reads stored pieces in part (here: every range cut in two): their files are hashed whole."""
-    from slidedp_lightning import checkpoint
+    from slidedp_lightning.checkpoints import distributed as checkpoint
 
     held = checkpoint._held
 
@@ -406,7 +406,7 @@ def test_pieces_read_in_part_have_their_files_checked_whole(saved, tmp_path, mon
 
 def test_a_checkpoint_without_piece_digests_is_checked_file_by_file(saved, tmp_path):
     """A save by the release before piece digests (files hashed, pieces not) is still refused when damaged."""
-    from slidedp_lightning.checkpoint_files import PIECES, content_digest
+    from slidedp_lightning.checkpoints.files import PIECES, content_digest
 
     ck = _copy(saved, tmp_path)
     doc = json.loads((ck / META).read_text())
@@ -418,7 +418,7 @@ def test_a_checkpoint_without_piece_digests_is_checked_file_by_file(saved, tmp_p
 
 
 def _refused_naming_meta(ck) -> str:
-    from slidedp_lightning.checkpoint_files import CorruptCheckpointError
+    from slidedp_lightning.checkpoints.files import CorruptCheckpointError
 
     with pytest.raises(CorruptCheckpointError) as err:
         read_meta(ck)
@@ -479,7 +479,7 @@ def test_a_format_2_checkpoint_without_the_hash_of_its_metadata_loads_with_a_war
     del doc["slidedp"][META_HASH]
     doc["slidedp"]["format"] = 2
     (ck / META).write_text(json.dumps(doc, indent=1))
-    with caplog.at_level("WARNING", logger="slidedp_lightning.checkpoint"):
+    with caplog.at_level("WARNING", logger="slidedp_lightning.checkpoints.distributed"):
         assert read_meta(ck)["global_step"] == doc["global_step"]
     assert any("format 2" in r.message and "not verified" in r.message for r in caplog.records)
     _resume(ck)
@@ -527,7 +527,7 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused_naming_what_it_lacks(tm
 
 FULL_DISK_JOB = """
 import sys, torch
-from slidedp_lightning import checkpoint as sharded
+from slidedp_lightning.checkpoints import distributed as sharded
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import tiny_model
 engine = SlideDPEngine(tiny_model(), EngineConfig(), device=torch.device("cpu"), compute_dtype=torch.float32)
@@ -605,7 +605,7 @@ def test_a_save_that_fills_the_disk_names_path_free_and_needed_bytes_and_keeps_t
     check = (
         f"import torch; torch.load('{mnt}/ck.ckpt', weights_only=True)"
         if fmt == "full"
-        else f"from slidedp_lightning.checkpoint import read_meta, check_files; m = read_meta('{mnt}/ck.ckpt');"
+        else f"from slidedp_lightning.checkpoints.distributed import read_meta, check_files; m = read_meta('{mnt}/ck.ckpt');"
         f"from pathlib import Path; f = m['slidedp']['files']; check_files(Path('{mnt}/ck.ckpt'), f, sorted(f))"
     )
     script = (
@@ -630,7 +630,7 @@ def test_a_save_copies_no_ledger_piece_into_memory(tmp_path, monkeypatch):
     """DCP's writer clones a tensor whose storage is larger than it and keeps every tensor of a file until the file
     is written: the pieces handed to it alias the ledger with storages of their own size, so a save holds no copy
     of a rank's share (at 2.2 B parameters int8 the copies were 9 GB over both ranks)."""
-    from slidedp_lightning.checkpoint import load, save
+    from slidedp_lightning.checkpoints.distributed import load, save
     from tests.helpers import tiny_model, token_batches
     from tests.runtime.helpers import adamw_groups, loss_of, make_engine
 

@@ -78,7 +78,7 @@ def test_offline_export_of_a_distributed_checkpoint_equals_the_live_export(tmp_p
     import lightning as L
     from safetensors.torch import load_file
 
-    from slidedp_lightning.export.__main__ import main
+    from slidedp_lightning.hf.export_cli import main
 
     class SaveBoth(L.Callback):
         def on_train_end(self, trainer, pl_module):
@@ -102,7 +102,7 @@ def test_offline_export_of_a_distributed_checkpoint_equals_the_live_export(tmp_p
 
 
 def test_offline_export_refuses_what_is_not_a_checkpoint(tmp_path):
-    from slidedp_lightning.export import export_checkpoint
+    from slidedp_lightning.hf.export import export_checkpoint
 
     with pytest.raises(FileNotFoundError, match="not a SlideDP distributed checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out")

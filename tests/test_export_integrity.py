@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM
 
 import slidedp_lightning
 from slidedp_lightning import SaveHuggingFace, SlideDPStrategy
-from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning.export import check_export_target, save_hf
-from slidedp_lightning.export.__main__ import main as export_main
-from slidedp_lightning.pretrained import loading_into_ledger
+from slidedp_lightning.checkpoints import distributed as sharded
+from slidedp_lightning.hf.export import check_export_target, save_hf
+from slidedp_lightning.hf.export_cli import main as export_main
+from slidedp_lightning.hf.pretrained import loading_into_ledger
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import rel_err, token_batches
 from tests.pretrained_checkpoints import VOCAB, index_of, reference, save
@@ -83,7 +83,7 @@ def test_an_export_into_a_model_directory_replaces_its_weights_whole(tmp_path, o
 
 
 def test_an_interrupted_export_leaves_the_previous_directory_whole(tmp_path, monkeypatch) -> None:
-    from slidedp_lightning import export
+    from slidedp_lightning.hf import export
 
     target = save(tmp_path / "m", tied=False, dtype=torch.float32, seed=1)
     before = {p.name: p.read_bytes() for p in target.iterdir()}

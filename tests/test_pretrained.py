@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeConfig,
 
 import slidedp_lightning
 from slidedp_lightning import SlideDPStrategy
+from slidedp_lightning.hf.pretrained import CheckpointError, loading_into_ledger, warn_if_materialized
 from slidedp_lightning.models import adapter_for
-from slidedp_lightning.pretrained import CheckpointError, loading_into_ledger, warn_if_materialized
 from slidedp_lightning.runtime import EngineConfig, SlideDPEngine, Topology
 from slidedp_lightning.runtime.host_os import format_bytes
 from slidedp_lightning.runtime.layout import build_layout

@@ -18,9 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slidedp_lightning import SlideDPStrategy, process_groups, signals
-from slidedp_lightning.checkpoint import is_sharded
-from slidedp_lightning.checkpoint_files import remove_stale_saves
+from slidedp_lightning import SlideDPStrategy
+from slidedp_lightning.checkpoints.distributed import is_sharded
+from slidedp_lightning.checkpoints.files import remove_stale_saves
+from slidedp_lightning.process import groups as process_groups
+from slidedp_lightning.process import signals
 from slidedp_lightning.runtime import topology
 from slidedp_lightning.runtime.host_os import format_bytes, process_start_time
 from slidedp_lightning.runtime.lanes.liveness import Liveness, PeerFailure, wait_until

@@ -1,4 +1,4 @@
-"""slidedp_lightning.requeue and the guard's SLURM auto-requeue mode, in this process (the 2-rank jobs with real
+"""slidedp_lightning.process.requeue and the guard's SLURM auto-requeue mode, in this process (the 2-rank jobs with real
 signals and a fake scontrol are in tests/integration/test_requeue.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from slidedp_lightning.requeue import slurm_job_id
-from slidedp_lightning.signals import REQUEUE, STOP, SignalExit, SignalGuard
+from slidedp_lightning.process.requeue import slurm_job_id
+from slidedp_lightning.process.signals import REQUEUE, STOP, SignalExit, SignalGuard
 
 
 class Child:
@@ -103,7 +103,7 @@ print(child.pid, child.stdout.readline().strip(), flush=True)
 def orphan(child: str, launched: bool, wait_s: float) -> tuple[str, bool]:
     """Start ``child`` (its argv: this project's signals.py, "1" if launched) from a parent that exits once the child
     printed a line; wait up to ``wait_s`` for the orphaned child to end. Returns (its line, whether it still ran)."""
-    from slidedp_lightning import signals
+    from slidedp_lightning.process import signals
 
     out = subprocess.run(
         [sys.executable, "-c", PARENT, child, signals.__file__, "1" if launched else "0"],
@@ -158,7 +158,7 @@ def test_a_rank_in_the_rendezvous_ends_when_its_launcher_dies() -> None:
 
 
 def test_a_rank_whose_script_launcher_died_before_it_could_ask_to_end_with_it_stops(monkeypatch) -> None:
-    from slidedp_lightning import signals
+    from slidedp_lightning.process import signals
 
     monkeypatch.setenv(signals.LAUNCHER_ENV, f"{2**22 + 11}:123")  # no such process
     with pytest.raises(SignalExit):

@@ -60,7 +60,7 @@ def test_trainer_builds_with_registered_names() -> None:
 )
 def test_process_group_backend_reduces_host_tensors_on_cuda(device: str, requested, expected: str) -> None:
     """The runtime reduces host tensors as well as device tensors: on CUDA the group needs gloo beside NCCL."""
-    from slidedp_lightning.process_groups import backend_for as process_group_backend_for
+    from slidedp_lightning.process.groups import backend_for as process_group_backend_for
 
     assert process_group_backend_for(torch.device(device), requested) == expected
 
@@ -348,7 +348,7 @@ def test_checkpoint_during_fit_and_resume(tmp_path) -> None:
 def test_distributed_checkpoint_during_fit_resumes_exactly(tmp_path) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from slidedp_lightning.checkpoint import META, read_meta
+    from slidedp_lightning.checkpoints.distributed import META, read_meta
 
     module = TinyLM()
     ref = copy.deepcopy(module.model)
@@ -468,7 +468,7 @@ def test_a_users_process_group_without_a_host_backend_is_refused_with_the_fix(mo
     setup says so and how to make one that can. A gloo group (CPU mapped) is accepted."""
     import torch.distributed as dist
 
-    from slidedp_lightning import process_groups
+    from slidedp_lightning.process import groups as process_groups
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -4,11 +4,10 @@ from slidedp_lightning.models.adapter import (
     ArchitectureAdapter,
     UnitSpec,
     UnsupportedModelError,
-    adapter_for,
-    find_streamed_model,
     register_adapter,
 )
 from slidedp_lightning.models.block_list import BlockListAdapter, stream_blocks
+from slidedp_lightning.models.discovery import adapter_for, find_streamed_model
 from slidedp_lightning.models.hf_decoder import HFDecoderAdapter
 from slidedp_lightning.models.structure import HiddenUse, hidden_uses
 

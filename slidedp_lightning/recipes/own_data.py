@@ -147,7 +147,7 @@ class TokenThroughput(L.Callback):
 def export(trainer: L.Trainer, module: DataFinetuneModule, out: str, dtype: torch.dtype) -> None:
     """Write the model (non-SlideDP strategies: the module's model; SlideDP exports through its
     :class:`~slidedp_lightning.SaveHuggingFace` callback) and the tokenizer to ``out`` (rank 0 writes)."""
-    from slidedp_lightning.export import export_directory
+    from slidedp_lightning.hf.export import export_directory
     from slidedp_lightning.strategy import SlideDPStrategy
 
     if trainer.is_global_zero:

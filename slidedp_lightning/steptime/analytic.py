@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slidedp_lightning.steptime.graph import LANES, StepConfig, build_ops
+from slidedp_lightning.steptime.graph import LANES, StepConfig
+from slidedp_lightning.steptime.ops import build_ops
 from slidedp_lightning.steptime.profiles import Profile
 from slidedp_lightning.steptime.simulate import classify, standalone
 

@@ -240,14 +240,9 @@ def _collective(kind: str, nbytes: float, steps: int, latency: float) -> tuple[d
     return {}, 0.0
 
 
-def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
-    """The ops of ``steps`` consecutive steps of one rank, in lane order (list order = order within a lane)."""
-    profile.check_gpus(cfg.gpus)
-    profile.check_hosts(cfg.hosts)
-    if cfg.param_route == "slideformer":
-        from slidedp_lightning.steptime.slideformer import slideformer_ops  # it builds on this module's Op
-
-        return slideformer_ops(cfg, profile, steps)
+def slidedp_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
+    """SlideDP's ops of ``steps`` consecutive steps of one rank, in lane order (list order = order within a lane);
+    any system's: :func:`slidedp_lightning.steptime.ops.build_ops`."""
     r = cfg.gpus
     us = units(cfg.model, cfg.seq, cfg.activation, act_bytes=2 if cfg.precision == "bf16-mixed" else 4)
     n_units = len(us)

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from slidedp_lightning.intervals import merge_intervals
-from slidedp_lightning.steptime.graph import LANES, Op, StepConfig, build_ops
+from slidedp_lightning.steptime.graph import LANES, Op, StepConfig
+from slidedp_lightning.steptime.ops import build_ops
 from slidedp_lightning.steptime.profiles import Profile
 
 EPS = 1e-12

@@ -1,6 +1,6 @@
 """The paper's replicated baseline in the step-time model: SlideFormer's multi-GPU form, as its public code runs it
 (arXiv 2609.34162, §4 compares against it). ``StepConfig(param_route="slideformer")`` selects it in
-:func:`slidedp_lightning.steptime.graph.build_ops`.
+:func:`slidedp_lightning.steptime.ops.build_ops`.
 """
 
 from __future__ import annotations

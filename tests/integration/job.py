@@ -213,7 +213,7 @@ class SaveAt(L.Callback):
         if trainer.global_step != self.step:
             return
         if self.kill_rank == trainer.global_rank:
-            from slidedp_lightning import checkpoint
+            from slidedp_lightning.checkpoints import distributed as checkpoint
 
             real = checkpoint.dcp.save
 

@@ -134,7 +134,7 @@ def main(path: str) -> None:
     cfg = json.loads(Path(path).read_text())
     torch.set_num_threads(1)
     if cfg.get("keep_groups"):
-        from slidedp_lightning import process_groups
+        from slidedp_lightning.process import groups as process_groups
         from slidedp_lightning.runtime.topology import Topology
 
         process_groups.destroy_default_group = lambda *args, **kwargs: False  # type: ignore[assignment]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slidedp_lightning.checkpoint import META
+from slidedp_lightning.checkpoints.distributed import META
 from tests.integration.conftest import BATCH, shm_files
 
 pytestmark = pytest.mark.slow  # multi-process jobs

@@ -95,8 +95,8 @@ def test_two_nodes_of_two_ranks_equal_ddp_on_four(layouts_job, references, layou
             a, b = reference.losses(r), res.losses(r)
             assert len(a) == len(b) == STEPS
             assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= RTOL, f"rank {r}: losses differ from DDP"
-        from slidedp_lightning.checkpoint import read_meta
-        from slidedp_lightning.checkpoint_ranges import read_ranges
+        from slidedp_lightning.checkpoints.distributed import read_meta
+        from slidedp_lightning.checkpoints.ranges import read_ranges
 
         want = reference.state()
         names = list(read_meta(res.out / "ck")["slidedp"]["params"])
@@ -152,7 +152,7 @@ def test_checkpoints_resume_across_host_layouts(tmp_path):
     # the host-sharded checkpoint (whose values the resumed runs above checked) exports offline, in one process
     from transformers import AutoModelForCausalLM
 
-    from slidedp_lightning.export import export_checkpoint
+    from slidedp_lightning.hf.export import export_checkpoint
 
     export_checkpoint(ck, tmp_path / "hf", "fp32")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slidedp_lightning.checkpoint import read_meta
+from slidedp_lightning.checkpoints.distributed import read_meta
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # multi-process jobs
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from slidedp_lightning.checkpoint import META, read_meta
+from slidedp_lightning.checkpoints.distributed import META, read_meta
 from tests.integration.signal_trials import Trial, baseline, run_trial
 from tests.shm_usage import private_tmpfs, used_bytes
 

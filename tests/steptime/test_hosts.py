@@ -5,12 +5,8 @@ import pytest
 from slidedp_lightning.constants import LEDGER_BYTES_PER_PARAM, update_bytes_per_param
 from slidedp_lightning.steptime import StepConfig, analyze, load_config, load_profile, simulate
 from slidedp_lightning.steptime.__main__ import main, scaling_rows
-from slidedp_lightning.steptime.graph import (
-    build_ops,
-    host_ledger_bytes,
-    host_update_bytes,
-    net_collective,
-)
+from slidedp_lightning.steptime.graph import host_ledger_bytes, host_update_bytes, net_collective
+from slidedp_lightning.steptime.ops import build_ops
 from slidedp_lightning.steptime.profiles import (
     GB,
     SOURCE_KINDS,

@@ -10,7 +10,7 @@ from slidedp_lightning.runtime.trace import Tracer
 from slidedp_lightning.steptime import StepConfig, load_config, load_profile, simulate
 from slidedp_lightning.steptime.__main__ import main
 from slidedp_lightning.steptime.calibrate import with_loop
-from slidedp_lightning.steptime.graph import build_ops
+from slidedp_lightning.steptime.ops import build_ops
 from slidedp_lightning.steptime.profiles import LOOP_KEY, Profile
 from slidedp_lightning.steptime.traces import loop_time, measured, other_threads_cpu
 from slidedp_lightning.steptime.workload import ModelShape, units

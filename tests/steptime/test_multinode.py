@@ -8,7 +8,8 @@ import pytest
 
 from slidedp_lightning.steptime import StepConfig, load_config, load_profile, simulate
 from slidedp_lightning.steptime.calibrate import _fit_points, build_profile, measure_network, shared_cores
-from slidedp_lightning.steptime.graph import build_ops, flat_collective, loss_sync_latency
+from slidedp_lightning.steptime.graph import flat_collective, loss_sync_latency
+from slidedp_lightning.steptime.ops import build_ops
 from slidedp_lightning.steptime.profiles import COLOCATED_KEY, GB, Profile
 
 

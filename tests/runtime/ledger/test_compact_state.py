@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import cpu_ops.adamw8
-from slidedp_lightning import checkpoint, constants
-from slidedp_lightning.checkpoint_files import content_digest
+from slidedp_lightning import constants
+from slidedp_lightning.checkpoints import distributed as checkpoint
+from slidedp_lightning.checkpoints.files import content_digest
 from slidedp_lightning.options import SlideDPOptions
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from tests.helpers import rel_err, tiny_model, token_batches

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from slidedp_lightning import checkpoint
+from slidedp_lightning.checkpoints import distributed as checkpoint
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from slidedp_lightning.runtime.ledger.geometry import PAGE
 from tests.helpers import token_batches

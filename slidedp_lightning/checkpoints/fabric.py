@@ -1,31 +1,76 @@
-"""``fabric.save`` / ``fabric.load`` under :class:`~slidedp_lightning.fabric.SlideDPFabricStrategy`.
+"""``fabric.save`` / ``fabric.load`` under :class:`~slidedp_lightning.fabric.SlideDPFabricStrategy`, which it
+reads through :class:`FabricStrategyView` (the adapter imports this module, never the reverse).
 
-``checkpoint_format="distributed"``: a directory that every rank writes (:mod:`slidedp_lightning.checkpoint`: the
-ledger's weights, moments and step count), the rest of Fabric's ``state`` stored beside it as JSON and tensors;
-``"full"``: one file from rank 0 holding the state dicts.
+``checkpoint_format="distributed"``: a directory that every rank writes (:mod:`.distributed`: the ledger's weights,
+moments and step count), the rest of Fabric's ``state`` stored beside it as JSON and tensors; ``"full"``: one file
+from rank 0 holding the state dicts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import nn
 from torch.optim import Optimizer
 
-from slidedp_lightning import checkpoint as sharded
-from slidedp_lightning.checkpoint_full import save_full
+from slidedp_lightning.checkpoints import distributed as sharded
+from slidedp_lightning.checkpoints.full import save_full
 
 if TYPE_CHECKING:
-    from slidedp_lightning.fabric import SlideDPFabricStrategy
+    from lightning.fabric.plugins import CheckpointIO
+
+    from slidedp_lightning.options import SlideDPOptions
+    from slidedp_lightning.runtime.engine import SlideDPEngine
+
+
+class _LossScalingState(Protocol):
+    @property
+    def scales_loss(self) -> bool: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class FabricStrategyView(Protocol):
+    """What ``fabric.save`` / ``fabric.load`` read of the Fabric strategy."""
+
+    @property
+    def engine(self) -> SlideDPEngine | None: ...
+
+    @property
+    def model(self) -> nn.Module | None: ...
+
+    @property
+    def optimizer(self) -> Optimizer | None: ...
+
+    @property
+    def options(self) -> SlideDPOptions: ...
+
+    @property
+    def precision(self) -> _LossScalingState: ...
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None: ...
+
+    def _convert_stateful_objects_in_state(
+        self, state: dict[str, Any], filter: dict[str, Callable[[str, Any], bool]]
+    ) -> dict[str, Any]: ...
+
 
 ENTRY = "slidedp_fabric"  # a distributed checkpoint's record of which state entries the ledger holds
 PRECISION = "slidedp_precision"  # a full checkpoint's loss-scaling state (16-mixed)
 
 
-def entries(strategy: SlideDPFabricStrategy, state: dict[str, Any]) -> tuple[str | None, str | None]:
+def entries(strategy: FabricStrategyView, state: dict[str, Any]) -> tuple[str | None, str | None]:
     """The keys of ``state`` that hold the model and the optimizer set up; refuses any other module or
     optimizer (their state would not be SlideDP's)."""
     model_key = next((k for k, v in state.items() if v is strategy.model and v is not None), None)
@@ -40,7 +85,7 @@ def entries(strategy: SlideDPFabricStrategy, state: dict[str, Any]) -> tuple[str
 
 
 def save(
-    strategy: SlideDPFabricStrategy,
+    strategy: FabricStrategyView,
     path: _PATH,
     state: dict[str, Any],
     storage_options: Any | None = None,
@@ -81,7 +126,7 @@ def save(
 
 
 def load(
-    strategy: SlideDPFabricStrategy,
+    strategy: FabricStrategyView,
     path: _PATH,
     state: nn.Module | Optimizer | dict[str, Any] | None = None,
     strict: bool = True,
@@ -126,7 +171,7 @@ def load(
 
 
 def _load_full(
-    strategy: SlideDPFabricStrategy, path: _PATH, state: Any, strict: bool, weights_only: bool
+    strategy: FabricStrategyView, path: _PATH, state: Any, strict: bool, weights_only: bool
 ) -> dict[str, Any]:
     checkpoint = strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     if isinstance(state, nn.Module):  # fabric.load_raw
@@ -146,7 +191,7 @@ def _load_full(
     return checkpoint
 
 
-def _load_optimizer(strategy: SlideDPFabricStrategy, optimizer: Optimizer, saved: dict[str, Any]) -> None:
+def _load_optimizer(strategy: FabricStrategyView, optimizer: Optimizer, saved: dict[str, Any]) -> None:
     if strategy.engine is not None and optimizer is strategy.optimizer:
         strategy.engine.load_optimizer_state_dict(optimizer, saved)
     else:

@@ -12,7 +12,7 @@ With ``SLURMEnvironment(auto_requeue=True)`` Lightning saves an HPC checkpoint a
 the requeue signal (SIGUSR1 by default), and only notes a SIGTERM (SLURM's warning before it kills a requeued
 job), stopping the run at the next step. The guard keeps that behaviour without a collective in a handler: it
 records either signal, and at the end of the step the ranks agree on what arrived and act together
-(:mod:`slidedp_lightning.requeue`). A second SIGTERM stops the rank at once.
+(:mod:`slidedp_lightning.process.requeue`). A second SIGTERM stops the rank at once.
 """
 
 from __future__ import annotations

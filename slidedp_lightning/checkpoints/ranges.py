@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import CheckpointException, LoadPlan, LoadPlan
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from slidedp_lightning.checkpoint_files import CorruptCheckpointError, tensor_digest
+from slidedp_lightning.checkpoints.files import CorruptCheckpointError, tensor_digest
 from slidedp_lightning.runtime.compat import DCP_METADATA, CheckedFileSystemReader, UnsafeCheckpointError
 
 

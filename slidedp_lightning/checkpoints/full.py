@@ -20,7 +20,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from slidedp_lightning.checkpoint_files import hidden_sibling, no_space, remove_stale_saves, space_error, write_target
+from slidedp_lightning.checkpoints.files import hidden_sibling, no_space, remove_stale_saves, space_error, write_target
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from safetensors.torch import save as save_safetensors
 from torch.distributed.checkpoint import CheckpointException
 
 from cpu_ops.adamw8 import MOMENT_FORMAT
-from slidedp_lightning.checkpoint_files import (
+from slidedp_lightning.checkpoints.files import (
     CHECKSUMS,
     META_HASH,
     PIECES,
@@ -68,12 +68,13 @@ from slidedp_lightning.checkpoint_files import (
     verify_files,
     write_target,
 )
-from slidedp_lightning.checkpoint_json import CheckpointContentError, decode, encode
-from slidedp_lightning.checkpoint_ranges import PieceChecks, dcp_metadata, piece_key, read_ranges, stored_pieces
+from slidedp_lightning.checkpoints.json_codec import CheckpointContentError, decode, encode
+from slidedp_lightning.checkpoints.ranges import PieceChecks, dcp_metadata, piece_key, read_ranges, stored_pieces
+from slidedp_lightning.hf.peft import peft_configs
 from slidedp_lightning.runtime.compat import DCP_METADATA, CheckedFileSystemReader
 
 if TYPE_CHECKING:
-    from slidedp_lightning.engine_view import EngineView
+    from slidedp_lightning.checkpoints.engine_view import EngineView
 
 log = logging.getLogger(__name__)
 
@@ -389,8 +390,6 @@ def _checkpoint_bytes(engine: EngineView) -> int:
 def _hf_configs(model) -> dict[str, dict]:
     """A transformers model's config and generation config (and a peft model's adapter configs), so that the
     checkpoint exports on its own."""
-    from slidedp_lightning.export import peft_configs
-
     out = {}
     for key, attr in (("hf_config", "config"), ("generation_config", "generation_config")):
         value = getattr(model, attr, None)

@@ -1,8 +1,8 @@
 """The files of a save: written to a hidden sibling of the target and swapped into place, each file hashed
 (XXH3-64) and verified when read back, stale hidden saves of dead processes removed, a full disk named.
 
-Shared by distributed checkpoints (:mod:`slidedp_lightning.checkpoint`) and Hugging Face exports
-(:mod:`slidedp_lightning.export`).
+Shared by distributed checkpoints (:mod:`slidedp_lightning.checkpoints.distributed`) and Hugging Face exports
+(:mod:`slidedp_lightning.hf.export`).
 """
 
 from __future__ import annotations

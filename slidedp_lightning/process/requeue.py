@@ -1,7 +1,7 @@
 """SLURM auto-requeue under SlideDP: what ``SLURMEnvironment(auto_requeue=True)`` does in Lightning, at a safe point.
 
 Lightning's own handlers save the HPC checkpoint (a collective) inside the signal handler, in the middle of
-whatever the rank was running. During a SlideDP run :class:`~slidedp_lightning.signals.SignalGuard` only records
+whatever the rank was running. During a SlideDP run :class:`~slidedp_lightning.process.signals.SignalGuard` only records
 the requeue signal and SLURM's SIGTERM; at the end of every training step :class:`RequeueAtStepEnd` has the ranks
 agree (a MAX all-reduce of one integer) on what any of them received. Requeue: every rank saves the HPC
 checkpoint (``<default_root_dir>/hpc_ckpt_<n>.ckpt``, which Lightning resumes from when the requeued job starts),
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.states import TrainerFn
 
-from slidedp_lightning.signals import REQUEUE, STOP, SignalExit, SignalGuard
+from slidedp_lightning.process.signals import REQUEUE, STOP, SignalExit, SignalGuard
 
 log = logging.getLogger(__name__)
 

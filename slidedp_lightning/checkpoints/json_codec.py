@@ -1,5 +1,5 @@
 """Lightning's checkpoint dict as JSON plus named tensors: the metadata of a distributed checkpoint
-(:mod:`slidedp_lightning.checkpoint`), in a form that cannot run code when it is read."""
+(:mod:`slidedp_lightning.checkpoints.distributed`), in a form that cannot run code when it is read."""
 
 from __future__ import annotations
 

@@ -1,0 +1,17 @@
+"""The ops of a step of either system the step-time model knows: SlideDP's (:mod:`.graph`) or the replicated
+baseline's (:mod:`.slideformer`, ``StepConfig(param_route="slideformer")``)."""
+
+from __future__ import annotations
+
+from slidedp_lightning.steptime.graph import Op, StepConfig, slidedp_ops
+from slidedp_lightning.steptime.profiles import Profile
+from slidedp_lightning.steptime.slideformer import slideformer_ops
+
+
+def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
+    """The ops of ``steps`` consecutive steps of one rank, in lane order (list order = order within a lane)."""
+    profile.check_gpus(cfg.gpus)
+    profile.check_hosts(cfg.hosts)
+    if cfg.param_route == "slideformer":
+        return slideformer_ops(cfg, profile, steps)
+    return slidedp_ops(cfg, profile, steps)
