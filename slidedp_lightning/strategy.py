@@ -290,11 +290,7 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
             if self.is_global_zero:  # atomically, a full disk named: slidedp_lightning.checkpoints.full
                 save_full(self.checkpoint_io, checkpoint, filepath, storage_options)
             return None
-        if storage_options is not None:
-            raise TypeError(
-                "SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or "
-                "pass checkpoint_format='full'."
-            )
+        sharded.refuse_storage_options(storage_options)
         sharded.save(self.engine, checkpoint, filepath)
 
     def save_hf(self, directory: Any, dtype: str | torch.dtype = torch.bfloat16, max_shard_size: str = "5GB") -> None:

@@ -30,53 +30,15 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from slidedp_lightning_cli.task import TaskSpec
+from slidedp_lightning_cli.task import settings
 
 __all__ = [
     "build_parser",
     "check_args",
     "check_outputs",
-    "check_vocab",
     "config_vocab_size",
-    "custom_routes",
     "main",
 ]
-
-DEFAULT_CONFIG = "qwen3_tiny.json"
-
-# Task and data-set sizes.  Reversal of 12 symbols out of 60 (vocabulary of 64 ids): a random model scores ~1/60 per
-# answer token, a trained tiny model close to 1.0.
-TASK = TaskSpec(task="reverse", num_symbols=60, length=12)
-TRAIN_SIZE = 20_000
-EVAL_SIZE = 1_024
-EVAL_BATCH_SIZE = 256
-EVAL_SEED_OFFSET = 1_000_003  # eval examples come from a different random stream
-
-# Defaults (tuned on 2 CPU cores, 2 ranks).
-DEFAULT_MAX_STEPS = 200
-DEFAULT_BATCH_SIZE = 32  # per rank
-DEFAULT_LR = 3e-3
-DEFAULT_DATA_LR = 1e-5  # --data: a pretrained checkpoint
-DEFAULT_WEIGHT_DECAY = 0.01
-DEFAULT_SEED = 1234
-DEFAULT_SEQ_LEN = 256
-PRECISIONS = ("bf16-mixed", "16-mixed", "32-true")
-STRATEGIES = ("slidedp", "ddp")
-ACCELERATORS = ("cpu", "cuda", "gpu", "auto")
-PARAM_ROUTES = ("full", "sharded", "replicated", "auto")
-GRAD_ROUTES = ("gpu_reduce", "host_reduce", "auto")
-EXPORT_DTYPES = ("bfloat16", "float32")
-MIN_CHUNK_BYTES = 64  # the engine's smallest gradient chunk (slidedp_lightning.runtime.config.EngineConfig)
-
-
-def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
-    """Raise ``ValueError`` (naming ``where`` and the fix) when a vocabulary of ``vocab_size`` ids cannot hold
-    the task's token ids."""
-    if vocab_size < spec.vocab_size:
-        raise ValueError(
-            f"{where} has a vocabulary of {vocab_size} token ids but the synthetic task needs "
-            f"{spec.vocab_size} (ids 0..{spec.vocab_size - 1}); use a model with a larger vocabulary"
-        )
 
 
 # ---------------------------------------------------------------------- CLI
@@ -105,8 +67,8 @@ def _chunk_bytes(text: str) -> int | str:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f'expected a positive integer or "auto", got {text!r}') from None
-    if value < MIN_CHUNK_BYTES:
-        raise argparse.ArgumentTypeError(f"must be >= {MIN_CHUNK_BYTES} bytes, got {value}")
+    if value < settings.MIN_CHUNK_BYTES:
+        raise argparse.ArgumentTypeError(f"must be >= {settings.MIN_CHUNK_BYTES} bytes, got {value}")
     return value
 
 
@@ -115,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="slidedp-finetune",
         description=(
-            f"Train a causal LM on a synthetic task ({TASK.task} {TASK.length} of {TASK.num_symbols} symbols) "
+            f"Train a causal LM on a synthetic task ({settings.TASK.task} {settings.TASK.length} of {settings.TASK.num_symbols} symbols) "
             "or on your JSONL data, and report loss/accuracy before and after."
         ),
         formatter_class=_HelpFormatter,
@@ -125,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="DIR",
         help="local Hugging Face checkpoint directory (config.json + safetensors) to fine-tune "
-        f"(default: a random-init tiny Qwen3, configs/{DEFAULT_CONFIG})",
+        f"(default: a random-init tiny Qwen3, configs/{settings.DEFAULT_CONFIG})",
     )
     add(
         "--data",
@@ -139,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len",
         type=int,
         metavar="N",
-        default=DEFAULT_SEQ_LEN,
+        default=settings.DEFAULT_SEQ_LEN,
         help="--data only: tokens per row, each example its own right-padded row (no packing); a longer example is "
         "refused with its file and line",
     )
@@ -151,23 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--export-dtype",
-        choices=EXPORT_DTYPES,
+        choices=settings.EXPORT_DTYPES,
         help="dtype of --export (default: float32 with --precision 32-true, else bfloat16)",
     )
     add("--results", metavar="FILE", help="write the before/after metrics as JSON to FILE (default: not written)")
     add("--devices", type=int, metavar="N", default=2, help="number of processes (ranks), one device each")
-    add("--accelerator", default="cpu", choices=ACCELERATORS, help="Lightning accelerator")
+    add("--accelerator", default="cpu", choices=settings.ACCELERATORS, help="Lightning accelerator")
     add(
         "--precision",
         default="bf16-mixed",
-        choices=PRECISIONS,
+        choices=settings.PRECISIONS,
         help="bf16-mixed: BF16 compute on an FP32 master; 16-mixed: FP16 autocast with dynamic loss scaling "
         "(--strategy slidedp on CPU, any strategy on CUDA); 32-true: FP32 throughout",
     )
     add(
         "--strategy",
         default="slidedp",
-        choices=STRATEGIES,
+        choices=settings.STRATEGIES,
         help="slidedp: weights in a host ledger, layers streamed to the devices; ddp: Lightning's DDP, for comparison",
     )
     add(
@@ -176,11 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="slidedp only: record the lanes (TensorBoard scalars, Gantt figure, Chrome trace) under DIR "
         "(default: no trace)",
     )
-    add("--param-route", default="full", choices=PARAM_ROUTES, help="slidedp only: how parameters reach the devices")
+    add(
+        "--param-route",
+        default="full",
+        choices=settings.PARAM_ROUTES,
+        help="slidedp only: how parameters reach the devices",
+    )
     add(
         "--grad-route",
         default="gpu_reduce",
-        choices=GRAD_ROUTES,
+        choices=settings.GRAD_ROUTES,
         help="slidedp only: how gradients are reduced and returned to the host",
     )
     add(
@@ -189,15 +156,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|auto",
         help='slidedp only: gradient chunk size in bytes, or "auto" to measure it at setup (default: whole units)',
     )
-    add("--max-steps", type=int, metavar="N", default=DEFAULT_MAX_STEPS, help="optimizer steps")
-    add("--batch-size", type=int, metavar="N", default=DEFAULT_BATCH_SIZE, help="examples per device per step")
+    add("--max-steps", type=int, metavar="N", default=settings.DEFAULT_MAX_STEPS, help="optimizer steps")
+    add("--batch-size", type=int, metavar="N", default=settings.DEFAULT_BATCH_SIZE, help="examples per device per step")
     add(
         "--lr",
         type=float,
-        help=f"peak AdamW learning rate (default: {DEFAULT_LR:g}; {DEFAULT_DATA_LR:g} with --data)",
+        help=f"peak AdamW learning rate (default: {settings.DEFAULT_LR:g}; {settings.DEFAULT_DATA_LR:g} with --data)",
     )
     add("--warmup-steps", type=int, metavar="N", help="linear warm-up steps (default: 10%% of --max-steps)")
-    add("--seed", type=int, metavar="N", default=DEFAULT_SEED, help="seed of the data order, the weights and dropout")
+    add(
+        "--seed",
+        type=int,
+        metavar="N",
+        default=settings.DEFAULT_SEED,
+        help="seed of the data order, the weights and dropout",
+    )
     add("--log-dir", metavar="DIR", default=os.path.join("runs", "finetune"), help="TensorBoard log directory")
     return p
 
@@ -232,7 +205,7 @@ def _model_problem(model_dir: str, synthetic: bool) -> str | None:
 
             vocab = checkpoint_vocab_size(model_dir)
         if vocab is not None and synthetic:
-            check_vocab(vocab, TASK, model_dir)
+            settings.check_vocab(vocab, settings.TASK, model_dir)
     except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
         return f"--model {model_dir}: {' '.join(str(err).split())}"
     return None
@@ -295,11 +268,6 @@ def check_outputs(args: argparse.Namespace) -> str | None:
     return None
 
 
-def custom_routes(args: argparse.Namespace) -> bool:
-    """Whether the flags change SlideDP's routes or gradient chunks from the strategy's defaults."""
-    return (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
-
-
 def check_args(args: argparse.Namespace) -> str | None:
     """Why the parsed flags cannot make a run (one line naming the flag, the value and what to pass), or None.
     Reads only the file system (config.json, the data files' presence); the library is imported only to check an
@@ -322,7 +290,7 @@ def check_args(args: argparse.Namespace) -> str | None:
             "--param-route replicated (a ledger per rank) reduces gradients with an all-reduce on the devices: "
             "use --grad-route gpu_reduce or auto"
         )
-    if custom_routes(args) and args.strategy != "slidedp":
+    if settings.custom_routes(args) and args.strategy != "slidedp":
         return "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
     if args.precision == "16-mixed" and args.accelerator == "cpu" and args.strategy != "slidedp":
         return (
@@ -337,8 +305,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         ):
             if value is not None:
                 return f"{flag} goes with --data (your JSONL data): the synthetic task has its own validation set"
-        if args.seq_len != DEFAULT_SEQ_LEN:
-            return f"--seq-len goes with --data: the synthetic task's rows are {TASK.seq_len} tokens"
+        if args.seq_len != settings.DEFAULT_SEQ_LEN:
+            return f"--seq-len goes with --data: the synthetic task's rows are {settings.TASK.seq_len} tokens"
     elif args.model is None:
         return "--data needs --model DIR: the tokenizer and chat template come from DIR"
     for flag, path in (("--data", args.data), ("--val-data", args.val_data)):

@@ -1,48 +1,46 @@
-"""The synthetic task's shape and token ids (plain Python: the CLI reads them before it imports anything heavy);
-the data and the metric are in :mod:`slidedp_lightning.recipes.synthetic`, which re-exports these names."""
+"""The job's settings and the synthetic task's shape, :mod:`slidedp_lightning.recipes.settings`, read without the
+library's ``__init__`` (which imports Lightning and torch to register the strategy).
+
+That module is plain Python: it is loaded from its file under its own name and kept in ``sys.modules``, so the
+library, imported once the flags are checked, finds it there (one module, one ``TaskSpec`` class).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-IGNORE_INDEX = -100
-
-PAD_ID = 0
-BOS_ID = 1
-SEP_ID = 2
-EOS_ID = 3
-NUM_SPECIAL_TOKENS = 4
-
-TASKS = ("reverse", "sort", "copy")
+NAME = "slidedp_lightning.recipes.settings"
 
 
-@dataclass(frozen=True)
-class TaskSpec:
-    """Shape of the synthetic task."""
+def _load() -> ModuleType:
+    if NAME in sys.modules:
+        return sys.modules[NAME]
+    if "slidedp_lightning" in sys.modules:  # the library is imported already: the ordinary way costs nothing more
+        return importlib.import_module(NAME)
+    library = importlib.util.find_spec("slidedp_lightning")  # finds the package without running its __init__
+    if library is None or not library.submodule_search_locations:
+        raise ImportError("slidedp_lightning is not installed: pip install -e . from the repository")
+    path = Path(next(iter(library.submodule_search_locations))) / "recipes" / "settings.py"
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot read the job's settings from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[NAME] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[NAME]
+        raise
+    return module
 
-    task: str = "reverse"
-    num_symbols: int = 60
-    length: int = 12
 
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; choose one of {TASKS}")
-        if self.num_symbols < 2:
-            raise ValueError(f"num_symbols must be >= 2, got {self.num_symbols}")
-        if self.length < 1:
-            raise ValueError(f"length must be >= 1, got {self.length}")
+if TYPE_CHECKING:
+    from slidedp_lightning.recipes import settings
+else:
+    settings = _load()
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the task uses (specials + symbols)."""
-        return NUM_SPECIAL_TOKENS + self.num_symbols
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens per example: BOS + k prompt symbols + SEP + k answer symbols."""
-        return 2 * self.length + 2
-
-    @property
-    def prompt_len(self) -> int:
-        """Tokens per example that belong to the prompt (BOS, symbols, SEP)."""
-        return self.length + 2
+__all__ = ["settings"]

@@ -300,6 +300,17 @@ def test_full_checkpoint_round_trip(fabrics, tmp_path: Path) -> None:
     assert steps(fabric, model, opt, batches[2:]) == want
 
 
+def test_storage_options_are_refused_by_the_distributed_format(fabrics, tmp_path: Path) -> None:
+    fabric = fabrics(checkpoint_format="distributed")
+    fabric.setup(*_model_and_opt())
+    model, opt = fabric.strategy.model, fabric.strategy.optimizer  # Fabric's save passes them unwrapped
+    with pytest.raises(
+        TypeError, match="do not use a CheckpointIO: drop storage_options, or pass checkpoint_format='full'"
+    ):
+        fabric.strategy.save_checkpoint(tmp_path / "ck", {"model": model, "optimizer": opt}, storage_options={"x": 1})
+    assert not (tmp_path / "ck").exists()
+
+
 # -- two ranks against Fabric DDP, with a bit-exact resume (subprocess jobs) -------------------------------
 
 

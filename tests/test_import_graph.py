@@ -1,5 +1,6 @@
-"""The import graph of the library, the kernels, the command line and the benchmark: no cycle in any of them, and
-no checkpoint module imports a Lightning adapter (docs/ARCHITECTURE.md, "Layers").
+"""The import graph of the library, the kernels, the command line and the benchmark: no cycle in any of them or
+across them, no checkpoint module imports a Lightning adapter, and the library never imports the command line
+(docs/ARCHITECTURE.md, "Layers").
 
 Read with ``ast``, nothing imported. Every import counts, also one inside a function or under ``TYPE_CHECKING``:
 each is an arrow a reader follows, and a lazy import that closes a cycle only hides it.
@@ -74,6 +75,17 @@ def test_no_import_cycle(package: str) -> None:
     assert len(graph) > 1
     cycle = _cycle(graph)
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_across_packages() -> None:
+    cycle = _cycle(GRAPH)
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_library_never_imports_the_command_line() -> None:
+    cli = {m for m in GRAPH if m.startswith("slidedp_lightning_cli")}
+    assert len(cli) >= 3
+    assert {m: sorted(d & cli) for m, d in GRAPH.items() if m.startswith("slidedp_lightning.") and d & cli} == {}
 
 
 def test_a_cycle_is_found() -> None:

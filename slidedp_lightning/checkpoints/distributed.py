@@ -381,6 +381,16 @@ def save(engine: EngineView, checkpoint: dict[str, Any], path: str | os.PathLike
     _barrier(engine)
 
 
+def refuse_storage_options(storage_options: Any | None) -> None:
+    """A distributed checkpoint is written by every rank with ``torch.distributed.checkpoint``, never through a
+    ``CheckpointIO``: ``storage_options`` meant for one are refused, naming the way to use them."""
+    if storage_options is not None:
+        raise TypeError(
+            "SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or pass "
+            "checkpoint_format='full'."
+        )
+
+
 def _checkpoint_bytes(engine: EngineView) -> int:
     """About what a checkpoint of ``engine`` takes on disk: every ledger tensor it stores."""
     views = engine.state.ledger_tensors(list(engine.state.named_slots()))

@@ -107,11 +107,7 @@ def save(
         if strategy.is_global_zero:
             save_full(strategy.checkpoint_io, converted, path, storage_options)
         return None
-    if storage_options is not None:
-        raise TypeError(
-            "SlideDP's distributed checkpoints do not use a CheckpointIO: drop storage_options, or pass "
-            "checkpoint_format='full'."
-        )
+    sharded.refuse_storage_options(storage_options)
     rest = {k: v for k, v in state.items() if k not in (model_key, opt_key)}
     extra = strategy._convert_stateful_objects_in_state(rest, filter=filter or {})
     if opt_key is not None:  # the moments go with the ledger; keep the hyper-parameters

@@ -1,7 +1,7 @@
 """Example recipes built on the slidedp strategy.
 
 * :mod:`slidedp_lightning.recipes.synthetic`: a seed-deterministic synthetic
-  sequence task (data set and answer-token accuracy); its shape in :mod:`slidedp_lightning_cli.task`.
+  sequence task (data set and answer-token accuracy); its shape in :mod:`slidedp_lightning.recipes.settings`.
 * :mod:`slidedp_lightning.recipes.finetune`: the fine-tuning job (``slidedp-finetune`` command,
   ``experiments/finetune.py``) from the library's side: the strategy its flags ask for, and the command line's
   names, which :mod:`slidedp_lightning_cli.finetune` parses and checks without importing Lightning;
@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from slidedp_lightning.recipes.settings import TaskSpec
     from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, answer_accuracy
-    from slidedp_lightning_cli.task import TaskSpec
 
 __all__ = ["SyntheticTaskDataset", "TaskSpec", "answer_accuracy"]
 

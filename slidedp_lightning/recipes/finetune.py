@@ -1,9 +1,9 @@
-"""``slidedp-finetune`` from the library's side: the strategy its flags ask for, with the command line's names and
-the job's LightningModule in one place.
+"""``slidedp-finetune`` from the library's side: the strategy its flags ask for, with the job's settings
+(:mod:`slidedp_lightning.recipes.settings`) and its LightningModule in one place.
 
-The flags are parsed and checked in :mod:`slidedp_lightning_cli.finetune`, outside this package, so that
-``--help`` and a refused flag never import Lightning (``import slidedp_lightning`` does, to register the strategy);
-its names are re-exported here. The run is :mod:`slidedp_lightning.recipes.job`, the LightningModule
+The flags are parsed and checked by the command line, :mod:`slidedp_lightning_cli.finetune`, which imports no
+Lightning (``import slidedp_lightning`` does, to register the strategy) and imports this package only to run the
+job. The run is :mod:`slidedp_lightning.recipes.job`, the LightningModule
 :class:`~slidedp_lightning.recipes.module.FinetuneModule`.
 """
 
@@ -13,7 +13,7 @@ import argparse
 
 from slidedp_lightning import SlideDPStrategy
 from slidedp_lightning.recipes.module import FinetuneModule, checkpoint_vocab_size, load_tiny_config
-from slidedp_lightning_cli.finetune import (
+from slidedp_lightning.recipes.settings import (
     ACCELERATORS,
     DEFAULT_BATCH_SIZE,
     DEFAULT_CONFIG,
@@ -33,13 +33,8 @@ from slidedp_lightning_cli.finetune import (
     STRATEGIES,
     TASK,
     TRAIN_SIZE,
-    build_parser,
-    check_args,
-    check_outputs,
     check_vocab,
-    config_vocab_size,
     custom_routes,
-    main,
 )
 
 __all__ = [
@@ -63,15 +58,10 @@ __all__ = [
     "TASK",
     "TRAIN_SIZE",
     "FinetuneModule",
-    "build_parser",
-    "check_args",
-    "check_outputs",
     "check_vocab",
     "checkpoint_vocab_size",
-    "config_vocab_size",
     "custom_routes",
     "load_tiny_config",
-    "main",
     "strategy_for",
 ]
 

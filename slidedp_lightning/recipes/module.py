@@ -20,8 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import slidedp_lightning
-from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
-from slidedp_lightning_cli.finetune import (
+from slidedp_lightning.recipes.settings import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_CONFIG,
     DEFAULT_LR,
@@ -34,6 +33,7 @@ from slidedp_lightning_cli.finetune import (
     TRAIN_SIZE,
     check_vocab,
 )
+from slidedp_lightning.recipes.synthetic import SyntheticTaskDataset, TaskSpec, answer_accuracy_counts
 
 __all__ = ["FinetuneModule", "checkpoint_vocab_size", "load_tiny_config", "metrics_of_sums"]
 

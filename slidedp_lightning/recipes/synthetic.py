@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
-from slidedp_lightning_cli.task import (  # noqa: F401  (the task's shape and ids, re-exported)
+from slidedp_lightning.recipes.settings import (  # noqa: F401  (the task's shape and ids, re-exported)
     BOS_ID,
     EOS_ID,
     IGNORE_INDEX,

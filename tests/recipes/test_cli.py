@@ -182,7 +182,7 @@ def test_the_command_line_modules_import_nothing_heavy(tmp_path):
 def test_the_command_line_refuses_what_the_strategy_refuses():
     """The values the CLI lets through are the strategy's: the smallest gradient chunk, the routes that combine."""
     from slidedp_lightning import SlideDPStrategy
-    from slidedp_lightning_cli.finetune import MIN_CHUNK_BYTES
+    from slidedp_lightning.recipes.settings import MIN_CHUNK_BYTES
 
     SlideDPStrategy(chunk_bytes=MIN_CHUNK_BYTES)
     with pytest.raises(ValueError, match="chunk_bytes"):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from slidedp_lightning.recipes.data import DataError, JsonlDataset, encode, read_jsonl
-from slidedp_lightning.recipes.finetune import main
 from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
+from slidedp_lightning_cli.finetune import main
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -3,7 +3,8 @@
 import pytest
 
 from slidedp_lightning import SlideDPStrategy
-from slidedp_lightning.recipes.finetune import build_parser, strategy_for
+from slidedp_lightning.recipes.finetune import strategy_for
+from slidedp_lightning_cli.finetune import build_parser
 
 
 def test_route_flags_configure_the_strategy():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from slidedp_lightning.recipes.data import DataError, read_jsonl
-from slidedp_lightning.recipes.finetune import main
+from slidedp_lightning_cli.finetune import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
