@@ -2,7 +2,7 @@
 
 Used by the integration job (``JobConfig.library``) and by tests/models/test_libraries.py. Each library is imported
 inside its builder only, so this module imports without any of them; :func:`available` tells which are installed
-(README.md, "Models from other libraries", has the install commands). Every model is 2 layers, 64 wide, with the
+(docs/models.md, "Models from other libraries", has the install commands). Every model is 2 layers, 64 wide, with the
 caller's vocabulary and sequence length; its weights are drawn from torch's global generator (seed it first).
 """
 

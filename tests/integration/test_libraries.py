@@ -3,8 +3,8 @@ for 20 steps (per-step losses on both ranks and the final weights within 1e-4 re
 
 The models are tests/integration/library_models.py's, built the way each library's docs build them (LitGPT's
 ``Config.from_name`` shrunk, torchtune's component builders, torchtitan's Llama 3 model code, a hand-written
-nanoGPT, peft LoRA on a transformers Qwen3). A case whose library is not installed is skipped; README.md, "Models
-from other libraries", has the install commands. tests/models/test_libraries.py checks how each one splits.
+nanoGPT, peft LoRA on a transformers Qwen3). A case whose library is not installed is skipped; docs/models.md,
+"Models from other libraries", has the install commands. tests/models/test_libraries.py checks how each one splits.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The structural adapters: every transformers family of the README's table and nanoGPT-style user models stream
+"""The structural adapters: every transformers family of docs/models.md's table and nanoGPT-style user models stream
 and train like torch's AdamW, meta init draws what the model's own init draws, and what cannot stream is refused."""
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from tests.helpers import (
 from tests.models.helpers import lm_loss, train_and_compare
 
 CPU = torch.device("cpu")
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 TABLE_MARK = "<!-- supported-families:"
 
 
 def readme_families() -> list[str]:
-    """The ``model_type``s of the README's support table (first column, in backticks), in order."""
+    """The ``model_type``s of docs/models.md's support table (first column, in backticks), in order."""
     lines = README.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(TABLE_MARK))
     out: list[str] = []
@@ -70,7 +70,7 @@ def batches(n: int) -> list[torch.Tensor]:
     return token_batches(n, batch=2, seq=12)
 
 
-# -- the README's table is what is tested ---------------------------------------------------------------------
+# -- docs/models.md's table is what is tested -----------------------------------------------------------------
 
 
 def test_readme_table_lists_the_tested_families() -> None:

@@ -157,7 +157,7 @@ class TwoStack(nn.Module):
 def test_the_readme_adapter_example_streams_a_model_the_automatic_split_refuses() -> None:
     from slidedp_lightning.models import adapter as adapter_module
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     block = readme.split("<!-- register-adapter-example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     torch.manual_seed(0)
     model = TwoStack()
@@ -165,7 +165,7 @@ def test_the_readme_adapter_example_streams_a_model_the_automatic_split_refuses(
         adapter_for(model)
     before = list(adapter_module._ADAPTERS)
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)
+    exec(compile(block, "docs/models.md", "exec"), namespace)
     try:
         assert isinstance(adapter_for(model), namespace["TwoStackAdapter"])
         assert [s.name for s in adapter_for(model).units(model)] == [
