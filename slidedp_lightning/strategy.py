@@ -19,19 +19,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from slidedp_lightning import constants
 from slidedp_lightning.callbacks import LaneTrace
 from slidedp_lightning.checkpoints import distributed as sharded
 from slidedp_lightning.checkpoints.full import save_full
 from slidedp_lightning.checks import refuse_what_cannot_see_gradients
-from slidedp_lightning.constants import (
-    STRATEGY_NAME,
-    CheckpointFormat,
-    GradRoute,
-    HostLayout,
-    OptimizerState,
-    ParamRoute,
-    UpdateMode,
-)
+from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, OptimizerState, ParamRoute, UpdateMode
 from slidedp_lightning.hf import export
 from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
 from slidedp_lightning.options import ActivationOption, SlideDPOptions
@@ -79,7 +72,7 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
     (:mod:`slidedp_lightning.checks`). Lane tracing: :class:`~slidedp_lightning.LaneTrace`; the loss in chunks:
     :func:`~slidedp_lightning.use_chunked_loss`."""
 
-    strategy_name = STRATEGY_NAME
+    strategy_name = constants.STRATEGY_NAME
     script_launcher = _SubprocessScriptLauncher
 
     def __init__(
