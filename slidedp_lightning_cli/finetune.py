@@ -156,6 +156,40 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|auto",
         help='slidedp only: gradient chunk size in bytes, or "auto" to measure it at setup (default: whole units)',
     )
+    add(
+        "--optimizer-state",
+        default="fp32",
+        choices=settings.OPTIMIZER_STATES,
+        help="slidedp only: the Adam moments in the host ledger, exact (fp32) or block-wise 8-bit (int8: "
+        "6 B/param less)",
+    )
+    add(
+        "--bf16-copy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="slidedp only: keep the BF16 transfer copy of the weights in the ledger; --no-bf16-copy converts it "
+        "from the FP32 master on the way, 2 B/param less (default: kept)",
+    )
+    add(
+        "--activation-policy",
+        metavar="POLICY",
+        help="slidedp only: how each decoder block keeps its activations for backward: none, full, selective or "
+        "segments:MASK (each with an optional @RATIO offloaded to the host), auto (AutoPolicy) or a plan .json "
+        f"(default: {settings.MODEL_ACTIVATION_POLICY} with --model, else none)",
+    )
+    add(
+        "--chunked-loss",
+        type=int,
+        metavar="N",
+        help="compute the loss N tokens at a time, never the whole [batch, seq, vocab] logits; 0: the model's own "
+        f"loss (default: {settings.MODEL_CHUNKED_LOSS} with --model, else 0)",
+    )
+    add(
+        "--update-threads",
+        type=int,
+        metavar="N",
+        help="slidedp only: CPU threads per rank for the Adam update (default: physical cores / ranks)",
+    )
     add("--max-steps", type=int, metavar="N", default=settings.DEFAULT_MAX_STEPS, help="optimizer steps")
     add("--batch-size", type=int, metavar="N", default=settings.DEFAULT_BATCH_SIZE, help="examples per device per step")
     add(
@@ -164,6 +198,38 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"peak AdamW learning rate (default: {settings.DEFAULT_LR:g}; {settings.DEFAULT_DATA_LR:g} with --data)",
     )
     add("--warmup-steps", type=int, metavar="N", help="linear warm-up steps (default: 10%% of --max-steps)")
+    add(
+        "--lr-schedule",
+        default=settings.DEFAULT_LR_SCHEDULE,
+        choices=settings.LR_SCHEDULES,
+        help="the learning rate after the warm-up: cosine or linear decay to 0 at the last step, or constant",
+    )
+    add(
+        "--weight-decay",
+        type=float,
+        metavar="X",
+        default=settings.DEFAULT_WEIGHT_DECAY,
+        help="AdamW's decoupled weight decay (not applied to norms and biases)",
+    )
+    add(
+        "--accumulate-grad-batches",
+        type=int,
+        metavar="N",
+        default=1,
+        help="backward passes (batches) per optimizer step",
+    )
+    add(
+        "--gradient-clip-val",
+        type=float,
+        metavar="X",
+        help="clip the gradients' global L2 norm to X before each step (default: no clipping)",
+    )
+    add(
+        "--val-every",
+        type=int,
+        metavar="N",
+        help="evaluate every N optimizer steps, and at the last (default: a quarter of --max-steps)",
+    )
     add(
         "--seed",
         type=int,
@@ -245,6 +311,24 @@ def _writable_dir(flag: str, path: str) -> str | None:
     return None
 
 
+def _activation_policy_problem(policy: str | None) -> str | None:
+    """Why ``--activation-policy policy`` names no policy (one line), or None; the strategy checks the rest (a
+    segment mask, an offload ratio) before any process starts."""
+    if policy is None:
+        return None
+    if policy.endswith(".json"):
+        if not os.path.isfile(policy):
+            return f"--activation-policy {policy} is not a file: pass an activation plan .json (AutoPolicy writes one)"
+        return None
+    mode = policy.partition("@")[0].partition(":")[0]
+    if mode not in settings.ACTIVATION_MODES:
+        return (
+            f"--activation-policy {policy}: {mode!r} is not a mode; use one of {', '.join(settings.ACTIVATION_MODES)} "
+            "(segments:MASK, and an optional @RATIO offloaded to the host, e.g. full@0.5) or a plan .json"
+        )
+    return None
+
+
 def check_outputs(args: argparse.Namespace) -> str | None:
     """Why one of the run's output paths cannot be written (one line naming the flag, the cause and the fix), or
     None: checked before training, so that a run's weights are never trained and then lost."""
@@ -278,11 +362,24 @@ def check_args(args: argparse.Namespace) -> str | None:
         ("--batch-size", args.batch_size, 1),
         ("--seq-len", args.seq_len, 2),
         ("--warmup-steps", args.warmup_steps, 0),
+        ("--accumulate-grad-batches", args.accumulate_grad_batches, 1),
+        ("--val-every", args.val_every, 1),
+        ("--update-threads", args.update_threads, 1),
+        ("--chunked-loss", args.chunked_loss, 0),
     ):
         if value is not None and value < low:
             return f"{flag} must be >= {low}, got {value}"
     if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         return f"--lr must be a positive number, got {args.lr:g}"
+    if args.gradient_clip_val is not None and not (
+        math.isfinite(args.gradient_clip_val) and args.gradient_clip_val > 0
+    ):
+        return f"--gradient-clip-val must be a positive number, got {args.gradient_clip_val:g}"
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        return f"--weight-decay must be a number >= 0, got {args.weight_decay:g}"
+    problem = _activation_policy_problem(args.activation_policy)
+    if problem is not None:
+        return problem
     if args.trace_dir and args.strategy != "slidedp":
         return "--trace-dir traces SlideDP's lanes: use it with --strategy slidedp"
     if args.param_route == "replicated" and args.grad_route == "host_reduce":
@@ -292,6 +389,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         )
     if settings.custom_routes(args) and args.strategy != "slidedp":
         return "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
+    if settings.slidedp_flags(args) and args.strategy != "slidedp":
+        return f"{', '.join(settings.slidedp_flags(args))} configure SlideDP: use them with --strategy slidedp"
     if args.precision == "16-mixed" and args.accelerator == "cpu" and args.strategy != "slidedp":
         return (
             f"--precision 16-mixed with --strategy {args.strategy} on --accelerator cpu: Lightning runs bf16 there "

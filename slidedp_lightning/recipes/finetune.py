@@ -34,7 +34,9 @@ from slidedp_lightning.recipes.settings import (
     TASK,
     TRAIN_SIZE,
     check_vocab,
+    chunked_loss,
     custom_routes,
+    strategy_options,
 )
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "FinetuneModule",
     "check_vocab",
     "checkpoint_vocab_size",
+    "chunked_loss",
     "custom_routes",
     "load_tiny_config",
     "strategy_for",
@@ -67,14 +70,9 @@ __all__ = [
 
 
 def strategy_for(args: argparse.Namespace) -> SlideDPStrategy | str:
-    """The strategy the parsed flags ask for: the registered name, or a configured SlideDPStrategy. The synthetic
-    task's random-init model is built on the meta device (``meta_init``: each unit initialized straight into the
-    ledger, no rank holding the whole model), as SlideDP advises for random weights."""
+    """The strategy the parsed flags ask for: the registered name, or a SlideDPStrategy with the options they set
+    (:func:`~slidedp_lightning.recipes.settings.strategy_options`; the strategy checks them as it is made)."""
     if args.strategy != "slidedp":
         return args.strategy
-    meta_init = args.model is None
-    if not custom_routes(args) and not meta_init:
-        return args.strategy
-    return SlideDPStrategy(
-        param_route=args.param_route, grad_route=args.grad_route, chunk_bytes=args.chunk_bytes, meta_init=meta_init
-    )
+    options = strategy_options(args)
+    return SlideDPStrategy(**options) if options else args.strategy  # type: ignore[arg-type]

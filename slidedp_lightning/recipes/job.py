@@ -32,9 +32,11 @@ from slidedp_lightning.recipes.finetune import (
     DEFAULT_DATA_LR,
     DEFAULT_LR,
     TASK,
+    chunked_loss,
     strategy_for,
 )
 from slidedp_lightning.recipes.module import FinetuneModule
+from slidedp_lightning.recipes.settings import MODEL_ACTIVATION_POLICY, MODEL_CHUNKED_LOSS
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ _DROPPED = (
     "----------",
     "Using bfloat16 Automatic Mixed Precision",
     "Using 16bit Automatic Mixed Precision",
+    "`Trainer(val_check_interval=1)` was configured",  # the job's --val-every 1 (or a short --max-steps)
 )
 
 
@@ -170,8 +173,11 @@ def _module(args: argparse.Namespace) -> FinetuneModule:
             model_dir=args.model,
             batch_size=args.batch_size,
             lr=DEFAULT_LR if args.lr is None else args.lr,
+            weight_decay=args.weight_decay,
             warmup_steps=args.warmup_steps,
             seed=args.seed,
+            lr_schedule=args.lr_schedule,
+            chunked_loss=chunked_loss(args),
         )
     from slidedp_lightning.recipes.own_data import DataFinetuneModule
 
@@ -182,9 +188,25 @@ def _module(args: argparse.Namespace) -> FinetuneModule:
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         lr=DEFAULT_DATA_LR if args.lr is None else args.lr,
+        weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps,
         seed=args.seed,
+        lr_schedule=args.lr_schedule,
+        chunked_loss=chunked_loss(args),
     )
+
+
+def _log_model_defaults(args: argparse.Namespace) -> None:
+    """Say which memory savings a real model (``--model``) got by default, and the flag that turns each off."""
+    if args.model is None or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    chosen = []
+    if args.activation_policy is None and args.strategy == "slidedp":
+        chosen.append(f"activation policy {MODEL_ACTIVATION_POLICY!r} (--activation-policy none turns it off)")
+    if args.chunked_loss is None:
+        chosen.append(f"the loss in chunks of {MODEL_CHUNKED_LOSS} tokens (--chunked-loss 0 turns it off)")
+    if chosen:
+        log.info("--model %s: %s", args.model, "; ".join(chosen))
 
 
 def _precision(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,9 +227,11 @@ def run(args: argparse.Namespace) -> int:
     L.seed_everything(args.seed, workers=True, verbose=False)
     try:
         module = _module(args)
+        strategy = strategy_for(args)  # the strategy checks its options as it is made
     except (DataError, OSError, ValueError) as err:  # before any process is started
         print(f"slidedp-finetune: error: {err}", file=sys.stderr, flush=True)
         return 2
+    _log_model_defaults(args)
 
     export_dtype = getattr(torch, args.export_dtype or ("float32" if args.precision == "32-true" else "bfloat16"))
     export_cb = [SaveHuggingFace(args.export, export_dtype)] if args.export and args.strategy == "slidedp" else []
@@ -215,11 +239,13 @@ def run(args: argparse.Namespace) -> int:
     evals = BeforeAfter(report=not bar)
     logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
     trainer = L.Trainer(
-        strategy=strategy_for(args),
+        strategy=strategy,
         accelerator=args.accelerator,
         devices=args.devices,
         **_precision(args),
         max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate_grad_batches,
+        gradient_clip_val=args.gradient_clip_val,
         logger=logger,
         callbacks=[
             evals,
@@ -234,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         log_every_n_steps=10,
         num_sanity_val_steps=-1,  # the "before" evaluation: the whole validation set, inside the one fit
         check_val_every_n_epoch=None,
-        val_check_interval=max(1, args.max_steps // 4),
+        val_check_interval=(args.val_every or max(1, args.max_steps // 4)) * args.accumulate_grad_batches,  # batches
         enable_progress_bar=bar,
         enable_model_summary=False,  # the table states the parameter count
     )

@@ -24,11 +24,13 @@ from slidedp_lightning.recipes.settings import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_CONFIG,
     DEFAULT_LR,
+    DEFAULT_LR_SCHEDULE,
     DEFAULT_SEED,
     DEFAULT_WEIGHT_DECAY,
     EVAL_BATCH_SIZE,
     EVAL_SEED_OFFSET,
     EVAL_SIZE,
+    LR_SCHEDULES,
     TASK,
     TRAIN_SIZE,
     check_vocab,
@@ -92,8 +94,12 @@ class FinetuneModule(L.LightningModule):
         weight_decay: float = DEFAULT_WEIGHT_DECAY,
         warmup_steps: int | None = None,
         seed: int = DEFAULT_SEED,
+        lr_schedule: str = DEFAULT_LR_SCHEDULE,
+        chunked_loss: int = 0,
     ) -> None:
         super().__init__()
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         self.save_hyperparameters()
         self.spec = TaskSpec(task=task, num_symbols=num_symbols, length=length)
         self.model: torch.nn.Module | None = None
@@ -125,6 +131,8 @@ class FinetuneModule(L.LightningModule):
                 config, attn = load_tiny_config(hp.config_name)
                 model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
         self.check_model(model)
+        if hp.chunked_loss:  # the head never holds the whole [batch, seq, vocab] logits
+            slidedp_lightning.use_chunked_loss(model, hp.chunked_loss)
         model.train()  # from_pretrained returns the model in eval mode
         if getattr(model.config, "use_cache", False):
             model.config.use_cache = False
@@ -174,15 +182,19 @@ class FinetuneModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self(**batch)
-        correct, total, exact = answer_accuracy_counts(out.logits, batch["labels"])
+        # the accuracy needs the logits, which a chunked loss never forms: the forward without labels, then the
+        # model's own loss function on them (what its forward computes with labels)
+        model: Any = self.model  # a transformers causal LM
+        logits = self(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+        loss = model.loss_function(logits=logits, labels=batch["labels"], vocab_size=model.config.vocab_size)
+        correct, total, exact = answer_accuracy_counts(logits, batch["labels"])
         n = batch["input_ids"].shape[0]
         # Every example has the same number of answer tokens, so batch-size
         # weighted means of these per-batch values are exact over the set.
-        self.log("val_loss", out.loss, sync_dist=True, batch_size=n)
+        self.log("val_loss", loss, sync_dist=True, batch_size=n)
         self.log("val_acc", correct.float() / total.clamp_min(1), prog_bar=True, sync_dist=True, batch_size=n)
         self.log("val_exact", exact.float() / n, sync_dist=True, batch_size=n)
-        values = [out.loss.detach() * n, correct, total, exact, torch.tensor(n, device=out.loss.device)]
+        values = [loss.detach() * n, correct, total, exact, torch.tensor(n, device=loss.device)]
         self._add_sums(torch.stack([v.to(torch.float64) for v in values]))
 
     def on_validation_epoch_start(self) -> None:
@@ -222,10 +234,16 @@ class FinetuneModule(L.LightningModule):
             warmup = max(1, total // 10)
         warmup = max(0, min(int(warmup), total))
 
+        schedule = self.hp.lr_schedule
+
         def lr_lambda(step: int) -> float:
             if step < warmup:
                 return (step + 1) / warmup
             progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            if schedule == "constant":
+                return 1.0
+            if schedule == "linear":
+                return 1.0 - progress
             return 0.5 * (1.0 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)

@@ -68,6 +68,8 @@ class DataFinetuneModule(FinetuneModule):
         weight_decay: float = 0.01,
         warmup_steps: int | None = None,
         seed: int = 1234,
+        lr_schedule: str = "cosine",
+        chunked_loss: int = 0,
     ) -> None:
         super().__init__(
             model_dir=model_dir,
@@ -77,6 +79,8 @@ class DataFinetuneModule(FinetuneModule):
             weight_decay=weight_decay,
             warmup_steps=warmup_steps,
             seed=seed,
+            lr_schedule=lr_schedule,
+            chunked_loss=chunked_loss,
         )
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(model_dir)

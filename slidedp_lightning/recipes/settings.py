@@ -79,6 +79,14 @@ PARAM_ROUTES = ("full", "sharded", "replicated", "auto")
 GRAD_ROUTES = ("gpu_reduce", "host_reduce", "auto")
 EXPORT_DTYPES = ("bfloat16", "float32")
 MIN_CHUNK_BYTES = 64  # the engine's smallest gradient chunk (slidedp_lightning.runtime.config.EngineConfig)
+OPTIMIZER_STATES = ("fp32", "int8")  # SlideDPStrategy(optimizer_state=...)
+ACTIVATION_MODES = ("none", "full", "selective", "segments", "auto")  # SlideDPStrategy(activation_policy=...)
+LR_SCHEDULES = ("cosine", "linear", "constant")  # after the linear warm-up
+DEFAULT_LR_SCHEDULE = "cosine"
+# A real model (--model): every decoder block recomputed in backward, the loss over the vocabulary computed this
+# many tokens at a time (no [batch, seq, vocab] logits), unless --activation-policy / --chunked-loss say otherwise
+MODEL_ACTIVATION_POLICY = "full"
+MODEL_CHUNKED_LOSS = 1024
 
 
 def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
@@ -94,3 +102,60 @@ def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
 def custom_routes(args: Namespace) -> bool:
     """Whether the flags change SlideDP's routes or gradient chunks from the strategy's defaults."""
     return (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
+
+
+def activation_policy(args: Namespace) -> str | None:
+    """The activation policy of the run: ``--activation-policy``, else full recomputation for a real model
+    (``--model``) under SlideDP, else none (the strategy's default)."""
+    if args.activation_policy is not None:
+        return None if args.activation_policy == "none" else args.activation_policy
+    return MODEL_ACTIVATION_POLICY if args.model is not None and args.strategy == "slidedp" else None
+
+
+def chunked_loss(args: Namespace) -> int:
+    """Tokens per chunk of the loss (``use_chunked_loss``; 0: the model's own loss): ``--chunked-loss``, else
+    :data:`MODEL_CHUNKED_LOSS` for a real model (``--model``), else 0."""
+    if args.chunked_loss is not None:
+        return int(args.chunked_loss)
+    return MODEL_CHUNKED_LOSS if args.model is not None else 0
+
+
+def strategy_options(args: Namespace) -> dict[str, object]:
+    """The ``SlideDPStrategy`` keyword arguments the flags set, those that differ from the strategy's defaults
+    (empty: the registered ``strategy="slidedp"``). The synthetic task's random-init model is built on the meta
+    device (``meta_init``: each unit initialized straight into the ledger, no rank holding the whole model)."""
+    chosen: dict[str, object] = {
+        "param_route": args.param_route,
+        "grad_route": args.grad_route,
+        "chunk_bytes": args.chunk_bytes,
+        "meta_init": args.model is None,
+        "optimizer_state": args.optimizer_state,
+        "bf16_copy": args.bf16_copy,
+        "activation_policy": activation_policy(args),
+        "update_threads": args.update_threads,
+    }
+    defaults = {
+        "param_route": "full",
+        "grad_route": "gpu_reduce",
+        "chunk_bytes": None,
+        "meta_init": False,
+        "optimizer_state": "fp32",
+        "bf16_copy": True,
+        "activation_policy": None,
+        "update_threads": None,
+    }
+    return {k: v for k, v in chosen.items() if v != defaults[k]}
+
+
+def slidedp_flags(args: Namespace) -> list[str]:
+    """The flags given that configure SlideDP itself (refused with another ``--strategy``)."""
+    given = [
+        ("--param-route", args.param_route != "full"),
+        ("--grad-route", args.grad_route != "gpu_reduce"),
+        ("--chunk-bytes", args.chunk_bytes is not None),
+        ("--optimizer-state", args.optimizer_state != "fp32"),
+        ("--no-bf16-copy", not args.bf16_copy),
+        ("--activation-policy", args.activation_policy not in (None, "none")),
+        ("--update-threads", args.update_threads is not None),
+    ]
+    return [flag for flag, set_ in given if set_]

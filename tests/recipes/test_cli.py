@@ -71,6 +71,23 @@ BAD = {
         "reduces gradients with an all-reduce on the devices: use --grad-route gpu_reduce",
     ),
     "results a directory": (["--results", "{tmp}"], "--results {tmp} is a directory: pass a file path"),
+    "unknown optimizer state": (["--optimizer-state", "int4"], "argument --optimizer-state: invalid choice: 'int4'"),
+    "unknown activation mode": (
+        ["--activation-policy", "most@0.5"],
+        "--activation-policy most@0.5: 'most' is not a mode",
+    ),
+    "missing activation plan": (["--activation-policy", "{tmp}/plan.json"], "is not a file: pass an activation plan"),
+    "accumulate 0": (["--accumulate-grad-batches", "0"], "--accumulate-grad-batches must be >= 1, got 0"),
+    "clip 0": (["--gradient-clip-val", "0"], "--gradient-clip-val must be a positive number, got 0"),
+    "clip nan": (["--gradient-clip-val", "nan"], "--gradient-clip-val must be a positive number, got nan"),
+    "negative weight decay": (["--weight-decay", "-0.1"], "--weight-decay must be a number >= 0, got -0.1"),
+    "val-every 0": (["--val-every", "0"], "--val-every must be >= 1, got 0"),
+    "negative chunked loss": (["--chunked-loss", "-1"], "--chunked-loss must be >= 0, got -1"),
+    "unknown schedule": (["--lr-schedule", "step"], "argument --lr-schedule: invalid choice: 'step'"),
+    "slidedp knobs under ddp": (
+        ["--strategy", "ddp", "--optimizer-state", "int8", "--no-bf16-copy"],
+        "--optimizer-state, --no-bf16-copy configure SlideDP: use them with --strategy slidedp",
+    ),
 }
 
 

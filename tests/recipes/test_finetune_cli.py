@@ -3,7 +3,8 @@
 import pytest
 
 from slidedp_lightning import SlideDPStrategy
-from slidedp_lightning.recipes.finetune import strategy_for
+from slidedp_lightning.recipes.finetune import chunked_loss, strategy_for
+from slidedp_lightning.recipes.settings import MODEL_CHUNKED_LOSS
 from slidedp_lightning_cli.finetune import build_parser
 
 
@@ -17,8 +18,38 @@ def test_route_flags_configure_the_strategy():
 
 
 def test_defaults_keep_the_registered_strategy(tmp_path):
-    assert strategy_for(build_parser().parse_args(["--model", str(tmp_path)])) == "slidedp"
+    argv = ["--model", str(tmp_path), "--activation-policy", "none"]
+    assert strategy_for(build_parser().parse_args(argv)) == "slidedp"
     assert strategy_for(build_parser().parse_args(["--strategy", "ddp"])) == "ddp"
+    assert strategy_for(build_parser().parse_args(["--strategy", "ddp", "--model", str(tmp_path)])) == "ddp"
+
+
+def test_a_real_model_gets_full_recomputation_and_the_chunked_loss_unless_turned_off(tmp_path):
+    args = build_parser().parse_args(["--model", str(tmp_path)])
+    s = strategy_for(args)
+    assert isinstance(s, SlideDPStrategy) and s.options.activation_policy == "full" and not s.options.meta_init
+    assert chunked_loss(args) == MODEL_CHUNKED_LOSS > 0
+    off = build_parser().parse_args(["--model", str(tmp_path), "--activation-policy", "none", "--chunked-loss", "0"])
+    assert strategy_for(off) == "slidedp" and chunked_loss(off) == 0
+    assert chunked_loss(build_parser().parse_args([])) == 0  # the tiny synthetic model: the model's own loss
+
+
+def test_the_strategy_flags_reach_the_strategy():
+    argv = ["--optimizer-state", "int8", "--no-bf16-copy", "--activation-policy", "selective@0.5"]
+    s = strategy_for(build_parser().parse_args([*argv, "--update-threads", "1"]))
+    assert isinstance(s, SlideDPStrategy)
+    o = s.options
+    assert (o.optimizer_state, o.bf16_copy, o.activation_policy, o.update_threads) == (
+        "int8",
+        False,
+        "selective@0.5",
+        1,
+    )
+
+
+def test_a_policy_the_strategy_refuses_is_refused_before_any_process():
+    with pytest.raises(ValueError, match="segment"):
+        strategy_for(build_parser().parse_args(["--activation-policy", "segments:01"]))
 
 
 def test_the_random_init_model_is_built_on_meta():
