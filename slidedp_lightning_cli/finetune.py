@@ -43,10 +43,14 @@ __all__ = [
 
 # ---------------------------------------------------------------------- CLI
 class _Parser(argparse.ArgumentParser):
-    """argparse's conventions (exit status 2 for a bad command line), in one line: no usage block before it."""
+    """argparse's conventions (exit status 2 for a bad command line), in one line: no usage block before it.
+    ``source``: the ``--config`` file being read, named in the message."""
+
+    source: str | None = None
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        where = f"--config {self.source}: " if self.source else ""
+        self.exit(2, f"{self.prog}: error: {where}{message} (see {self.prog} --help)\n")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -72,7 +76,7 @@ def _chunk_bytes(text: str) -> int | str:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     """``slidedp-finetune``'s flags: one help line each, its default stated once (see :class:`_HelpFormatter`)."""
     p = _Parser(
         prog="slidedp-finetune",
@@ -238,7 +242,72 @@ def build_parser() -> argparse.ArgumentParser:
         help="seed of the data order, the weights and dropout",
     )
     add("--log-dir", metavar="DIR", default=os.path.join("runs", "finetune"), help="TensorBoard log directory")
+    add(
+        "--config",
+        metavar="FILE",
+        help="a YAML (or JSON) file of settings by flag name (optimizer-state: int8); flags on the command line "
+        "override it; every run writes its resolved file beside its TensorBoard logs (default: none)",
+    )
+    add(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings as such a file and exit (default: run the job)",
+    )
     return p
+
+
+def config_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The flags that the ``--config`` file at ``path`` sets, as command-line tokens, so that argparse checks
+    them as it checks typed ones. Raises ``ValueError`` naming what is wrong."""
+    import yaml  # plain Python, like the rest of the command line
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise ValueError(f"cannot be read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"is not YAML: {' '.join(str(err).split())}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"holds a {type(data).__name__}, not settings by flag name (optimizer-state: int8)")
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in settings.NOT_SETTINGS}
+    tokens: list[str] = []
+    for key, value in data.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None or action.dest == "help":
+            raise ValueError(f"{key!r} is not a setting")
+        flag = action.option_strings[0]
+        if value is None:
+            continue  # the flag's default
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+            tokens.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list)):
+            raise ValueError(f"{key} takes one value, got {value!r}")
+        else:
+            tokens += [flag, str(value)]
+    return tokens
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags of ``argv`` (default: ``sys.argv``) over those of its ``--config`` file; a bad one ends the
+    process in one line (exit status 2) naming the file when it is the file's."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)
+    tokens: list[str] = []
+    if known.config:
+        from_file = build_parser()
+        from_file.source = known.config
+        try:
+            tokens = config_tokens(known.config, from_file)
+        except ValueError as err:
+            from_file.error(str(err))
+        from_file.parse_args(tokens)  # the file's own values, checked alone: its errors name the file
+    return parser.parse_args([*tokens, *argv])
 
 
 def config_vocab_size(model_dir: str) -> int | None:
@@ -422,11 +491,15 @@ def check_args(args: argparse.Namespace) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse and check the flags (a bad one: one line on stderr, exit status 2, before anything heavy is
     imported), then run the job (:func:`slidedp_lightning.recipes.job.run`); returns its exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(argv)
+    if args.print_config:
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(settings.resolved_config(args), sort_keys=False))
+        return 0
     problem = check_args(args)
     if problem is not None:  # before any process starts or any step trains
-        parser.error(problem)
+        build_parser().error(problem)
 
     from slidedp_lightning.recipes.job import run
 

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -36,7 +37,7 @@ from slidedp_lightning.recipes.finetune import (
     strategy_for,
 )
 from slidedp_lightning.recipes.module import FinetuneModule
-from slidedp_lightning.recipes.settings import MODEL_ACTIVATION_POLICY, MODEL_CHUNKED_LOSS
+from slidedp_lightning.recipes.settings import MODEL_ACTIVATION_POLICY, MODEL_CHUNKED_LOSS, resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,41 @@ def _module(args: argparse.Namespace) -> FinetuneModule:
     )
 
 
+def _version() -> str:
+    """The package's version and, in a git checkout, its commit (and whether the tree differs from it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        text = f"slidedp-lightning {version('slidedp-lightning')}"
+    except PackageNotFoundError:
+        text = "slidedp-lightning (not installed)"
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        git = ["git", "-C", here]
+        head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return f"{text}, not a git checkout"
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return f"{text}, commit unknown (git did not answer)"
+    return f"{text}, commit {head.stdout.strip()}" + (" with uncommitted changes" if dirty else "")
+
+
+def write_run_config(args: argparse.Namespace, directory: str) -> str:
+    """Write the run's resolved settings to ``directory/config.yaml`` (``--config`` reads it back) with the
+    package's version and commit; returns the path."""
+    import yaml
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "config.yaml")
+    head = f"# slidedp-finetune --config {path} repeats this run\n# {_version()}\n"
+    with open(path, "w") as f:
+        f.write(head + yaml.safe_dump(resolved_config(args), sort_keys=False))
+    log.info("settings of this run: %s", path)
+    return path
+
+
 def _log_model_defaults(args: argparse.Namespace) -> None:
     """Say which memory savings a real model (``--model``) got by default, and the flag that turns each off."""
     if args.model is None or os.environ.get("LOCAL_RANK", "0") != "0":
@@ -265,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
         enable_model_summary=False,  # the table states the parameter count
     )
 
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        write_run_config(args, logger.log_dir)  # before training: a run that dies can still be repeated
     t_fit = time.perf_counter()
     trainer.fit(module)
     fit_s = time.perf_counter() - t_fit

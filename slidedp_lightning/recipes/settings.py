@@ -159,3 +159,13 @@ def slidedp_flags(args: Namespace) -> list[str]:
         ("--update-threads", args.update_threads is not None),
     ]
     return [flag for flag, set_ in given if set_]
+
+
+# what the command line adds to the job's flags: which file set them, and whether to print them and stop
+NOT_SETTINGS = ("config", "print_config")
+
+
+def resolved_config(args: Namespace) -> dict[str, object]:
+    """Every setting of a run by its flag's name (``optimizer-state``), as ``--config`` reads it back: the file
+    ``--print-config`` prints and each run writes beside its logs."""
+    return {k.replace("_", "-"): v for k, v in vars(args).items() if k not in NOT_SETTINGS}

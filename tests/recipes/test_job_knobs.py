@@ -42,8 +42,20 @@ def _run(tmp: Path, name: str, argv: list[str]) -> tuple[dict, str]:
 @pytest.mark.slow
 def test_the_training_flags_give_ddps_run_and_the_compact_ledger_trains(tmp_path):
     model = _checkpoint(tmp_path / "ckpt")
-    ours, _ = _run(tmp_path, "slidedp", ["--model", model, *TRAINING, "--activation-policy", "full"])
+    # the SlideDP run takes its settings from a file (every rank reads it), the DDP run from flags
+    printed = subprocess.run([str(CLI), "--model", model, *TRAINING, "--activation-policy", "full", "--print-config"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout  # fmt: skip
+    (tmp_path / "job.yaml").write_text(printed)
+    ours, _ = _run(tmp_path, "slidedp", ["--config", str(tmp_path / "job.yaml")])
     ddp, _ = _run(tmp_path, "ddp", ["--model", model, *TRAINING, "--strategy", "ddp"])
+    (written,) = (tmp_path / "logs-slidedp").glob("version_*/config.yaml")
+    assert written.read_text().startswith("# slidedp-finetune --config ")
+    from slidedp_lightning_cli.finetune import parse
+
+    again = vars(parse(["--config", str(written)]))
+    want = vars(parse(["--config", str(tmp_path / "job.yaml"), "--results", str(tmp_path / "slidedp.json"),
+                       "--log-dir", str(tmp_path / "logs-slidedp")]))  # fmt: skip
+    assert {k: v for k, v in again.items() if k != "config"} == {k: v for k, v in want.items() if k != "config"}
     assert ours["steps"] == ddp["steps"] == 4
     assert math.isclose(ours["train_loss"], ddp["train_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
     assert math.isclose(ours["after"]["val_loss"], ddp["after"]["val_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
