@@ -23,6 +23,7 @@ Run ``slidedp-finetune --help`` for the flags.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -194,6 +195,31 @@ def build_parser() -> _Parser:
         metavar="N",
         help="slidedp only: CPU threads per rank for the Adam update (default: physical cores / ranks)",
     )
+    add(
+        "--lora-r",
+        type=int,
+        metavar="N",
+        help="train LoRA adapters of rank N on the --model checkpoint instead of every weight (peft; --export "
+        "writes the merged model) (default: full fine-tuning)",
+    )
+    add("--lora-alpha", type=float, metavar="A", help="LoRA's scaling numerator (default: twice --lora-r)")
+    add(
+        "--lora-dropout",
+        type=float,
+        metavar="P",
+        default=0.0,
+        help="dropout on the LoRA branch's input (default: 0, none)",
+    )
+    add(
+        "--lora-targets",
+        metavar="NAMES",
+        help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: every linear layer but the head)",
+    )
+    add(
+        "--export-adapter-only",
+        action="store_true",
+        help="with --lora-r: --export writes the adapters alone, in peft's format (default: the merged model)",
+    )
     add("--max-steps", type=int, metavar="N", default=settings.DEFAULT_MAX_STEPS, help="optimizer steps")
     add("--batch-size", type=int, metavar="N", default=settings.DEFAULT_BATCH_SIZE, help="examples per device per step")
     add(
@@ -285,6 +311,11 @@ def config_tokens(path: str, parser: argparse.ArgumentParser) -> list[str]:
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, got {value!r}")
             tokens.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:  # a switch (store_true): given when the file turns it on
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+            if value != action.default:
+                tokens.append(flag)
         elif isinstance(value, (dict, list)):
             raise ValueError(f"{key} takes one value, got {value!r}")
         else:
@@ -380,6 +411,37 @@ def _writable_dir(flag: str, path: str) -> str | None:
     return None
 
 
+def _lora_problem(args: argparse.Namespace) -> str | None:
+    """Why the LoRA flags cannot make a run (one line), or None."""
+    if args.lora_r is None:
+        given = [
+            flag
+            for flag, value in (
+                ("--lora-alpha", args.lora_alpha is not None),
+                ("--lora-dropout", args.lora_dropout != 0.0),
+                ("--lora-targets", args.lora_targets is not None),
+                ("--export-adapter-only", args.export_adapter_only),
+            )
+            if value
+        ]
+        return f"{', '.join(given)} configure LoRA: add --lora-r N" if given else None
+    if args.lora_r < 1:
+        return f"--lora-r must be >= 1, got {args.lora_r}"
+    if args.lora_alpha is not None and not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        return f"--lora-alpha must be a positive number, got {args.lora_alpha:g}"
+    if not (0.0 <= args.lora_dropout < 1.0):
+        return f"--lora-dropout must be in [0, 1), got {args.lora_dropout:g}"
+    if args.lora_targets is not None and not [t for t in args.lora_targets.split(",") if t.strip()]:
+        return "--lora-targets names no module: pass e.g. q_proj,v_proj"
+    if args.model is None:
+        return "--lora-r adapts a pretrained model: add --model DIR"
+    if args.export_adapter_only and not args.export:
+        return "--export-adapter-only says what --export writes: add --export OUT"
+    if importlib.util.find_spec("peft") is None:
+        return "--lora-r needs peft, which is not installed: pip install -e '.[peft]'"
+    return None
+
+
 def _activation_policy_problem(policy: str | None) -> str | None:
     """Why ``--activation-policy policy`` names no policy (one line), or None; the strategy checks the rest (a
     segment mask, an offload ratio) before any process starts."""
@@ -446,7 +508,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--gradient-clip-val must be a positive number, got {args.gradient_clip_val:g}"
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         return f"--weight-decay must be a number >= 0, got {args.weight_decay:g}"
-    problem = _activation_policy_problem(args.activation_policy)
+    problem = _activation_policy_problem(args.activation_policy) or _lora_problem(args)
     if problem is not None:
         return problem
     if args.trace_dir and args.strategy != "slidedp":

@@ -37,7 +37,12 @@ from slidedp_lightning.recipes.finetune import (
     strategy_for,
 )
 from slidedp_lightning.recipes.module import FinetuneModule
-from slidedp_lightning.recipes.settings import MODEL_ACTIVATION_POLICY, MODEL_CHUNKED_LOSS, resolved_config
+from slidedp_lightning.recipes.settings import (
+    MODEL_ACTIVATION_POLICY,
+    MODEL_CHUNKED_LOSS,
+    lora_settings,
+    resolved_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +184,7 @@ def _module(args: argparse.Namespace) -> FinetuneModule:
             seed=args.seed,
             lr_schedule=args.lr_schedule,
             chunked_loss=chunked_loss(args),
+            lora=lora_settings(args),
         )
     from slidedp_lightning.recipes.own_data import DataFinetuneModule
 
@@ -194,6 +200,7 @@ def _module(args: argparse.Namespace) -> FinetuneModule:
         seed=args.seed,
         lr_schedule=args.lr_schedule,
         chunked_loss=chunked_loss(args),
+        lora=lora_settings(args),
     )
 
 
@@ -270,7 +277,11 @@ def run(args: argparse.Namespace) -> int:
     _log_model_defaults(args)
 
     export_dtype = getattr(torch, args.export_dtype or ("float32" if args.precision == "32-true" else "bfloat16"))
-    export_cb = [SaveHuggingFace(args.export, export_dtype)] if args.export and args.strategy == "slidedp" else []
+    export_cb = (
+        [SaveHuggingFace(args.export, export_dtype, adapter_only=args.export_adapter_only)]
+        if args.export and args.strategy == "slidedp"
+        else []
+    )
     bar = sys.stderr.isatty()
     evals = BeforeAfter(report=not bar)
     logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
@@ -309,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     last = trainer.callback_metrics.get("train_loss")  # last step's, synced across ranks
     train_loss = float(last) if last is not None else float("nan")
     if args.export and isinstance(module, DataFinetuneModule):
-        export(trainer, module, args.export, export_dtype)
+        export(trainer, module, args.export, export_dtype, adapter_only=args.export_adapter_only)
     # leave no gloo/NCCL threads to static destructors at interpreter exit (they can abort the process)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

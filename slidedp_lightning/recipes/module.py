@@ -72,6 +72,19 @@ def checkpoint_vocab_size(model_dir: str) -> int:
     return int(text_config.vocab_size)
 
 
+def _with_lora(model: Any, lora: dict[str, Any]) -> Any:
+    """``model`` with peft's LoRA adapters (``lora``: :func:`~slidedp_lightning.recipes.settings.lora_settings`)."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], target_modules=lora["targets"]
+    )
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:  # peft: no module of the model matches the targets
+        raise ValueError(f"--lora-targets {lora['targets']}: {' '.join(str(err).split())}") from None
+
+
 class FinetuneModule(L.LightningModule):
     """Causal-LM fine-tuning on :class:`~slidedp_lightning.recipes.synthetic.SyntheticTaskDataset`.
 
@@ -96,6 +109,7 @@ class FinetuneModule(L.LightningModule):
         seed: int = DEFAULT_SEED,
         lr_schedule: str = DEFAULT_LR_SCHEDULE,
         chunked_loss: int = 0,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if lr_schedule not in LR_SCHEDULES:
@@ -133,6 +147,8 @@ class FinetuneModule(L.LightningModule):
         self.check_model(model)
         if hp.chunked_loss:  # the head never holds the whole [batch, seq, vocab] logits
             slidedp_lightning.use_chunked_loss(model, hp.chunked_loss)
+        if hp.lora:  # adapters on the checkpoint's weights, which stay frozen
+            model = _with_lora(model, hp.lora)
         model.train()  # from_pretrained returns the model in eval mode
         if getattr(model.config, "use_cache", False):
             model.config.use_cache = False

@@ -70,6 +70,7 @@ class DataFinetuneModule(FinetuneModule):
         seed: int = 1234,
         lr_schedule: str = "cosine",
         chunked_loss: int = 0,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             model_dir=model_dir,
@@ -81,6 +82,7 @@ class DataFinetuneModule(FinetuneModule):
             seed=seed,
             lr_schedule=lr_schedule,
             chunked_loss=chunked_loss,
+            lora=lora,
         )
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(model_dir)
@@ -148,9 +150,12 @@ class TokenThroughput(L.Callback):
         self._t = now
 
 
-def export(trainer: L.Trainer, module: DataFinetuneModule, out: str, dtype: torch.dtype) -> None:
-    """Write the model (non-SlideDP strategies: the module's model; SlideDP exports through its
-    :class:`~slidedp_lightning.SaveHuggingFace` callback) and the tokenizer to ``out`` (rank 0 writes)."""
+def export(
+    trainer: L.Trainer, module: DataFinetuneModule, out: str, dtype: torch.dtype, adapter_only: bool = False
+) -> None:
+    """Write the model (non-SlideDP strategies: the module's model, a LoRA model merged unless ``adapter_only``;
+    SlideDP exports through its :class:`~slidedp_lightning.SaveHuggingFace` callback) and the tokenizer to ``out``
+    (rank 0 writes)."""
     from slidedp_lightning.hf.export import export_directory
     from slidedp_lightning.strategy import SlideDPStrategy
 
@@ -158,6 +163,8 @@ def export(trainer: L.Trainer, module: DataFinetuneModule, out: str, dtype: torc
         if not isinstance(trainer.strategy, SlideDPStrategy):
             assert module.model is not None
             model: Any = copy.deepcopy(module.model).to(dtype)
+            if hasattr(model, "peft_config") and not adapter_only:
+                model = model.merge_and_unload()  # what SlideDP's export writes for a LoRA model
             model.config.use_cache = True
             with export_directory(out) as tmp:  # written aside and swapped in, as SlideDP's export
                 model.save_pretrained(tmp)

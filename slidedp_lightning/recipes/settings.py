@@ -161,6 +161,24 @@ def slidedp_flags(args: Namespace) -> list[str]:
     return [flag for flag, set_ in given if set_]
 
 
+# LoRA (--lora-r): the modules adapted unless --lora-targets names them (peft: every linear layer but the head)
+DEFAULT_LORA_TARGETS = "all-linear"
+
+
+def lora_settings(args: Namespace) -> dict[str, object] | None:
+    """peft's LoRA settings the flags ask for (None: full fine-tuning): rank, alpha (default twice the rank),
+    dropout and the target modules (a list of names, or ``"all-linear"``)."""
+    if args.lora_r is None:
+        return None
+    targets = args.lora_targets or DEFAULT_LORA_TARGETS
+    return {
+        "r": args.lora_r,
+        "alpha": args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r,
+        "dropout": args.lora_dropout,
+        "targets": targets if targets == DEFAULT_LORA_TARGETS else [t.strip() for t in targets.split(",") if t.strip()],
+    }
+
+
 # what the command line adds to the job's flags: which file set them, and whether to print them and stop
 NOT_SETTINGS = ("config", "print_config")
 

@@ -84,6 +84,20 @@ BAD = {
     "val-every 0": (["--val-every", "0"], "--val-every must be >= 1, got 0"),
     "negative chunked loss": (["--chunked-loss", "-1"], "--chunked-loss must be >= 0, got -1"),
     "unknown schedule": (["--lr-schedule", "step"], "argument --lr-schedule: invalid choice: 'step'"),
+    "lora flags without a rank": (
+        ["--lora-alpha", "16", "--lora-targets", "q_proj"],
+        "--lora-alpha, --lora-targets configure LoRA: add --lora-r N",
+    ),
+    "lora rank 0": (["--model", "{model}", "--lora-r", "0"], "--lora-r must be >= 1, got 0"),
+    "lora dropout 1": (
+        ["--model", "{model}", "--lora-r", "8", "--lora-dropout", "1"],
+        "--lora-dropout must be in [0, 1), got 1",
+    ),
+    "lora on random init": (["--lora-r", "8"], "--lora-r adapts a pretrained model: add --model DIR"),
+    "adapter-only without export": (
+        ["--model", "{model}", "--lora-r", "8", "--export-adapter-only"],
+        "add --export OUT",
+    ),
     "slidedp knobs under ddp": (
         ["--strategy", "ddp", "--optimizer-state", "int8", "--no-bf16-copy"],
         "--optimizer-state, --no-bf16-copy configure SlideDP: use them with --strategy slidedp",

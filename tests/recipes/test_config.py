@@ -13,7 +13,8 @@ from slidedp_lightning_cli.finetune import main, parse
 
 CLI = Path(sys.executable).with_name("slidedp-finetune")
 FLAGS = ["--optimizer-state", "int8", "--no-bf16-copy", "--activation-policy", "full@0.5", "--chunk-bytes", "auto",
-         "--max-steps", "7", "--lr", "0.002", "--gradient-clip-val", "1.5", "--lr-schedule", "linear"]  # fmt: skip
+         "--max-steps", "7", "--lr", "0.002", "--gradient-clip-val", "1.5", "--lr-schedule", "linear",
+         "--lora-r", "4", "--lora-targets", "q_proj,v_proj", "--export-adapter-only"]  # fmt: skip
 
 
 def settings(args) -> dict:
@@ -27,6 +28,7 @@ def test_the_printed_config_reads_back_to_the_same_settings(tmp_path, capsys):
     from_file = parse(["--config", str(tmp_path / "job.yaml")])
     assert settings(from_file) == settings(parse(FLAGS))
     assert (from_file.optimizer_state, from_file.bf16_copy, from_file.chunk_bytes) == ("int8", False, "auto")
+    assert (from_file.lora_r, from_file.lora_targets, from_file.export_adapter_only) == (4, "q_proj,v_proj", True)
     assert main(["--config", str(tmp_path / "job.yaml"), "--print-config"]) == 0
     assert capsys.readouterr().out == printed
 
@@ -46,6 +48,7 @@ def test_the_command_line_overrides_the_file(tmp_path):
         ("max-steps: ten\n", "--config {f}: argument --max-steps: invalid int value: 'ten'"),
         ("steps: 10\n", "--config {f}: 'steps' is not a setting"),
         ("bf16-copy: maybe\n", "--config {f}: bf16-copy must be true or false, got 'maybe'"),
+        ("export-adapter-only: 1\n", "--config {f}: export-adapter-only must be true or false, got 1"),
         ("- max-steps\n", "--config {f}: holds a list, not settings by flag name"),
         ("max-steps: [1, 2]\n", "--config {f}: max-steps takes one value"),
         ("max-steps: {\n", "--config {f}: is not YAML"),

@@ -66,3 +66,40 @@ def test_the_training_flags_give_ddps_run_and_the_compact_ledger_trains(tmp_path
     assert "the loss in chunks of 1024 tokens (--chunked-loss 0 turns it off)" in log, log[-3000:]
     assert compact["steps"] == 6 and math.isfinite(compact["train_loss"])
     assert compact["after"]["val_loss"] < compact["before"]["val_loss"], compact
+
+
+@pytest.mark.slow
+def test_a_lora_job_exports_the_merged_model_or_its_adapters(tmp_path):
+    import random
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments"))
+    from finetune_own_data import build_model, build_tokenizer, write_data
+
+    rng = random.Random(0)
+    base = tmp_path / "base"
+    build_model(str(base), build_tokenizer(str(base), rng), seed=0)
+    write_data(str(tmp_path / "train.jsonl"), 64, rng)
+    job = ["--model", str(base), "--data", str(tmp_path / "train.jsonl"), "--seq-len", "32", "--batch-size", "4",
+           "--max-steps", "4", "--precision", "32-true", "--lr", "1e-2", "--lora-r", "8"]  # fmt: skip
+    results, _ = _run(tmp_path, "lora", [*job, "--export", str(tmp_path / "merged")])
+    assert results["steps"] == 4 and math.isfinite(results["train_loss"])
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    got, want = merged.state_dict(), original.state_dict()
+    assert sorted(got) == sorted(want)  # a transformers model, no peft names left
+    adapted = [n for n in want if n.endswith(("q_proj.weight", "down_proj.weight"))]
+    assert adapted and all(not torch.equal(got[n], want[n]) for n in adapted)  # every linear layer merged
+    kept = [n for n in want if "norm" in n or "embed_tokens" in n]
+    assert kept and all(torch.equal(got[n], want[n]) for n in kept)  # frozen: the checkpoint's weights
+
+    _run(tmp_path, "adapters", [*job, "--lora-targets", "q_proj,v_proj", "--export", str(tmp_path / "adapters"),
+                                "--export-adapter-only"])  # fmt: skip
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    tensors = load_file(tmp_path / "adapters" / "adapter_model.safetensors")
+    assert tensors and all("lora_" in n for n in tensors)
