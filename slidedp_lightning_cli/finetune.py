@@ -27,6 +27,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -90,8 +91,9 @@ def build_parser() -> _Parser:
     add = p.add_argument
     add(
         "--model",
-        metavar="DIR",
-        help="local Hugging Face checkpoint directory (config.json + safetensors) to fine-tune "
+        metavar="DIR|ID",
+        help="Hugging Face checkpoint to fine-tune: a directory (config.json + safetensors) or a hub id in the "
+        "local Hugging Face cache, e.g. Qwen/Qwen3-0.6B (offline) "
         f"(default: a random-init tiny Qwen3, configs/{settings.DEFAULT_CONFIG})",
     )
     add(
@@ -354,6 +356,29 @@ def config_vocab_size(model_dir: str) -> int | None:
     return None
 
 
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def resolve_model(args: argparse.Namespace) -> str | None:
+    """Turn a ``--model`` that names a Hugging Face hub model (``Qwen/Qwen3-0.6B``) rather than a directory into
+    that model's directory in the local Hugging Face cache, offline; returns why it cannot (one line), or None."""
+    model = args.model
+    if model is None or os.path.exists(model) or not _HUB_ID.match(model) or model.startswith("."):
+        return None
+    from huggingface_hub import constants, snapshot_download  # plain Python, no torch
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        args.model = snapshot_download(model, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return (
+            f"--model {model} is not a directory and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}): download it where there is a network (huggingface-cli download {model}) "
+            "or pass a checkpoint directory"
+        )
+    return None
+
+
 def _model_problem(model_dir: str, synthetic: bool) -> str | None:
     """Why ``--model model_dir`` cannot be fine-tuned (one line), or None."""
     if not os.path.isdir(model_dir):
@@ -559,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sys.stdout.write(yaml.safe_dump(settings.resolved_config(args), sort_keys=False))
         return 0
-    problem = check_args(args)
+    problem = resolve_model(args) or check_args(args)
     if problem is not None:  # before any process starts or any step trains
         build_parser().error(problem)
 

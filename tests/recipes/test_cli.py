@@ -296,3 +296,33 @@ def test_the_main_job_is_one_quiet_launch(tmp_path, source):
     assert last.step >= 5 and abs(last.value - results["after"]["val_loss"]) < 1e-4, (last, results)
     assert results["before"]["val_loss"] > results["after"]["val_loss"]
     assert os.path.isdir(tmp_path / "logs")
+
+
+def test_a_hub_id_in_the_local_cache_is_its_snapshot_directory(tmp_path, monkeypatch):
+    """--model Qwen/Qwen3-0.6B: the model's directory in the local Hugging Face cache, found offline; a model that
+    is not there is refused naming the cache and how to fill it; a directory is left as it is."""
+    from huggingface_hub import constants
+
+    from slidedp_lightning_cli.finetune import resolve_model
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 64}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    args = build_parser().parse_args(["--model", "org/tiny"])
+    assert resolve_model(args) is None
+    assert Path(args.model) == repo / "snapshots" / commit
+
+    args = build_parser().parse_args(["--model", "org/absent"])
+    problem = resolve_model(args)
+    assert problem is not None and args.model == "org/absent"
+    assert "--model org/absent is not a directory and not in the local Hugging Face cache" in problem
+    assert str(tmp_path / "hub") in problem and "huggingface-cli download org/absent" in problem
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "local").mkdir(parents=True)
+    args = build_parser().parse_args(["--model", "org/local"])
+    assert resolve_model(args) is None and args.model == "org/local"
