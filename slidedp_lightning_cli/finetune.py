@@ -269,6 +269,25 @@ def build_parser() -> _Parser:
         default=settings.DEFAULT_SEED,
         help="seed of the data order, the weights and dropout",
     )
+    add(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="write the strategy's checkpoints (weights, Adam moments, schedule, step, data position) under DIR, "
+        "one directory each, atomically (default: none)",
+    )
+    add(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="a checkpoint every N optimizer steps (default: one, at --max-steps)",
+    )
+    add("--keep-last", type=int, metavar="K", default=2, help="checkpoints kept under --checkpoint-dir, the newest")
+    add(
+        "--resume",
+        metavar="CKPT|auto",
+        help="continue a run from a checkpoint it wrote, bit for bit; auto: the newest complete one under "
+        "--checkpoint-dir, or a fresh start when there is none (default: a fresh start)",
+    )
     add("--log-dir", metavar="DIR", default=os.path.join("runs", "finetune"), help="TensorBoard log directory")
     add(
         "--config",
@@ -436,6 +455,22 @@ def _writable_dir(flag: str, path: str) -> str | None:
     return None
 
 
+def _checkpoint_problem(args: argparse.Namespace) -> str | None:
+    """Why the checkpoint flags cannot make a run (one line), or None."""
+    if args.checkpoint_dir is None:
+        if args.checkpoint_every is not None:
+            return "--checkpoint-every says how often to write to --checkpoint-dir: add --checkpoint-dir DIR"
+        if args.resume == "auto":
+            return "--resume auto looks under --checkpoint-dir: add --checkpoint-dir DIR (or --resume CKPT)"
+    else:
+        problem = _writable_dir("--checkpoint-dir", args.checkpoint_dir)
+        if problem is not None:
+            return problem
+    if args.resume not in (None, "auto") and not os.path.isdir(args.resume) and not os.path.isfile(args.resume):
+        return f"--resume {args.resume} does not exist: pass a checkpoint the run wrote, or auto"
+    return None
+
+
 def _lora_problem(args: argparse.Namespace) -> str | None:
     """Why the LoRA flags cannot make a run (one line), or None."""
     if args.lora_r is None:
@@ -522,6 +557,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         ("--val-every", args.val_every, 1),
         ("--update-threads", args.update_threads, 1),
         ("--chunked-loss", args.chunked_loss, 0),
+        ("--checkpoint-every", args.checkpoint_every, 1),
+        ("--keep-last", args.keep_last, 1),
     ):
         if value is not None and value < low:
             return f"{flag} must be >= {low}, got {value}"
@@ -533,7 +570,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--gradient-clip-val must be a positive number, got {args.gradient_clip_val:g}"
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         return f"--weight-decay must be a number >= 0, got {args.weight_decay:g}"
-    problem = _activation_policy_problem(args.activation_policy) or _lora_problem(args)
+    problem = _activation_policy_problem(args.activation_policy) or _lora_problem(args) or _checkpoint_problem(args)
     if problem is not None:
         return problem
     if args.trace_dir and args.strategy != "slidedp":

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, TQDMProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from slidedp_lightning import LaneTrace, SaveHuggingFace, SlideDPPrecision
@@ -235,7 +236,49 @@ def write_run_config(args: argparse.Namespace, directory: str) -> str:
     head = f"# slidedp-finetune --config {path} repeats this run\n# {_version()}\n"
     with open(path, "w") as f:
         f.write(head + yaml.safe_dump(resolved_config(args), sort_keys=False))
-    log.info("settings of this run: %s", path)
+    return path
+
+
+_CHECKPOINT = re.compile(r"^step=(\d+)\.ckpt$")
+
+
+def _checkpoints(args: argparse.Namespace) -> list[ModelCheckpoint]:
+    """The checkpoint callback of ``--checkpoint-dir``: ``step=N.ckpt`` every ``--checkpoint-every`` steps (without
+    it, one at ``--max-steps``), the newest ``--keep-last`` kept."""
+    if args.checkpoint_dir is None:
+        return []
+    every = args.checkpoint_every or args.max_steps
+    return [
+        ModelCheckpoint(
+            dirpath=args.checkpoint_dir,
+            filename="step={step}",
+            auto_insert_metric_name=False,
+            every_n_train_steps=every,
+            save_top_k=args.keep_last,
+            monitor="step",
+            mode="max",
+        )
+    ]
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest checkpoint (``step=N.ckpt``, the largest N) under ``directory``, or None. A checkpoint is
+    written aside and swapped into place, so one under its final name is complete."""
+    if not os.path.isdir(directory):
+        return None
+    found = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := _CHECKPOINT.match(name))]
+    return os.path.join(directory, max(found)[1]) if found else None
+
+
+def _resume_from(args: argparse.Namespace) -> str | None:
+    if args.resume is None:
+        return None
+    path = latest_checkpoint(args.checkpoint_dir) if args.resume == "auto" else args.resume
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        if path is None:
+            log.info("--resume auto: no checkpoint under %s yet, a fresh start", args.checkpoint_dir)
+        else:
+            log.info("resuming from %s", path)
     return path
 
 
@@ -301,9 +344,10 @@ def run(args: argparse.Namespace) -> int:
             *([StepBar()] if bar else []),
             *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
             *export_cb,
+            *_checkpoints(args),
         ],
-        use_distributed_sampler=args.data is None,  # --data: the module shards its own data
-        enable_checkpointing=False,
+        use_distributed_sampler=False,  # the modules shard their data in an order a resumed run continues
+        enable_checkpointing=args.checkpoint_dir is not None,
         log_every_n_steps=10,
         num_sanity_val_steps=-1,  # the "before" evaluation: the whole validation set, inside the one fit
         check_val_every_n_epoch=None,
@@ -315,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
         write_run_config(args, logger.log_dir)  # before training: a run that dies can still be repeated
     t_fit = time.perf_counter()
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=_resume_from(args))
     fit_s = time.perf_counter() - t_fit
     last = trainer.callback_metrics.get("train_loss")  # last step's, synced across ranks
     train_loss = float(last) if last is not None else float("nan")
@@ -350,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         f"last train_loss {train_loss:.4f} | time: eval before {evals.seconds['before']:.1f} s, fit {fit_s:.1f} s "
         f"(both evals included), eval after {evals.seconds['after']:.1f} s",
-        f"TensorBoard logs: {logger.log_dir}",
+        f"TensorBoard logs: {logger.log_dir} (its config.yaml repeats this run)",
         *(
             [f"exported ({args.export_dtype or str(export_dtype).removeprefix('torch.')}): {args.export}"]
             if args.export

@@ -17,9 +17,10 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 import slidedp_lightning
+from slidedp_lightning.recipes.order import POSITION, ResumingSampler
 from slidedp_lightning.recipes.settings import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_CONFIG,
@@ -123,6 +124,8 @@ class FinetuneModule(L.LightningModule):
         self._sums: torch.Tensor | None = None  # this rank's metric sums over the current validation pass
         # the last validation pass's metrics, reduced over the ranks (set on every rank)
         self.val_metrics: dict[str, float] | None = None
+        self._position: dict[str, int] | None = None  # the data position a checkpoint taken now records
+        self._resume_position: dict[str, int] | None = None  # the one the run resumed from
 
     @property
     def hp(self) -> Any:
@@ -177,12 +180,42 @@ class FinetuneModule(L.LightningModule):
             self._eval_set = SyntheticTaskDataset(self.spec, self.hp.eval_size, seed=seed)
         return self._eval_set
 
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self._trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_sampler(self, dataset: Any, drop_last: bool) -> ResumingSampler:
+        """This rank's share of ``dataset`` in a seeded order that a resumed run continues (see
+        :mod:`~slidedp_lightning.recipes.order`)."""
+        rank, world = self._rank_world()
+        sampler = ResumingSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.hp.seed, drop_last=drop_last,
+            batch_size=self.hp.batch_size,
+        )  # fmt: skip
+        if self._resume_position is not None:
+            sampler.resume_at(self._resume_position["epoch"], self._resume_position["batches"])
+        return sampler
+
     def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.hp.seed)
-        return DataLoader(self.train_set(), batch_size=self.hp.batch_size, shuffle=True, drop_last=True, generator=gen)
+        # Lightning's own DistributedSampler would give this order (seed, shuffled, no drop_last)
+        sampler = self.train_sampler(self.train_set(), drop_last=False)
+        return DataLoader(self.train_set(), batch_size=self.hp.batch_size, sampler=sampler, drop_last=True)
+
+    # ----------------------------------------------------------- resumption
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._position = {"epoch": self.trainer.current_epoch, "batches": batch_idx + 1}  # once this batch is done
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._position is not None:
+            checkpoint[POSITION] = dict(self._position)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._resume_position = checkpoint.get(POSITION)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.eval_set(), batch_size=self.hp.eval_batch_size, shuffle=False)
+        rank, world = self._rank_world()  # the sampler Lightning's own would be: in order, padded to equal shares
+        sampler: DistributedSampler = DistributedSampler(self.eval_set(), num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(self.eval_set(), batch_size=self.hp.eval_batch_size, sampler=sampler)
 
     @property
     def nonfinite_loss_steps(self) -> int:

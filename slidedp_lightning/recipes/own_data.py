@@ -17,7 +17,7 @@ from typing import Any
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from slidedp_lightning.recipes.data import EvalShard, JsonlDataset
 from slidedp_lightning.recipes.module import FinetuneModule
@@ -98,20 +98,14 @@ class DataFinetuneModule(FinetuneModule):
                 f"embedding only {vocab}"
             )
 
-    def _rank_world(self) -> tuple[int, int]:
-        trainer = self._trainer
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-
     def train_dataloader(self) -> DataLoader:
-        rank, world = self._rank_world()
+        _, world = self._rank_world()
         if len(self.train_data) < self.hp.batch_size * world:
             raise ValueError(
                 f"{self.hp.data}: {len(self.train_data)} examples, fewer than one global batch "
                 f"({self.hp.batch_size} x {world} ranks)"
             )
-        sampler: DistributedSampler = DistributedSampler(
-            self.train_data, num_replicas=world, rank=rank, shuffle=True, seed=self.hp.seed, drop_last=True
-        )
+        sampler = self.train_sampler(self.train_data, drop_last=True)
         return DataLoader(self.train_data, batch_size=self.hp.batch_size, sampler=sampler, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -98,6 +98,11 @@ BAD = {
         ["--model", "{model}", "--lora-r", "8", "--export-adapter-only"],
         "add --export OUT",
     ),
+    "checkpoint-every without a dir": (["--checkpoint-every", "5"], "add --checkpoint-dir DIR"),
+    "resume auto without a dir": (["--resume", "auto"], "--resume auto looks under --checkpoint-dir"),
+    "resume a missing checkpoint": (["--resume", "{tmp}/nope.ckpt"], "--resume {tmp}/nope.ckpt does not exist"),
+    "keep-last 0": (["--checkpoint-dir", "{tmp}/ck", "--keep-last", "0"], "--keep-last must be >= 1, got 0"),
+    "checkpoint dir a file": (["--checkpoint-dir", "{data}"], "exists and is not a directory"),
     "slidedp knobs under ddp": (
         ["--strategy", "ddp", "--optimizer-state", "int8", "--no-bf16-copy"],
         "--optimizer-state, --no-bf16-copy configure SlideDP: use them with --strategy slidedp",
