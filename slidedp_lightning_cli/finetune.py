@@ -468,7 +468,8 @@ def _checkpoint_problem(args: argparse.Namespace) -> str | None:
             return problem
     if args.resume not in (None, "auto") and not os.path.isdir(args.resume) and not os.path.isfile(args.resume):
         return f"--resume {args.resume} does not exist: pass a checkpoint the run wrote, or auto"
-    return None
+    resume = settings.latest_checkpoint(args.checkpoint_dir) if args.resume == "auto" else args.resume
+    return settings.resume_problem(args, resume) if resume else None
 
 
 def _lora_problem(args: argparse.Namespace) -> str | None:

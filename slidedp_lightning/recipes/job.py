@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from slidedp_lightning.recipes.module import FinetuneModule
 from slidedp_lightning.recipes.settings import (
     MODEL_ACTIVATION_POLICY,
     MODEL_CHUNKED_LOSS,
+    latest_checkpoint,
     lora_settings,
     resolved_config,
 )
@@ -239,9 +239,6 @@ def write_run_config(args: argparse.Namespace, directory: str) -> str:
     return path
 
 
-_CHECKPOINT = re.compile(r"^step=(\d+)\.ckpt$")
-
-
 def _checkpoints(args: argparse.Namespace) -> list[ModelCheckpoint]:
     """The checkpoint callback of ``--checkpoint-dir``: ``step=N.ckpt`` every ``--checkpoint-every`` steps (without
     it, one at ``--max-steps``), the newest ``--keep-last`` kept."""
@@ -259,15 +256,6 @@ def _checkpoints(args: argparse.Namespace) -> list[ModelCheckpoint]:
             mode="max",
         )
     ]
-
-
-def latest_checkpoint(directory: str) -> str | None:
-    """The newest checkpoint (``step=N.ckpt``, the largest N) under ``directory``, or None. A checkpoint is
-    written aside and swapped into place, so one under its final name is complete."""
-    if not os.path.isdir(directory):
-        return None
-    found = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := _CHECKPOINT.match(name))]
-    return os.path.join(directory, max(found)[1]) if found else None
 
 
 def _resume_from(args: argparse.Namespace) -> str | None:

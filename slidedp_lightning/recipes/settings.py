@@ -8,6 +8,9 @@ from this file (:mod:`slidedp_lightning_cli.task`), since importing it through t
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from argparse import Namespace
 from dataclasses import dataclass
 
@@ -187,3 +190,49 @@ def resolved_config(args: Namespace) -> dict[str, object]:
     """Every setting of a run by its flag's name (``optimizer-state``), as ``--config`` reads it back: the file
     ``--print-config`` prints and each run writes beside its logs."""
     return {k.replace("_", "-"): v for k, v in vars(args).items() if k not in NOT_SETTINGS}
+
+
+CHECKPOINT_NAME = re.compile(r"^step=(\d+)\.ckpt$")  # the job's checkpoints under --checkpoint-dir
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest checkpoint (``step=N.ckpt``, the largest N) under ``directory``, or None. A checkpoint is
+    written aside and swapped into place, so one under its final name is complete."""
+    if not os.path.isdir(directory):
+        return None
+    found = [(int(m.group(1)), name) for name in os.listdir(directory) if (m := CHECKPOINT_NAME.match(name))]
+    return os.path.join(directory, max(found)[1]) if found else None
+
+
+def resume_problem(args: Namespace, checkpoint: str) -> str | None:
+    """Why the flags cannot resume ``checkpoint`` (one line naming the flag that differs from the run that wrote
+    it), or None: what the ledger holds (the moments' format, the BF16 copy, which weights train) must match.
+    Reads the distributed checkpoint's ``meta.json`` only; another file (a full checkpoint) is left to the
+    strategy's own checks."""
+    try:
+        with open(os.path.join(checkpoint, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    written, hyper = meta.get("slidedp") or {}, meta.get("hyper_parameters") or {}
+    ledger = {
+        "--optimizer-state": (written.get("optimizer_state"), args.optimizer_state),
+        "--bf16-copy": (written.get("bf16_copy"), args.bf16_copy),
+    }
+    if "lora" in hyper:  # which weights train (the job's own module records it)
+        ledger["--lora-r"] = ((hyper["lora"] or {}).get("r"), args.lora_r)
+    for flag, (then, now) in ledger.items():
+        if (then is not None or flag == "--lora-r") and then != now:
+            return (
+                f"--resume {checkpoint}: it was written with {flag} {_shown(then)}, this run has {flag} "
+                f"{_shown(now)}; a checkpoint resumes with the flags that wrote it (start a new run to change them)"
+            )
+    return None
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)

@@ -64,6 +64,11 @@ def test_a_killed_run_resumed_ends_bit_for_bit_where_the_whole_run_ends(tmp_path
     proc.wait()
     assert not (tmp_path / "out-resumed").exists() and not (tmp_path / "resumed.json").exists()
 
+    changed = subprocess.run([*_job(tmp_path, "resumed"), "--resume", "auto", "--optimizer-state", "fp32"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    assert "written with --optimizer-state int8, this run has --optimizer-state fp32" in changed.stderr
+
     again = subprocess.run([*_job(tmp_path, "resumed"), "--resume", "auto"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=600)  # fmt: skip
     output = again.stdout + again.stderr
