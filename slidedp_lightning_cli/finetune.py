@@ -105,6 +105,13 @@ def build_parser() -> _Parser:
     )
     add("--val-data", metavar="FILE", help="--data only: JSONL validation data (default: --data)")
     add(
+        "--val-split",
+        type=float,
+        metavar="F",
+        help="--data only: hold a seeded random fraction F of --data out of training to validate on "
+        "(default: validate on --data itself)",
+    )
+    add(
         "--seq-len",
         type=int,
         metavar="N",
@@ -571,6 +578,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--gradient-clip-val must be a positive number, got {args.gradient_clip_val:g}"
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         return f"--weight-decay must be a number >= 0, got {args.weight_decay:g}"
+    if args.val_split is not None and not 0.0 < args.val_split < 1.0:
+        return f"--val-split must be a fraction in (0, 1), got {args.val_split:g}"
+    if args.val_split is not None and args.val_data is not None:
+        return "--val-split holds part of --data out for validation: drop it, or drop --val-data"
     problem = _activation_policy_problem(args.activation_policy) or _lora_problem(args) or _checkpoint_problem(args)
     if problem is not None:
         return problem
@@ -593,6 +604,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     if args.data is None:
         for flag, value in (
             ("--val-data", args.val_data),
+            ("--val-split", args.val_split),
             ("--export", args.export),
             ("--export-dtype", args.export_dtype),
         ):

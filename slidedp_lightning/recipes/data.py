@@ -190,6 +190,24 @@ class JsonlDataset(Dataset):
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def split(self, fraction: float, seed: int) -> tuple[JsonlDataset, JsonlDataset]:
+        """``(train, val)``: a seeded random ``fraction`` of the examples (at least one) held out for validation,
+        the rest for training, each in file order."""
+        n = len(self)
+        held = max(1, round(n * fraction))
+        if held >= n:
+            raise ValueError(f"a validation split of {fraction:g} leaves none of the {n} examples for training")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        val, train = order[:held].sort().values, order[held:].sort().values
+        return self._rows(train), self._rows(val)
+
+    def _rows(self, index: torch.Tensor) -> JsonlDataset:
+        part = object.__new__(JsonlDataset)
+        part.seq_len, part.pad_id = self.seq_len, self.pad_id
+        part.input_ids, part.labels = self.input_ids[index], self.labels[index]
+        part.attention_mask = self.attention_mask[index]
+        return part
+
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         if idx < 0:  # blank row padding a rank's evaluation shard: one token, no labels
             ids = torch.full((self.seq_len,), self.pad_id, dtype=torch.int64)

@@ -193,6 +193,7 @@ def _module(args: argparse.Namespace) -> FinetuneModule:
         model_dir=args.model,
         data=args.data,
         val_data=args.val_data,
+        val_split=args.val_split,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         lr=DEFAULT_DATA_LR if args.lr is None else args.lr,

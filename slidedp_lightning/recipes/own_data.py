@@ -61,6 +61,7 @@ class DataFinetuneModule(FinetuneModule):
         model_dir: str,
         data: str,
         val_data: str | None = None,
+        val_split: float | None = None,
         seq_len: int = 256,
         batch_size: int = 8,
         eval_batch_size: int = 32,
@@ -89,6 +90,8 @@ class DataFinetuneModule(FinetuneModule):
         # read and checked now, in every process, before any Trainer work: bad data fails fast with file:line
         self.train_data = JsonlDataset(data, self.tokenizer, seq_len)
         self.val_data = JsonlDataset(val_data, self.tokenizer, seq_len) if val_data else self.train_data
+        if val_split:  # held out of --data, the same on every rank (seeded)
+            self.train_data, self.val_data = self.train_data.split(val_split, seed)
 
     def check_model(self, model: Any) -> None:
         vocab = model.get_input_embeddings().num_embeddings

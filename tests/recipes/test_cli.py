@@ -98,6 +98,15 @@ BAD = {
         ["--model", "{model}", "--lora-r", "8", "--export-adapter-only"],
         "add --export OUT",
     ),
+    "val-split 0": (
+        ["--model", "{model}", "--data", "{data}", "--val-split", "0"],
+        "--val-split must be a fraction in (0, 1), got 0",
+    ),
+    "val-split and val-data": (
+        ["--model", "{model}", "--data", "{data}", "--val-split", "0.1", "--val-data", "{data}"],
+        "--val-split holds part of --data out for validation: drop it, or drop --val-data",
+    ),
+    "val-split without data": (["--val-split", "0.1"], "--val-split goes with --data"),
     "checkpoint-every without a dir": (["--checkpoint-every", "5"], "add --checkpoint-dir DIR"),
     "resume auto without a dir": (["--resume", "auto"], "--resume auto looks under --checkpoint-dir"),
     "resume a missing checkpoint": (["--resume", "{tmp}/nope.ckpt"], "--resume {tmp}/nope.ckpt does not exist"),

@@ -211,3 +211,21 @@ def test_eval_shards_score_each_example_once(tok, tmp_path, n, world):
     tokens = int((data.labels[:, 1:] != IGNORE_INDEX).sum())
     assert total[2] == tokens and total[4] == n
     assert total[0].item() == pytest.approx(tokens * math.log(vocab))
+
+
+def test_a_validation_split_holds_out_a_seeded_fraction(tok, tmp_path):
+    lines = [json.dumps({"prompt": f"what is {i}+{i}=", "completion": str(2 * i)}) for i in range(10)]
+    data = JsonlDataset(_write(tmp_path / "d.jsonl", lines), tok, seq_len=24)
+    train, val = data.split(0.3, seed=7)
+    assert (len(train), len(val)) == (7, 3)
+
+    def rows(part):
+        return {tuple(part[i]["input_ids"].tolist()) for i in range(len(part))}
+
+    assert rows(train) | rows(val) == rows(data) and not rows(train) & rows(val)
+    again_train, again_val = data.split(0.3, seed=7)
+    assert rows(again_val) == rows(val)  # the same seed on every rank: the same split
+    assert len({frozenset(rows(data.split(0.3, seed=s)[1])) for s in range(6)}) > 1  # the seed chooses it
+    assert val[-1]["labels"].eq(IGNORE_INDEX).all()  # a padding row of an evaluation shard, as for a whole file
+    with pytest.raises(ValueError, match="leaves none of the 10 examples for training"):
+        data.split(0.99, seed=7)

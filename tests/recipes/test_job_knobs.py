@@ -85,7 +85,7 @@ def test_a_lora_job_exports_the_merged_model_or_its_adapters(tmp_path):
     write_data(str(tmp_path / "train.jsonl"), 64, rng)
     job = ["--model", str(base), "--data", str(tmp_path / "train.jsonl"), "--seq-len", "32", "--batch-size", "4",
            "--max-steps", "4", "--precision", "32-true", "--lr", "1e-2", "--lora-r", "8"]  # fmt: skip
-    results, _ = _run(tmp_path, "lora", [*job, "--export", str(tmp_path / "merged")])
+    results, _ = _run(tmp_path, "lora", [*job, "--export", str(tmp_path / "merged"), "--val-split", "0.25"])
     assert results["steps"] == 4 and math.isfinite(results["train_loss"])
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
