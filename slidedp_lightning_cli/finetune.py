@@ -229,7 +229,18 @@ def build_parser() -> _Parser:
         action="store_true",
         help="with --lora-r: --export writes the adapters alone, in peft's format (default: the merged model)",
     )
-    add("--max-steps", type=int, metavar="N", default=settings.DEFAULT_MAX_STEPS, help="optimizer steps")
+    add(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help=f"optimizer steps (default: {settings.DEFAULT_MAX_STEPS}, or what --max-epochs makes)",
+    )
+    add(
+        "--max-epochs",
+        type=int,
+        metavar="N",
+        help="passes over the training data instead of --max-steps (default: none)",
+    )
     add("--batch-size", type=int, metavar="N", default=settings.DEFAULT_BATCH_SIZE, help="examples per device per step")
     add(
         "--lr",
@@ -558,6 +569,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     for flag, value, low in (
         ("--devices", args.devices, 1),
         ("--max-steps", args.max_steps, 1),
+        ("--max-epochs", args.max_epochs, 1),
         ("--batch-size", args.batch_size, 1),
         ("--seq-len", args.seq_len, 2),
         ("--warmup-steps", args.warmup_steps, 0),
@@ -578,6 +590,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--gradient-clip-val must be a positive number, got {args.gradient_clip_val:g}"
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         return f"--weight-decay must be a number >= 0, got {args.weight_decay:g}"
+    if args.max_steps is not None and args.max_epochs is not None:
+        return "--max-steps and --max-epochs both say when the run ends: give one"
     if args.val_split is not None and not 0.0 < args.val_split < 1.0:
         return f"--val-split must be a fraction in (0, 1), got {args.val_split:g}"
     if args.val_split is not None and args.val_data is not None:

@@ -32,6 +32,7 @@ from slidedp_lightning.recipes.finetune import (
     DEFAULT_CONFIG,
     DEFAULT_DATA_LR,
     DEFAULT_LR,
+    DEFAULT_MAX_STEPS,
     TASK,
     chunked_loss,
     strategy_for,
@@ -240,12 +241,12 @@ def write_run_config(args: argparse.Namespace, directory: str) -> str:
     return path
 
 
-def _checkpoints(args: argparse.Namespace) -> list[ModelCheckpoint]:
+def _checkpoints(args: argparse.Namespace, max_steps: int) -> list[ModelCheckpoint]:
     """The checkpoint callback of ``--checkpoint-dir``: ``step=N.ckpt`` every ``--checkpoint-every`` steps (without
     it, one at ``--max-steps``), the newest ``--keep-last`` kept."""
     if args.checkpoint_dir is None:
         return []
-    every = args.checkpoint_every or args.max_steps
+    every = args.checkpoint_every or max_steps
     return [
         ModelCheckpoint(
             dirpath=args.checkpoint_dir,
@@ -269,6 +270,19 @@ def _resume_from(args: argparse.Namespace) -> str | None:
         else:
             log.info("resuming from %s", path)
     return path
+
+
+def _max_steps(args: argparse.Namespace, module: FinetuneModule) -> int:
+    """The run's optimizer steps: ``--max-steps``, or ``--max-epochs`` passes over the training data (a partial
+    accumulation at an epoch's end is a step, as Lightning takes it), or the default."""
+    if args.max_epochs is None:
+        return args.max_steps or DEFAULT_MAX_STEPS
+    per_epoch = math.ceil(module.batches_per_epoch(args.devices) / args.accumulate_grad_batches)
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        log.info(
+            "--max-epochs %d: %d optimizer steps (%d an epoch)", args.max_epochs, args.max_epochs * per_epoch, per_epoch
+        )
+    return args.max_epochs * per_epoch
 
 
 def _log_model_defaults(args: argparse.Namespace) -> None:
@@ -307,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"slidedp-finetune: error: {err}", file=sys.stderr, flush=True)
         return 2
     _log_model_defaults(args)
+    max_steps = _max_steps(args, module)
 
     export_dtype = getattr(torch, args.export_dtype or ("float32" if args.precision == "32-true" else "bfloat16"))
     export_cb = (
@@ -322,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         accelerator=args.accelerator,
         devices=args.devices,
         **_precision(args),
-        max_steps=args.max_steps,
+        max_steps=max_steps,
         accumulate_grad_batches=args.accumulate_grad_batches,
         gradient_clip_val=args.gradient_clip_val,
         logger=logger,
@@ -333,14 +348,14 @@ def run(args: argparse.Namespace) -> int:
             *([StepBar()] if bar else []),
             *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
             *export_cb,
-            *_checkpoints(args),
+            *_checkpoints(args, max_steps),
         ],
         use_distributed_sampler=False,  # the modules shard their data in an order a resumed run continues
         enable_checkpointing=args.checkpoint_dir is not None,
         log_every_n_steps=10,
         num_sanity_val_steps=-1,  # the "before" evaluation: the whole validation set, inside the one fit
         check_val_every_n_epoch=None,
-        val_check_interval=(args.val_every or max(1, args.max_steps // 4)) * args.accumulate_grad_batches,  # batches
+        val_check_interval=(args.val_every or max(1, max_steps // 4)) * args.accumulate_grad_batches,  # batches
         enable_progress_bar=bar,
         enable_model_summary=False,  # the table states the parameter count
     )

@@ -196,6 +196,11 @@ class FinetuneModule(L.LightningModule):
             sampler.resume_at(self._resume_position["epoch"], self._resume_position["batches"])
         return sampler
 
+    def batches_per_epoch(self, world: int) -> int:
+        """Training batches a rank runs in one pass over the data with ``world`` ranks."""
+        sampler = ResumingSampler(self.train_set(), num_replicas=world, rank=0, drop_last=False, batch_size=1)
+        return len(sampler) // self.hp.batch_size
+
     def train_dataloader(self) -> DataLoader:
         # Lightning's own DistributedSampler would give this order (seed, shuffled, no drop_last)
         sampler = self.train_sampler(self.train_set(), drop_last=False)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from slidedp_lightning.recipes.data import EvalShard, JsonlDataset
 from slidedp_lightning.recipes.module import FinetuneModule
+from slidedp_lightning.recipes.order import ResumingSampler
 from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,10 @@ class DataFinetuneModule(FinetuneModule):
                 f"{self.hp.model_dir}: the tokenizer has {len(self.tokenizer)} tokens but the model's "
                 f"embedding only {vocab}"
             )
+
+    def batches_per_epoch(self, world: int) -> int:
+        sampler = ResumingSampler(self.train_data, num_replicas=world, rank=0, drop_last=True, batch_size=1)
+        return len(sampler) // self.hp.batch_size
 
     def train_dataloader(self) -> DataLoader:
         _, world = self._rank_world()

@@ -107,6 +107,11 @@ BAD = {
         "--val-split holds part of --data out for validation: drop it, or drop --val-data",
     ),
     "val-split without data": (["--val-split", "0.1"], "--val-split goes with --data"),
+    "max-steps and max-epochs": (
+        ["--max-steps", "5", "--max-epochs", "1"],
+        "--max-steps and --max-epochs both say when",
+    ),
+    "max-epochs 0": (["--max-epochs", "0"], "--max-epochs must be >= 1, got 0"),
     "checkpoint-every without a dir": (["--checkpoint-every", "5"], "add --checkpoint-dir DIR"),
     "resume auto without a dir": (["--resume", "auto"], "--resume auto looks under --checkpoint-dir"),
     "resume a missing checkpoint": (["--resume", "{tmp}/nope.ckpt"], "--resume {tmp}/nope.ckpt does not exist"),

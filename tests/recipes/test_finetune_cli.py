@@ -64,3 +64,19 @@ def test_the_random_init_model_is_built_on_meta():
 def test_bad_flags(argv):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
+
+
+def test_max_epochs_becomes_the_steps_of_that_many_passes():
+    from slidedp_lightning.recipes.job import _max_steps
+    from slidedp_lightning.recipes.module import FinetuneModule
+    from slidedp_lightning.recipes.settings import DEFAULT_MAX_STEPS, TRAIN_SIZE
+
+    module = FinetuneModule(batch_size=32)
+    assert module.batches_per_epoch(2) == TRAIN_SIZE // 2 // 32  # 312 batches of 32 a rank
+    parse = build_parser().parse_args
+    assert _max_steps(parse(["--max-epochs", "2"]), module) == 2 * 312
+    assert (
+        _max_steps(parse(["--max-epochs", "2", "--accumulate-grad-batches", "5"]), module) == 2 * 63
+    )  # 62.4: the last partial
+    assert _max_steps(parse(["--max-steps", "7"]), module) == 7
+    assert _max_steps(parse([]), module) == DEFAULT_MAX_STEPS

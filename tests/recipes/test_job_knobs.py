@@ -84,9 +84,9 @@ def test_a_lora_job_exports_the_merged_model_or_its_adapters(tmp_path):
     build_model(str(base), build_tokenizer(str(base), rng), seed=0)
     write_data(str(tmp_path / "train.jsonl"), 64, rng)
     job = ["--model", str(base), "--data", str(tmp_path / "train.jsonl"), "--seq-len", "32", "--batch-size", "4",
-           "--max-steps", "4", "--precision", "32-true", "--lr", "1e-2", "--lora-r", "8"]  # fmt: skip
+           "--max-epochs", "1", "--precision", "32-true", "--lr", "1e-2", "--lora-r", "8"]  # fmt: skip
     results, _ = _run(tmp_path, "lora", [*job, "--export", str(tmp_path / "merged"), "--val-split", "0.25"])
-    assert results["steps"] == 4 and math.isfinite(results["train_loss"])
+    assert results["steps"] == 6 and math.isfinite(results["train_loss"])  # one pass: 48 training examples, 2 x 4
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     original = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
