@@ -131,16 +131,18 @@ class DataFinetuneModule(FinetuneModule):
 
 
 class TokenThroughput(L.Callback):
-    """Log ``train_tokens_per_s``: non-padding tokens of all ranks per second of optimizer step (rank 0's clock)."""
+    """Log ``train_tokens_per_s`` (non-padding tokens of all ranks per second of the batch, rank 0's clock) and
+    ``step_s`` (seconds of the last optimizer step, accumulation included); both show in the step bar."""
 
     def __init__(self) -> None:
         self._t: float | None = None
+        self._step_t: float | None = None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._t is None:
-            self._t = time.perf_counter()
+            self._t = self._step_t = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -148,7 +150,11 @@ class TokenThroughput(L.Callback):
         now = time.perf_counter()
         if self._t is not None:
             tokens = float(batch["attention_mask"].sum()) * trainer.world_size
-            pl_module.log("train_tokens_per_s", tokens / max(now - self._t, 1e-9), on_step=True, on_epoch=False)
+            rate = tokens / max(now - self._t, 1e-9)
+            pl_module.log("train_tokens_per_s", rate, on_step=True, on_epoch=False, prog_bar=True)
+        if self._step_t is not None and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            pl_module.log("step_s", now - self._step_t, on_step=True, on_epoch=False, prog_bar=True)
+            self._step_t = now
         self._t = now
 
 

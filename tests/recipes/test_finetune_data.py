@@ -59,3 +59,4 @@ def test_own_data_end_to_end(tmp_path, strategy):
     tags = set(events.Tags()["scalars"])
     assert {"train_loss", "train_tokens_per_s", "val_loss", "val_acc", "lr-AdamW/pg1"} <= tags, tags
     assert all(e.value > 0 for e in events.Scalars("train_tokens_per_s"))
+    assert "step_s" in tags and all(e.value > 0 for e in events.Scalars("step_s"))
