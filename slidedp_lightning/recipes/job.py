@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -136,6 +137,20 @@ class BeforeAfter(L.Callback):
     ) -> None:
         if 0 < trainer.max_steps <= trainer.global_step:
             trainer.should_stop = True  # Lightning validates on this batch, then stops (max_steps)
+
+
+class LedgerFacts(L.Callback):
+    """The host ledger's size at the end of training (SlideDP only): ``ledger_bytes`` and ``ledger_bytes_per_param``
+    (every region, padding and guards included, over the model's parameters)."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, float | int | None] = {"ledger_bytes": None, "ledger_bytes_per_param": None}
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            stats = engine.ledger_stats()
+            self.facts = {"ledger_bytes": stats.nbytes, "ledger_bytes_per_param": stats.nbytes / stats.num_params}
 
 
 class StepBar(TQDMProgressBar):
@@ -331,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
     )
     bar = sys.stderr.isatty()
     evals = BeforeAfter(report=not bar)
+    throughput, ledger = TokenThroughput(), LedgerFacts()
     logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
     trainer = L.Trainer(
         strategy=strategy,
@@ -344,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
         callbacks=[
             evals,
             LearningRateMonitor(logging_interval="step"),
-            TokenThroughput(),
+            throughput,
+            ledger,
             *([StepBar()] if bar else []),
             *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
             *export_cb,
@@ -381,9 +398,16 @@ def run(args: argparse.Namespace) -> int:
         return 0 if finite else 1
 
     world = trainer.world_size
+    tokens_per_s = statistics.median(throughput.rates[1:]) if len(throughput.rates) > 1 else float("nan")
+    step_s = statistics.median(throughput.steps[1:]) if len(throughput.steps) > 1 else float("nan")
+    saved = [cb.best_model_path for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
+    checkpoint = next((path for path in saved if path), None)  # the newest: the callback keeps the largest step
     if args.results:
+        report = {"before": before, "after": after, "train_loss": train_loss, "steps": trainer.global_step}
+        report |= {"tokens_per_s": tokens_per_s, "step_s": step_s, **ledger.facts, "checkpoint": checkpoint}
+        report |= {"export": os.path.abspath(args.export) if args.export else None}
         with open(args.results, "w") as f:
-            json.dump({"before": before, "after": after, "train_loss": train_loss, "steps": trainer.global_step}, f)
+            json.dump(report, f)
     params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
     task = f"{TASK.task} {TASK.length} symbols of {TASK.num_symbols}" if args.data is None else args.data
     lines = [
@@ -396,9 +420,11 @@ def run(args: argparse.Namespace) -> int:
             f"{name:8s}{m['val_loss']:9.4f}{m['val_acc']:8.3f}{m['val_exact']:8.3f}"
             for name, m in (("before", before), ("after", after))
         ),
-        f"last train_loss {train_loss:.4f} | time: eval before {evals.seconds['before']:.1f} s, fit {fit_s:.1f} s "
-        f"(both evals included), eval after {evals.seconds['after']:.1f} s",
+        f"last train_loss {train_loss:.4f} | {tokens_per_s:,.0f} tokens/s, {step_s:.3f} s a step (medians) | time: "
+        f"eval before {evals.seconds['before']:.1f} s, fit {fit_s:.1f} s (both evals included), eval after "
+        f"{evals.seconds['after']:.1f} s",
         f"TensorBoard logs: {logger.log_dir} (its config.yaml repeats this run)",
+        *([f"last checkpoint: {checkpoint}"] if checkpoint else []),
         *(
             [f"exported ({args.export_dtype or str(export_dtype).removeprefix('torch.')}): {args.export}"]
             if args.export

@@ -137,6 +137,8 @@ class TokenThroughput(L.Callback):
     def __init__(self) -> None:
         self._t: float | None = None
         self._step_t: float | None = None
+        self.rates: list[float] = []  # tokens/s of every batch but the first (it includes the warm-up)
+        self.steps: list[float] = []  # seconds of every optimizer step but the first
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -152,8 +154,10 @@ class TokenThroughput(L.Callback):
             tokens = float(batch["attention_mask"].sum()) * trainer.world_size
             rate = tokens / max(now - self._t, 1e-9)
             pl_module.log("train_tokens_per_s", rate, on_step=True, on_epoch=False, prog_bar=True)
+            self.rates.append(rate)
         if self._step_t is not None and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
             pl_module.log("step_s", now - self._step_t, on_step=True, on_epoch=False, prog_bar=True)
+            self.steps.append(now - self._step_t)
             self._step_t = now
         self._t = now
 

@@ -57,6 +57,8 @@ def test_the_training_flags_give_ddps_run_and_the_compact_ledger_trains(tmp_path
                        "--log-dir", str(tmp_path / "logs-slidedp")]))  # fmt: skip
     assert {k: v for k, v in again.items() if k != "config"} == {k: v for k, v in want.items() if k != "config"}
     assert ours["steps"] == ddp["steps"] == 4
+    assert ours["tokens_per_s"] > 0 and ours["step_s"] > 0 and ddp["tokens_per_s"] > 0
+    assert 14 <= ours["ledger_bytes_per_param"] < 16 and ddp["ledger_bytes"] is None  # FP32 master, moments, copy
     assert math.isclose(ours["train_loss"], ddp["train_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
     assert math.isclose(ours["after"]["val_loss"], ddp["after"]["val_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
 
@@ -65,6 +67,7 @@ def test_the_training_flags_give_ddps_run_and_the_compact_ledger_trains(tmp_path
     assert f"--model {model}: activation policy 'full' (--activation-policy none turns it off)" in log, log[-3000:]
     assert "the loss in chunks of 1024 tokens (--chunked-loss 0 turns it off)" in log, log[-3000:]
     assert compact["steps"] == 6 and math.isfinite(compact["train_loss"])
+    assert 6 <= compact["ledger_bytes_per_param"] < 8  # FP32 master and int8 moments, no copy
     assert compact["after"]["val_loss"] < compact["before"]["val_loss"], compact
 
 

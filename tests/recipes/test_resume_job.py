@@ -74,7 +74,9 @@ def test_a_killed_run_resumed_ends_bit_for_bit_where_the_whole_run_ends(tmp_path
     output = again.stdout + again.stderr
     assert again.returncode == 0, output[-3000:]
     assert "resuming from " + str(tmp_path / "ck-resumed" / "step=") in output, output[-3000:]
-    assert json.loads((tmp_path / "resumed.json").read_text())["steps"] == 10
+    report = json.loads((tmp_path / "resumed.json").read_text())
+    assert report["steps"] == 10 and report["export"] == str(tmp_path / "out-resumed")
+    assert report["checkpoint"] == str(tmp_path / "ck-resumed" / "step=9.ckpt")
 
     want, got = _weights(tmp_path / "out-whole"), _weights(tmp_path / "out-resumed")
     assert sorted(got) == sorted(want) and want
