@@ -606,8 +606,6 @@ def check_args(args: argparse.Namespace) -> str | None:
             "--param-route replicated (a ledger per rank) reduces gradients with an all-reduce on the devices: "
             "use --grad-route gpu_reduce or auto"
         )
-    if settings.custom_routes(args) and args.strategy != "slidedp":
-        return "--param-route, --grad-route and --chunk-bytes configure SlideDP: use them with --strategy slidedp"
     if settings.slidedp_flags(args) and args.strategy != "slidedp":
         return f"{', '.join(settings.slidedp_flags(args))} configure SlideDP: use them with --strategy slidedp"
     if args.precision == "16-mixed" and args.accelerator == "cpu" and args.strategy != "slidedp":

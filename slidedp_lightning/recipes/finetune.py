@@ -35,7 +35,6 @@ from slidedp_lightning.recipes.settings import (
     TRAIN_SIZE,
     check_vocab,
     chunked_loss,
-    custom_routes,
     strategy_options,
 )
 
@@ -63,7 +62,6 @@ __all__ = [
     "check_vocab",
     "checkpoint_vocab_size",
     "chunked_loss",
-    "custom_routes",
     "load_tiny_config",
     "strategy_for",
 ]

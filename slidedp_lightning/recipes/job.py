@@ -70,6 +70,12 @@ class _DropLines(logging.Filter):
         return not str(record.msg).lstrip().startswith(_DROPPED)
 
 
+def _launching_process() -> bool:
+    """Whether this is global rank 0's process, the one that launches the others (they get LOCAL_RANK or
+    NODE_RANK set): it alone logs the job's decisions and writes its files."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
 def quiet_logs() -> None:
     """Rank 0 keeps one "Initializing distributed" banner and SlideDP's setup lines; the other ranks log
     warnings only (they would repeat rank 0's lines)."""
@@ -79,7 +85,7 @@ def quiet_logs() -> None:
             logger.addFilter(drop)
             for handler in logger.handlers:
                 handler.addFilter(drop)
-    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+    if not _launching_process():
         for name in ("lightning.pytorch", "lightning.fabric", "slidedp_lightning"):
             logging.getLogger(name).setLevel(logging.WARNING)
     # known, harmless Lightning hints: the data are small in-memory tensors, the eval set size is a multiple of the
@@ -279,7 +285,7 @@ def _resume_from(args: argparse.Namespace) -> str | None:
     if args.resume is None:
         return None
     path = latest_checkpoint(args.checkpoint_dir) if args.resume == "auto" else args.resume
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    if _launching_process():
         if path is None:
             log.info("--resume auto: no checkpoint under %s yet, a fresh start", args.checkpoint_dir)
         else:
@@ -293,7 +299,7 @@ def _max_steps(args: argparse.Namespace, module: FinetuneModule) -> int:
     if args.max_epochs is None:
         return args.max_steps or DEFAULT_MAX_STEPS
     per_epoch = math.ceil(module.batches_per_epoch(args.devices) / args.accumulate_grad_batches)
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    if _launching_process():
         log.info(
             "--max-epochs %d: %d optimizer steps (%d an epoch)", args.max_epochs, args.max_epochs * per_epoch, per_epoch
         )
@@ -302,7 +308,7 @@ def _max_steps(args: argparse.Namespace, module: FinetuneModule) -> int:
 
 def _log_model_defaults(args: argparse.Namespace) -> None:
     """Say which memory savings a real model (``--model``) got by default, and the flag that turns each off."""
-    if args.model is None or os.environ.get("LOCAL_RANK", "0") != "0":
+    if args.model is None or not _launching_process():
         return
     chosen = []
     if args.activation_policy is None and args.strategy == "slidedp":
@@ -377,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
         enable_model_summary=False,  # the table states the parameter count
     )
 
-    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+    if _launching_process():
         write_run_config(args, logger.log_dir)  # before training: a run that dies can still be repeated
     t_fit = time.perf_counter()
     trainer.fit(module, ckpt_path=_resume_from(args))

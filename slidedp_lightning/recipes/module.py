@@ -196,15 +196,20 @@ class FinetuneModule(L.LightningModule):
             sampler.resume_at(self._resume_position["epoch"], self._resume_position["batches"])
         return sampler
 
+    def epoch_data(self) -> tuple[Any, bool]:
+        """The training examples and whether a rank's share drops the remainder instead of padding to equal
+        shares (here: padded, as Lightning's own DistributedSampler did for this task)."""
+        return self.train_set(), False
+
     def batches_per_epoch(self, world: int) -> int:
         """Training batches a rank runs in one pass over the data with ``world`` ranks."""
-        sampler = ResumingSampler(self.train_set(), num_replicas=world, rank=0, drop_last=False, batch_size=1)
-        return len(sampler) // self.hp.batch_size
+        data, drop_last = self.epoch_data()
+        return len(DistributedSampler(data, num_replicas=world, rank=0, drop_last=drop_last)) // self.hp.batch_size
 
     def train_dataloader(self) -> DataLoader:
-        # Lightning's own DistributedSampler would give this order (seed, shuffled, no drop_last)
-        sampler = self.train_sampler(self.train_set(), drop_last=False)
-        return DataLoader(self.train_set(), batch_size=self.hp.batch_size, sampler=sampler, drop_last=True)
+        data, drop_last = self.epoch_data()
+        sampler = self.train_sampler(data, drop_last=drop_last)
+        return DataLoader(data, batch_size=self.hp.batch_size, sampler=sampler, drop_last=True)
 
     # ----------------------------------------------------------- resumption
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

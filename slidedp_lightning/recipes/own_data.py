@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader
 
 from slidedp_lightning.recipes.data import EvalShard, JsonlDataset
 from slidedp_lightning.recipes.module import FinetuneModule
-from slidedp_lightning.recipes.order import ResumingSampler
 from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -102,9 +101,8 @@ class DataFinetuneModule(FinetuneModule):
                 f"embedding only {vocab}"
             )
 
-    def batches_per_epoch(self, world: int) -> int:
-        sampler = ResumingSampler(self.train_data, num_replicas=world, rank=0, drop_last=True, batch_size=1)
-        return len(sampler) // self.hp.batch_size
+    def epoch_data(self) -> tuple[Any, bool]:
+        return self.train_data, True
 
     def train_dataloader(self) -> DataLoader:
         _, world = self._rank_world()
@@ -113,8 +111,7 @@ class DataFinetuneModule(FinetuneModule):
                 f"{self.hp.data}: {len(self.train_data)} examples, fewer than one global batch "
                 f"({self.hp.batch_size} x {world} ranks)"
             )
-        sampler = self.train_sampler(self.train_data, drop_last=True)
-        return DataLoader(self.train_data, batch_size=self.hp.batch_size, sampler=sampler, drop_last=True)
+        return super().train_dataloader()
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._rank_world()

@@ -102,11 +102,6 @@ def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
         )
 
 
-def custom_routes(args: Namespace) -> bool:
-    """Whether the flags change SlideDP's routes or gradient chunks from the strategy's defaults."""
-    return (args.param_route, args.grad_route, args.chunk_bytes) != ("full", "gpu_reduce", None)
-
-
 def activation_policy(args: Namespace) -> str | None:
     """The activation policy of the run: ``--activation-policy``, else full recomputation for a real model
     (``--model``) under SlideDP, else none (the strategy's default)."""
@@ -123,45 +118,35 @@ def chunked_loss(args: Namespace) -> int:
     return MODEL_CHUNKED_LOSS if args.model is not None else 0
 
 
+# the SlideDPStrategy options that flags of the same name set, with the strategy's defaults
+STRATEGY_FLAG_DEFAULTS: dict[str, object] = {
+    "param_route": "full",
+    "grad_route": "gpu_reduce",
+    "chunk_bytes": None,
+    "optimizer_state": "fp32",
+    "bf16_copy": True,
+    "activation_policy": None,
+    "update_threads": None,
+}
+
+
 def strategy_options(args: Namespace) -> dict[str, object]:
     """The ``SlideDPStrategy`` keyword arguments the flags set, those that differ from the strategy's defaults
     (empty: the registered ``strategy="slidedp"``). The synthetic task's random-init model is built on the meta
     device (``meta_init``: each unit initialized straight into the ledger, no rank holding the whole model)."""
-    chosen: dict[str, object] = {
-        "param_route": args.param_route,
-        "grad_route": args.grad_route,
-        "chunk_bytes": args.chunk_bytes,
-        "meta_init": args.model is None,
-        "optimizer_state": args.optimizer_state,
-        "bf16_copy": args.bf16_copy,
-        "activation_policy": activation_policy(args),
-        "update_threads": args.update_threads,
-    }
-    defaults = {
-        "param_route": "full",
-        "grad_route": "gpu_reduce",
-        "chunk_bytes": None,
-        "meta_init": False,
-        "optimizer_state": "fp32",
-        "bf16_copy": True,
-        "activation_policy": None,
-        "update_threads": None,
-    }
-    return {k: v for k, v in chosen.items() if v != defaults[k]}
+    chosen = {k: getattr(args, k) for k in STRATEGY_FLAG_DEFAULTS} | {"activation_policy": activation_policy(args)}
+    options = {k: v for k, v in chosen.items() if v != STRATEGY_FLAG_DEFAULTS[k]}
+    return options | ({"meta_init": True} if args.model is None else {})
 
 
 def slidedp_flags(args: Namespace) -> list[str]:
     """The flags given that configure SlideDP itself (refused with another ``--strategy``)."""
     given = [
-        ("--param-route", args.param_route != "full"),
-        ("--grad-route", args.grad_route != "gpu_reduce"),
-        ("--chunk-bytes", args.chunk_bytes is not None),
-        ("--optimizer-state", args.optimizer_state != "fp32"),
-        ("--no-bf16-copy", not args.bf16_copy),
-        ("--activation-policy", args.activation_policy not in (None, "none")),
-        ("--update-threads", args.update_threads is not None),
+        k
+        for k, default in STRATEGY_FLAG_DEFAULTS.items()
+        if getattr(args, k) != default and not (k == "activation_policy" and args.activation_policy == "none")
     ]
-    return [flag for flag, set_ in given if set_]
+    return ["--no-bf16-copy" if k == "bf16_copy" else "--" + k.replace("_", "-") for k in given]
 
 
 # LoRA (--lora-r): the modules adapted unless --lora-targets names them (peft: every linear layer but the head)
