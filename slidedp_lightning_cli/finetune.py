@@ -32,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from slidedp_lightning_cli.task import settings
+from slidedp_lightning_cli.task import plan, settings
 
 __all__ = [
     "build_parser",
@@ -116,8 +116,20 @@ def build_parser() -> _Parser:
         type=int,
         metavar="N",
         default=settings.DEFAULT_SEQ_LEN,
-        help="--data only: tokens per row, each example its own right-padded row (no packing); a longer example is "
-        "refused with its file and line",
+        help="--data only: tokens per row, each example its own right-padded row unless --pack; a longer example is "
+        "refused with its file and line unless --truncate",
+    )
+    add(
+        "--pack",
+        action="store_true",
+        help="--data only: concatenate training examples into full --seq-len rows, each attending only to itself "
+        "(position ids restart per example); validation keeps one example a row (default: one example a row)",
+    )
+    add(
+        "--truncate",
+        action="store_true",
+        help="--data only: cut an example longer than --seq-len to its first --seq-len tokens, and leave out one "
+        "with no loss token left (both counted in the log) (default: refuse it)",
     )
     add(
         "--export",
@@ -314,6 +326,13 @@ def build_parser() -> _Parser:
         "override it; every run writes its resolved file beside its TensorBoard logs (default: none)",
     )
     add(
+        "--dry-run",
+        action="store_true",
+        help="print the job's plan (parameters, the host ledger by optimizer state, the host memory it needs and "
+        "this host's, whether it fits and which flag would make it fit) from --model's files alone, and exit: "
+        "status 0 when it fits, 1 when not (default: the plan is the run's first lines)",
+    )
+    add(
         "--print-config",
         action="store_true",
         help="print the resolved settings as such a file and exit (default: run the job)",
@@ -416,7 +435,7 @@ def resolve_model(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _model_problem(model_dir: str, synthetic: bool) -> str | None:
+def _model_problem(model_dir: str, synthetic: bool, pack: bool = False) -> str | None:
     """Why ``--model model_dir`` cannot be fine-tuned (one line), or None."""
     if not os.path.isdir(model_dir):
         what = "is not a directory" if os.path.exists(model_dir) else "does not exist"
@@ -427,6 +446,12 @@ def _model_problem(model_dir: str, synthetic: bool) -> str | None:
             "(save_pretrained writes config.json and the safetensors files)"
         )
     try:
+        if pack:
+            with open(os.path.join(model_dir, "config.json")) as f:
+                config = json.load(f)
+            problem = settings.pack_problem(config.get("model_type") if isinstance(config, dict) else None)
+            if problem is not None:
+                return problem
         vocab = config_vocab_size(model_dir)
         if vocab is None and synthetic:
             from slidedp_lightning.recipes.module import checkpoint_vocab_size
@@ -539,6 +564,27 @@ def _activation_policy_problem(policy: str | None) -> str | None:
     return None
 
 
+def _fit_problem(args: argparse.Namespace) -> str | None:
+    """Why the job's ledger cannot fit in this host's memory (one line naming the flag that would make it fit),
+    or None; a ledger that fits with less room than the ranks' estimated rest is left to run (the plan says so)."""
+    if args.strategy != "slidedp":
+        return None
+    try:
+        job = plan.of_flags(args)
+    except (OSError, ValueError) as err:  # a config the plan cannot read: the run's own checks say more
+        return None if args.model else f"the job's plan: {err}"
+    if job.verdict != "does not fit":
+        return None
+    fix = job.fix()
+    return (
+        f"the job's ledger needs {plan.gib(job.ledger_bytes)} of host memory, and this host has "
+        f"{plan.gib(min(job.host.mem_available, job.host.shared_free))} free (MemAvailable "
+        f"{plan.gib(job.host.mem_available)}, {job.host.shared_dir} {plan.gib(job.host.shared_free)}): "
+        + (f"add {fix}, which fits" if fix else "no flag of this command makes it fit; use a host with more memory")
+        + " (--dry-run shows the plan)"
+    )
+
+
 def check_outputs(args: argparse.Namespace) -> str | None:
     """Why one of the run's output paths cannot be written (one line naming the flag, the cause and the fix), or
     None: checked before training, so that a run's weights are never trained and then lost."""
@@ -619,9 +665,11 @@ def check_args(args: argparse.Namespace) -> str | None:
             ("--val-split", args.val_split),
             ("--export", args.export),
             ("--export-dtype", args.export_dtype),
+            ("--pack", args.pack or None),
+            ("--truncate", args.truncate or None),
         ):
             if value is not None:
-                return f"{flag} goes with --data (your JSONL data): the synthetic task has its own validation set"
+                return f"{flag} goes with --data (your JSONL data), not the synthetic task"
         if args.seq_len != settings.DEFAULT_SEQ_LEN:
             return f"--seq-len goes with --data: the synthetic task's rows are {settings.TASK.seq_len} tokens"
     elif args.model is None:
@@ -631,10 +679,22 @@ def check_args(args: argparse.Namespace) -> str | None:
         if problem is not None:
             return problem
     if args.model is not None:
-        problem = _model_problem(args.model, synthetic=args.data is None)
+        problem = _model_problem(args.model, synthetic=args.data is None, pack=args.pack)
         if problem is not None:
             return problem
-    return check_outputs(args)
+    return _fit_problem(args) or check_outputs(args)
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Print the job's plan; 0 when it fits (or is tight), 1 when it does not."""
+    if args.model is not None and not os.path.exists(args.model):
+        build_parser().error(f"--model {args.model} does not exist")
+    try:
+        job = plan.of_flags(args)
+    except (OSError, ValueError) as err:
+        build_parser().error(f"--model {args.model}: the plan cannot read it: {' '.join(str(err).split())}")
+    print("\n".join(job.lines()))
+    return 1 if job.verdict == "does not fit" else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -646,6 +706,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sys.stdout.write(yaml.safe_dump(settings.resolved_config(args), sort_keys=False))
         return 0
+    if args.dry_run:  # --model's files alone: a config.json will do
+        problem = resolve_model(args)
+        if problem is not None:
+            build_parser().error(problem)
+        return dry_run(args)
     problem = resolve_model(args) or check_args(args)
     if problem is not None:  # before any process starts or any step trains
         build_parser().error(problem)

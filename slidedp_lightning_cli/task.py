@@ -1,46 +1,54 @@
-"""The job's settings and the synthetic task's shape, :mod:`slidedp_lightning.recipes.settings`, read without the
-library's ``__init__`` (which imports Lightning and torch to register the strategy).
+"""The job's plain-Python modules, read without the library's ``__init__`` (which imports Lightning and torch to
+register the strategy): :mod:`slidedp_lightning.recipes.settings` (the flags' defaults and checks) and
+:mod:`slidedp_lightning.recipes.plan` (the job's memory before anything loads), with the modules they import.
 
-That module is plain Python: it is loaded from its file under its own name and kept in ``sys.modules``, so the
-library, imported once the flags are checked, finds it there (one module, one ``TaskSpec`` class).
+Each is loaded from its file under its own name and kept in ``sys.modules``, so the library, imported once the flags
+are checked, finds it there (one module, one ``TaskSpec`` class).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-NAME = "slidedp_lightning.recipes.settings"
+# in the order they import each other; each imports nothing but the standard library and those before it
+PLAIN = (
+    "slidedp_lightning.constants",
+    "slidedp_lightning.steptime.workload",
+    "slidedp_lightning.recipes.settings",
+    "slidedp_lightning.recipes.plan",
+)
 
 
-def _load() -> ModuleType:
-    if NAME in sys.modules:
-        return sys.modules[NAME]
+def _load(name: str) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
     if "slidedp_lightning" in sys.modules:  # the library is imported already: the ordinary way costs nothing more
-        return importlib.import_module(NAME)
+        return importlib.import_module(name)
     library = importlib.util.find_spec("slidedp_lightning")  # finds the package without running its __init__
     if library is None or not library.submodule_search_locations:
         raise ImportError("slidedp_lightning is not installed: pip install -e . from the repository")
-    path = Path(next(iter(library.submodule_search_locations))) / "recipes" / "settings.py"
-    spec = importlib.util.spec_from_file_location(NAME, path)
+    path = Path(next(iter(library.submodule_search_locations)), *name.split(".")[1:]).with_suffix(".py")
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot read the job's settings from {path}")
+        raise ImportError(f"cannot read {name} from {path}")
     module = importlib.util.module_from_spec(spec)
-    sys.modules[NAME] = module
+    sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        del sys.modules[NAME]
+        del sys.modules[name]
         raise
     return module
 
 
 if TYPE_CHECKING:
-    from slidedp_lightning.recipes import settings
+    from slidedp_lightning.recipes import plan, settings
 else:
-    settings = _load()
+    settings, plan = [_load(name) for name in PLAIN][2:]
 
-__all__ = ["settings"]
+__all__ = ["plan", "settings"]

@@ -15,9 +15,10 @@ Each line of a file is one JSON object in one of two schemas:
   This works with any template; ``return_assistant_tokens_mask`` would need a ``{% generation %}`` block.
 
 Labels are ``-100`` outside the loss tokens.  Every example is its own row, right-padded to ``seq_len`` with an
-attention mask of zeros on the padding (exact: no packing, no cross-example attention).  An example longer than
-``seq_len`` is refused (no silent truncation).  Every problem raises :class:`DataError` naming the file and line,
-before any training starts.
+attention mask of zeros on the padding (:mod:`~slidedp_lightning.recipes.packing` packs them into full rows instead).
+An example longer than ``seq_len`` is refused, or with ``truncate`` cut to its first ``seq_len`` tokens (one whose
+loss tokens all fall beyond them is left out; both are counted).  Every problem raises :class:`DataError` naming the
+file and line, before any training starts.
 """
 
 from __future__ import annotations
@@ -162,22 +163,41 @@ def encode(tokenizer: Any, record: Record) -> tuple[list[int], list[int]]:
 class JsonlDataset(Dataset):
     """Tokenized examples of one or more JSONL files, each a row right-padded to ``seq_len``.
 
-    Items have ``input_ids``, ``labels``, ``attention_mask`` (int64, length ``seq_len``).
+    Items have ``input_ids``, ``labels``, ``attention_mask`` (int64, length ``seq_len``).  With ``truncate`` a longer
+    example keeps its first ``seq_len`` tokens; :attr:`truncated` and :attr:`dropped` count those cut and those
+    left out (no loss token left).
     """
 
-    def __init__(self, paths: str | Sequence[str], tokenizer: Any, seq_len: int) -> None:
+    truncated = 0
+    dropped = 0
+
+    def __init__(self, paths: str | Sequence[str], tokenizer: Any, seq_len: int, truncate: bool = False) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
         self.seq_len = seq_len
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad) if pad is not None else 0
         rows: list[tuple[list[int], list[int]]] = []
-        for path in [paths] if isinstance(paths, str) else list(paths):
+        files = [paths] if isinstance(paths, str) else list(paths)
+        for path in files:
             for record in read_jsonl(path):
                 ids, labels = encode(tokenizer, record)
                 if len(ids) > seq_len:
-                    raise DataError(path, record.line, f"example is {len(ids)} tokens, longer than --seq-len {seq_len}")
+                    if not truncate:
+                        raise DataError(
+                            path,
+                            record.line,
+                            f"example is {len(ids)} tokens, longer than --seq-len {seq_len} (raise --seq-len, or "
+                            "--truncate to cut such examples to their first --seq-len tokens)",
+                        )
+                    ids, labels = ids[:seq_len], labels[:seq_len]
+                    self.truncated += 1
+                    if all(t == IGNORE_INDEX for t in labels[1:]):  # the first token is never a target
+                        self.dropped += 1
+                        continue
                 rows.append((ids, labels))
+        if not rows:
+            raise DataError(", ".join(files), None, f"no example keeps a loss token within its first {seq_len} tokens")
         n = len(rows)
         self.input_ids = torch.full((n, seq_len), self.pad_id, dtype=torch.int64)
         self.labels = torch.full((n, seq_len), IGNORE_INDEX, dtype=torch.int64)
@@ -204,6 +224,7 @@ class JsonlDataset(Dataset):
     def _rows(self, index: torch.Tensor) -> JsonlDataset:
         part = object.__new__(JsonlDataset)
         part.seq_len, part.pad_id = self.seq_len, self.pad_id
+        part.truncated = part.dropped = 0
         part.input_ids, part.labels = self.input_ids[index], self.labels[index]
         part.attention_mask = self.attention_mask[index]
         return part

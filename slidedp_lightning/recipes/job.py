@@ -39,6 +39,7 @@ from slidedp_lightning.recipes.finetune import (
     strategy_for,
 )
 from slidedp_lightning.recipes.module import FinetuneModule
+from slidedp_lightning.recipes.plan import of_flags as plan_of_flags
 from slidedp_lightning.recipes.settings import (
     MODEL_ACTIVATION_POLICY,
     MODEL_CHUNKED_LOSS,
@@ -225,6 +226,8 @@ def _module(args: argparse.Namespace) -> FinetuneModule:
         lr_schedule=args.lr_schedule,
         chunked_loss=chunked_loss(args),
         lora=lora_settings(args),
+        pack=args.pack,
+        truncate=args.truncate,
     )
 
 
@@ -319,6 +322,43 @@ def _log_model_defaults(args: argparse.Namespace) -> None:
         log.info("--model %s: %s", args.model, "; ".join(chosen))
 
 
+def _log_data(args: argparse.Namespace, module: FinetuneModule) -> None:
+    """Say what --truncate left out and what --pack made of the training examples."""
+    from slidedp_lightning.recipes.own_data import DataFinetuneModule
+
+    if not isinstance(module, DataFinetuneModule) or not _launching_process():
+        return
+    for path, part in ((args.data, module.train_examples), (args.val_data, module.val_data)):
+        if path and part.truncated:
+            log.info(
+                "%s: %d examples cut to their first %d tokens (--truncate), %d of them left out (no loss token left)",
+                path, part.truncated, args.seq_len, part.dropped,
+            )  # fmt: skip
+    if args.pack:
+        facts = module.packing_facts()
+        log.info(
+            "--pack: %d examples in %d rows of %d tokens, %.2fx the tokens a step of one example a row "
+            "(%.0f%% of the row tokens not padding)",
+            len(module.train_examples), len(module.train_data), args.seq_len, facts["pack_factor"],
+            100 * facts["row_fill"],
+        )  # fmt: skip
+
+
+def _plan(args: argparse.Namespace) -> dict[str, object] | None:
+    """The job's plan (:mod:`~slidedp_lightning.recipes.plan`; SlideDP only), logged as the run's first lines."""
+    if args.strategy != "slidedp":
+        return None
+    try:
+        job = plan_of_flags(args)
+    except (OSError, ValueError) as err:  # a config the plan cannot read: the run goes on without one
+        log.info("no plan: %s", " ".join(str(err).split()))
+        return None
+    if _launching_process():
+        for line in job.lines():
+            log.info("%s", line)
+    return job.as_dict()
+
+
 def _precision(args: argparse.Namespace) -> dict[str, Any]:
     """The Trainer's precision arguments: on the CPU Lightning turns "16-mixed" into bf16, so SlideDP's own plugin
     is passed for it there."""
@@ -334,6 +374,7 @@ def run(args: argparse.Namespace) -> int:
     from slidedp_lightning.recipes.own_data import DataFinetuneModule, TokenThroughput, export
 
     quiet_logs()
+    planned = _plan(args)
     L.seed_everything(args.seed, workers=True, verbose=False)
     try:
         module = _module(args)
@@ -342,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"slidedp-finetune: error: {err}", file=sys.stderr, flush=True)
         return 2
     _log_model_defaults(args)
+    _log_data(args, module)
     max_steps = _max_steps(args, module)
 
     export_dtype = getattr(torch, args.export_dtype or ("float32" if args.precision == "32-true" else "bfloat16"))
@@ -412,6 +454,9 @@ def run(args: argparse.Namespace) -> int:
         report = {"before": before, "after": after, "train_loss": train_loss, "steps": trainer.global_step}
         report |= {"tokens_per_s": tokens_per_s, "step_s": step_s, **ledger.facts, "checkpoint": checkpoint}
         report |= {"export": os.path.abspath(args.export) if args.export else None}
+        if isinstance(module, DataFinetuneModule):
+            report |= module.packing_facts()
+        report["plan"] = planned
         with open(args.results, "w") as f:
             json.dump(report, f)
     params = sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())

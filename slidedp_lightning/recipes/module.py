@@ -163,10 +163,22 @@ class FinetuneModule(L.LightningModule):
         check_vocab(vocab, self.spec, self.hp.model_dir or self.hp.config_name)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ):
+        """The model's forward without a KV cache (packed rows, ``position_ids`` without a mask, need none: see
+        :mod:`~slidedp_lightning.recipes.packing`)."""
         assert self.model is not None, "configure_model() has not run"
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False)
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            labels=labels,
+            use_cache=False,
+        )
 
     # ------------------------------------------------------------------ data
     def train_set(self) -> SyntheticTaskDataset:
@@ -234,7 +246,9 @@ class FinetuneModule(L.LightningModule):
 
     # -------------------------------------------------------------- training
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(**batch).loss
+        loss = self(
+            batch["input_ids"], batch.get("attention_mask"), batch["labels"], position_ids=batch.get("position_ids")
+        ).loss
         bad = (~torch.isfinite(loss.detach())).long()
         self._nonfinite_steps = bad if self._nonfinite_steps is None else self._nonfinite_steps + bad
         self.log("train_loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])

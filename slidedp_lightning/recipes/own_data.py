@@ -21,6 +21,8 @@ from torch.utils.data import DataLoader
 
 from slidedp_lightning.recipes.data import EvalShard, JsonlDataset
 from slidedp_lightning.recipes.module import FinetuneModule
+from slidedp_lightning.recipes.packing import PackedDataset
+from slidedp_lightning.recipes.settings import pack_problem
 from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ class DataFinetuneModule(FinetuneModule):
         lr_schedule: str = "cosine",
         chunked_loss: int = 0,
         lora: dict[str, Any] | None = None,
+        pack: bool = False,
+        truncate: bool = False,
     ) -> None:
         super().__init__(
             model_dir=model_dir,
@@ -88,12 +92,29 @@ class DataFinetuneModule(FinetuneModule):
         self.save_hyperparameters()
         self.tokenizer = load_tokenizer(model_dir)
         # read and checked now, in every process, before any Trainer work: bad data fails fast with file:line
-        self.train_data = JsonlDataset(data, self.tokenizer, seq_len)
-        self.val_data = JsonlDataset(val_data, self.tokenizer, seq_len) if val_data else self.train_data
+        examples = JsonlDataset(data, self.tokenizer, seq_len, truncate=truncate)
+        self.val_data = JsonlDataset(val_data, self.tokenizer, seq_len, truncate=truncate) if val_data else examples
         if val_split:  # held out of --data, the same on every rank (seeded)
-            self.train_data, self.val_data = self.train_data.split(val_split, seed)
+            examples, self.val_data = examples.split(val_split, seed)
+        self.train_examples = examples
+        # validation keeps one example a row: its metrics (exact rows included) are per example
+        self.train_data: JsonlDataset | PackedDataset = PackedDataset(examples) if pack else examples
+
+    def _unpacked_fill(self) -> float:
+        mask = self.train_examples.attention_mask
+        return float(mask.sum()) / max(1, mask.numel())
+
+    def packing_facts(self) -> dict[str, float]:
+        """``pack_factor``: examples (so tokens) per row packed over one a row; ``row_fill``: non-padding share
+        of the training rows (1.0 / the unpacked fill when not packed)."""
+        if not isinstance(self.train_data, PackedDataset):
+            return {"pack_factor": 1.0, "row_fill": self._unpacked_fill()}
+        return {"pack_factor": self.train_data.examples / len(self.train_data), "row_fill": self.train_data.fill}
 
     def check_model(self, model: Any) -> None:
+        problem = pack_problem(getattr(model.config, "model_type", None)) if self.hp.pack else None
+        if problem is not None:
+            raise ValueError(f"{self.hp.model_dir}: {problem}")
         vocab = model.get_input_embeddings().num_embeddings
         if len(self.tokenizer) > vocab:
             raise ValueError(
@@ -108,7 +129,8 @@ class DataFinetuneModule(FinetuneModule):
         _, world = self._rank_world()
         if len(self.train_data) < self.hp.batch_size * world:
             raise ValueError(
-                f"{self.hp.data}: {len(self.train_data)} examples, fewer than one global batch "
+                f"{self.hp.data}: {len(self.train_data)} {'packed rows' if self.hp.pack else 'examples'}, fewer than "
+                "one global batch "
                 f"({self.hp.batch_size} x {world} ranks)"
             )
         return super().train_dataloader()
@@ -148,7 +170,9 @@ class TokenThroughput(L.Callback):
     ) -> None:
         now = time.perf_counter()
         if self._t is not None:
-            tokens = float(batch["attention_mask"].sum()) * trainer.world_size
+            mask = batch.get("attention_mask")
+            real = mask.sum() if mask is not None else batch["num_tokens"].sum()  # packed rows: no mask
+            tokens = float(real) * trainer.world_size
             rate = tokens / max(now - self._t, 1e-9)
             pl_module.log("train_tokens_per_s", rate, on_step=True, on_epoch=False, prog_bar=True)
             self.rates.append(rate)

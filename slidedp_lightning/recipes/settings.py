@@ -149,6 +149,25 @@ def slidedp_flags(args: Namespace) -> list[str]:
     return ["--no-bf16-copy" if k == "bf16_copy" else "--" + k.replace("_", "-") for k in given]
 
 
+# --pack: the transformers model types whose forward, given position ids that restart per example and no attention
+# mask, keeps each example's attention within itself (its logits equal those of the example alone; checked for each
+# by tests/recipes/test_packing.py). Another model type is refused: gpt_oss, for one, mixes the examples of a row.
+PACKING_MODEL_TYPES = (
+    "qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+    "cohere", "starcoder2", "stablelm", "smollm3", "cohere2", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt2",
+)  # fmt: skip
+
+
+def pack_problem(model_type: object) -> str | None:
+    """Why ``--pack`` cannot train a model of ``model_type`` (one line), or None."""
+    if model_type in PACKING_MODEL_TYPES:
+        return None
+    return (
+        f"--pack: model type {model_type!r} is not one whose attention is known to keep packed examples apart "
+        f"({', '.join(PACKING_MODEL_TYPES)}); drop --pack (one example a row)"
+    )
+
+
 # LoRA (--lora-r): the modules adapted unless --lora-targets names them (peft: every linear layer but the head)
 DEFAULT_LORA_TARGETS = "all-linear"
 
@@ -167,8 +186,8 @@ def lora_settings(args: Namespace) -> dict[str, object] | None:
     }
 
 
-# what the command line adds to the job's flags: which file set them, and whether to print them and stop
-NOT_SETTINGS = ("config", "print_config")
+# what the command line adds to the job's flags: which file set them, and whether to print them or the plan and stop
+NOT_SETTINGS = ("config", "print_config", "dry_run")
 
 
 def resolved_config(args: Namespace) -> dict[str, object]:

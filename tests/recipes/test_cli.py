@@ -43,6 +43,12 @@ def _ckpt_without_config(tmp: Path) -> str:
     return str(tmp / "noconfig")
 
 
+def _gpt_oss(tmp: Path) -> str:
+    (tmp / "gpt_oss").mkdir(exist_ok=True)
+    (tmp / "gpt_oss" / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "vocab_size": 201088}))
+    return str(tmp / "gpt_oss")
+
+
 def _small_vocab(tmp: Path) -> str:
     (tmp / "small").mkdir(exist_ok=True)
     (tmp / "small" / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 16}))
@@ -107,6 +113,12 @@ BAD = {
         "--val-split holds part of --data out for validation: drop it, or drop --val-data",
     ),
     "val-split without data": (["--val-split", "0.1"], "--val-split goes with --data"),
+    "pack without data": (["--pack"], "--pack goes with --data (your JSONL data), not the synthetic task"),
+    "truncate without data": (["--truncate"], "--truncate goes with --data"),
+    "pack a model that mixes packed examples": (
+        ["--model", "{gpt_oss}", "--data", "{data}", "--pack"],
+        "--pack: model type 'gpt_oss' is not one whose attention is known to keep packed examples apart",
+    ),
     "max-steps and max-epochs": (
         ["--max-steps", "5", "--max-epochs", "1"],
         "--max-steps and --max-epochs both say when",
@@ -136,6 +148,7 @@ def paths(tmp_path_factory) -> dict[str, str]:
         "data": str(tmp / "data.jsonl"),
         "noconfig": _ckpt_without_config(tmp),
         "small": _small_vocab(tmp),
+        "gpt_oss": _gpt_oss(tmp),
     }
 
 

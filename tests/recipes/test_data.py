@@ -229,3 +229,17 @@ def test_a_validation_split_holds_out_a_seeded_fraction(tok, tmp_path):
     assert val[-1]["labels"].eq(IGNORE_INDEX).all()  # a padding row of an evaluation shard, as for a whole file
     with pytest.raises(ValueError, match="leaves none of the 10 examples for training"):
         data.split(0.99, seed=7)
+
+
+def test_truncate_cuts_long_examples_and_leaves_out_those_without_a_loss_token(tok, tmp_path):
+    long_answer = json.dumps({"prompt": "what is 2+2=", "completion": "4" * 40})  # keeps answer tokens when cut
+    long_prompt = json.dumps({"prompt": "what is 2+2=" * 10, "completion": "4"})  # its answer is cut off
+    path = _write(tmp_path / "d.jsonl", [GOOD, long_answer, long_prompt])
+    data = JsonlDataset(path, tok, seq_len=16, truncate=True)
+    assert (len(data), data.truncated, data.dropped) == (2, 2, 1)
+    whole = JsonlDataset(_write(tmp_path / "w.jsonl", [long_answer]), tok, seq_len=128)
+    assert int(data.attention_mask[1].sum()) == 16
+    assert torch.equal(data.input_ids[1], whole.input_ids[0, :16]) and torch.equal(data.labels[1], whole.labels[0, :16])
+    with pytest.raises(DataError, match="no example keeps a loss token within its first 16 tokens"):
+        JsonlDataset(_write(tmp_path / "p.jsonl", [long_prompt]), tok, seq_len=16, truncate=True)
+    assert "--truncate to cut" in _error(tmp_path, tok, [long_prompt], seq_len=16)

@@ -1,0 +1,147 @@
+"""The job's plan before anything loads (:mod:`slidedp_lightning.recipes.plan`, ``slidedp-finetune --dry-run``):
+parameters counted exactly from safetensors headers and estimated from a config.json alone, the ledger of each
+optimizer state, the verdict on a host and the flag that makes a job fit; the dry run answers in under 2 s without
+torch, and the real run of a job that cannot fit is refused before any ledger exists."""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from slidedp_lightning.constants import ledger_bytes_per_param
+from slidedp_lightning.recipes import plan
+from tests.recipes.test_cli import CLI, RUNNER
+
+GB = 10**9
+
+
+def _save(directory: Path, tied: bool) -> int:
+    """A tiny Qwen3 checkpoint; returns its parameter count as transformers counts it."""
+    from tests.helpers import tiny_model
+
+    model = tiny_model(tied=tied)
+    model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())  # a tied weight once
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameters_are_counted_exactly_from_the_headers_and_estimated_from_the_config(tmp_path, tied):
+    want = _save(tmp_path, tied)
+    exact = plan.read_model(str(tmp_path))
+    assert (exact.params, exact.counted) == (want, "safetensors headers")
+    assert len(exact.matrices) == 2 * 7  # q, k, v, o, gate, up, down of each block
+    estimate = plan.read_model(str(tmp_path / "config.json"))  # a config alone: the Qwen3 formula
+    assert (estimate.params, estimate.counted) == (want, "config.json (estimate)")
+    assert sorted(estimate.matrices) == sorted(exact.matrices)
+
+
+def test_lora_adapters_are_counted_as_peft_counts_them(tmp_path):
+    peft = pytest.importorskip("peft")
+    from tests.helpers import tiny_model
+
+    _save(tmp_path, tied=True)
+    model = plan.read_model(str(tmp_path))
+    for targets, peft_targets in (("all-linear", "all-linear"), (("q_proj", "v_proj"), ["q_proj", "v_proj"])):
+        lora = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, target_modules=peft_targets))
+        want = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+        setup = plan.Setup(ranks=1, lora_r=4, lora_targets=targets)
+        assert plan.plan(model, setup, HOST).trainable == want
+
+
+HOST = plan.Host(mem_available=24 * GB, shared_free=16 * GB, shared_dir="/dev/shm")
+
+
+def test_the_ledger_of_each_optimizer_state_and_the_verdict():
+    model = plan.Model(params=GB, counted="test")
+    exact = plan.plan(model, plan.Setup(ranks=2), HOST)
+    assert exact.ledger_bytes == 14 * GB and exact.verdict == "fits"
+    assert exact.rest_bytes == 2 * plan.REST_PER_RANK_BYTES["fp32"]
+    replicated = plan.plan(model, plan.Setup(ranks=2, param_route="replicated"), HOST)
+    assert replicated.ledger_bytes == 28 * GB and replicated.verdict == "does not fit"  # one ledger per rank
+    int8 = plan.plan(model, plan.Setup(ranks=2, optimizer_state="int8", bf16_copy=False), HOST)
+    assert int8.ledger_bytes == int(GB * ledger_bytes_per_param("int8", False))
+    # the ledger fits, the ranks' estimated rest does not: tight, not refused
+    tight = plan.plan(plan.Model(params=GB, counted="test"), plan.Setup(ranks=2), plan.Host(15 * GB, 16 * GB, "x"))
+    assert tight.verdict == "tight"
+
+
+def test_a_job_that_does_not_fit_names_the_smallest_change_that_does():
+    big = plan.Model(params=int(1.5 * GB), counted="test")  # exact: 21 GB, more than the 16 GB of shared memory
+    job = plan.plan(big, plan.Setup(ranks=2), HOST)
+    assert job.verdict == "does not fit"
+    assert job.fix() == "--optimizer-state int8"  # 12.0 GB <= 16 GB, + 4.6 GB of the ranks' rest <= 24 GB
+    text = "\n".join(job.lines())
+    assert "DOES NOT FIT" in text and "fits with: --optimizer-state int8" in text
+    bigger = plan.plan(plan.Model(params=2 * GB, counted="test"), plan.Setup(ranks=2), HOST)
+    assert bigger.fix() == "--optimizer-state int8 --no-bf16-copy"  # int8 alone: 16.02 GB > 16 GB
+    replicated = plan.plan(big, plan.Setup(ranks=4, param_route="replicated", optimizer_state="int8"),
+                           plan.Host(20 * GB, 16 * GB, "/dev/shm"))  # fmt: skip
+    assert replicated.fix() == "--devices 1"  # one ledger a rank: fewer ranks, fewer ledgers
+    assert plan.plan(plan.Model(params=100 * GB, counted="test"), plan.Setup(ranks=1), HOST).fix() is None
+
+
+def _config_too_big_for_this_host(directory: Path) -> int:
+    """A Qwen3 config.json whose exact ledger exceeds this host's free memory by a fifth; returns its layers."""
+    host = plan.read_host()
+    free = min(host.mem_available, host.shared_free)
+    config = json.loads(Path(plan.__file__).with_name("configs").joinpath("qwen3_tiny.json").read_text())
+    config.update(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+    config.pop("attn_implementation", None)
+    per_layer = 4 * 2048 * 2048 + 3 * 2048 * 6144  # the Qwen3-1.7B block's matrices, about 50 M
+    layers = max(1, int(1.2 * free / 14 / per_layer))
+    config["num_hidden_layers"] = layers
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return layers
+
+
+def test_the_dry_run_says_a_job_does_not_fit_in_under_2_s_without_torch(tmp_path):
+    model = tmp_path / "big"
+    _config_too_big_for_this_host(model)
+    runner = tmp_path / "run_cli.py"
+    runner.write_text(RUNNER)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(runner), str(CLI), "--model", str(model), "--dry-run"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    result = proc.stderr.strip().splitlines()[-1].split()
+    assert result[:3] == ["RESULT", "1", "-"], proc.stdout + proc.stderr  # exit 1, nothing heavy imported
+    assert "config.json (estimate)" in proc.stdout and "DOES NOT FIT" in proc.stdout, proc.stdout
+    fits = proc.stdout.split("fits with: ")[1].splitlines()[0]
+    assert fits.startswith(("--optimizer-state int8", "--lora-r 8", "--devices")), proc.stdout
+    assert seconds < 2.0, f"--dry-run took {seconds:.2f} s"
+
+
+def test_the_real_run_of_a_job_that_does_not_fit_is_refused_before_any_ledger(tmp_path):
+    model = tmp_path / "big"
+    _config_too_big_for_this_host(model)
+    before = set(glob.glob("/dev/shm/slidedp-*"))
+    proc = subprocess.run([str(CLI), "--model", str(model), "--optimizer-state", "fp32"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "the job's ledger needs" in line and ("add --" in line or "no flag of this command" in line), line
+    assert set(glob.glob("/dev/shm/slidedp-*")) == before
+    fix = line.split("add ")[1].split(", which fits")[0] if "add --" in line else None
+    if fix is not None:  # the flag it names makes the plan fit
+        args = Namespace(model=str(model), devices=2, optimizer_state="fp32", bf16_copy=True, precision="bf16-mixed",
+                         param_route="full", lora_r=None, lora_alpha=None, lora_dropout=0.0, lora_targets=None)  # fmt: skip
+        flags = fix.split()
+        for flag, value in zip(flags, [*flags[1:], None], strict=True):
+            if flag == "--optimizer-state":
+                args.optimizer_state = value
+            elif flag == "--no-bf16-copy":
+                args.bf16_copy = False
+            elif flag == "--lora-r":
+                args.lora_r = int(value)
+            elif flag == "--devices":
+                args.devices = int(value)
+        assert plan.of_flags(args).verdict == "fits", fix
