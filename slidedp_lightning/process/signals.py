@@ -60,6 +60,7 @@ class SignalGuard:
         self._pending: int | None = None
         self._requeue_signal: int | None = None
         self._requests = 0  # REQUEUE | STOP, under SLURM auto-requeue
+        self.save_and_stop = False  # either signal saves a checkpoint at the step's end, then stops (the job's)
 
     @property
     def installed(self) -> bool:
@@ -96,7 +97,7 @@ class SignalGuard:
                 handler = self._after_run
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         state, pending, self._state, self._pending = self._state, self._pending, "off", None
-        self._requeue_signal, self._requests = None, 0
+        self._requeue_signal, self._requests, self.save_and_stop = None, 0, False
         if state == "holding" and pending is not None:
             raise SignalExit(pending)
 
@@ -116,22 +117,26 @@ class SignalGuard:
             if self._state == "armed":
                 self._requests |= REQUEUE
                 log.warning(
-                    "SlideDP: %s received %s (SLURM auto-requeue): saving a checkpoint and requeueing the job at the "
-                    "end of this step.",
+                    "SlideDP: %s received %s (%s) at the end of this step.",
                     self._describe(),
                     signal.Signals(signum).name,
+                    "saving a checkpoint, then stopping,"
+                    if self.save_and_stop
+                    else "SLURM auto-requeue: saving a checkpoint and requeueing the job",
                 )
             return  # in teardown there is no step left to save
         if signum == signal.SIGTERM and self._requeue_signal is not None and self._state == "armed":
             if not self._requests & STOP:  # the first SIGTERM is SLURM's warning: stop at the end of the step
-                for proc in self._children():
-                    if proc.poll() is None:
-                        proc.send_signal(signum)
+                if not self.save_and_stop:  # (saving, the ranks agree at the step's end: a forwarded signal would
+                    for proc in self._children():  # be a second one for a rank signalled with its process group)
+                        if proc.poll() is None:
+                            proc.send_signal(signum)
                 self._requests |= STOP
                 log.warning(
-                    "SlideDP: %s received SIGTERM (SLURM auto-requeue): stopping at the end of this step; a second "
-                    "SIGTERM stops it at once.",
+                    "SlideDP: %s received SIGTERM%s: %s at the end of this step; a second SIGTERM stops it at once.",
                     self._describe(),
+                    "" if self.save_and_stop else " (SLURM auto-requeue)",
+                    "saving a checkpoint and stopping" if self.save_and_stop else "stopping",
                 )
                 return
         if self._state in ("stopping", "off") or self._pending is not None:

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQ
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from slidedp_lightning import LaneTrace, SaveHuggingFace, SlideDPPrecision
+from slidedp_lightning.process.requeue import SaveAndStopAtStepEnd
 from slidedp_lightning.recipes.finetune import (
     DEFAULT_CONFIG,
     DEFAULT_DATA_LR,
@@ -265,13 +266,15 @@ def write_run_config(args: argparse.Namespace, directory: str) -> str:
     return path
 
 
-def _checkpoints(args: argparse.Namespace, max_steps: int) -> list[ModelCheckpoint]:
-    """The checkpoint callback of ``--checkpoint-dir``: ``step=N.ckpt`` every ``--checkpoint-every`` steps (without
-    it, one at ``--max-steps``), the newest ``--keep-last`` kept."""
+def _checkpoints(args: argparse.Namespace, max_steps: int) -> list[L.Callback]:
+    """The checkpoint callbacks of ``--checkpoint-dir``: ``step=N.ckpt`` every ``--checkpoint-every`` steps (without
+    it, one at ``--max-steps``), the newest ``--keep-last`` kept; and one at the end of the step in which SIGTERM (or
+    SIGUSR1, SLURM's requeue signal) arrived, after which the job stops (SlideDP)."""
     if args.checkpoint_dir is None:
         return []
     every = args.checkpoint_every or max_steps
     return [
+        SaveAndStopAtStepEnd(lambda step: os.path.join(args.checkpoint_dir, f"step={step}.ckpt")),
         ModelCheckpoint(
             dirpath=args.checkpoint_dir,
             filename="step={step}",
@@ -280,7 +283,7 @@ def _checkpoints(args: argparse.Namespace, max_steps: int) -> list[ModelCheckpoi
             save_top_k=args.keep_last,
             monitor="step",
             mode="max",
-        )
+        ),
     ]
 
 
