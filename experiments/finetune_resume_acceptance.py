@@ -7,7 +7,7 @@ CPU ranks::
 
     slidedp-finetune --model D --data train.jsonl --pack --optimizer-state int8 --activation-policy full
         --accumulate-grad-batches 2 --checkpoint-dir C --checkpoint-every 5 --max-steps 12 --export OUT
-        --precision 32-true
+        --precision 32-true --val-split 0.05 --val-every 12
 
 once through, and once killed with SIGKILL (launcher and ranks) as soon as its second checkpoint is complete, then
 rerun with ``--resume auto``. Checks that both exports hold the same weights bit for bit and that transformers
@@ -61,6 +61,7 @@ def job(workdir: Path, name: str, extra: list[str] = ()) -> list[str]:
         "--seq-len", "64", "--batch-size", "2", "--optimizer-state", "int8", "--activation-policy", "full",
         "--accumulate-grad-batches", "2", "--checkpoint-dir", str(workdir / f"ck-{name}"), "--checkpoint-every", "5",
         "--max-steps", "12", "--export", str(workdir / f"out-{name}"), "--precision", "32-true", "--lr", "1e-4",
+        "--val-split", "0.05", "--val-every", "12",
         "--results", str(workdir / f"{name}.json"), "--log-dir", str(workdir / f"logs-{name}"), *extra,
     ]  # fmt: skip
 

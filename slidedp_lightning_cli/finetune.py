@@ -99,11 +99,12 @@ def build_parser() -> _Parser:
     add(
         "--data",
         metavar="FILE",
-        help="JSONL training data, one {prompt, completion} or {messages: [{role, content}, ...]} object a line; "
-        "needs --model (its tokenizer and chat template); loss on completion / assistant tokens only "
+        help="training data, one {prompt, completion} or {messages: [{role, content}, ...]} object a line of a JSONL "
+        "file, or a row of a local .json, .parquet or .arrow file or save_to_disk directory (Hugging Face datasets, "
+        "offline); needs --model (its tokenizer and chat template); loss on completion / assistant tokens only "
         "(default: the synthetic task)",
     )
-    add("--val-data", metavar="FILE", help="--data only: JSONL validation data (default: --data)")
+    add("--val-data", metavar="FILE", help="--data only: validation data, as --data (default: --data)")
     add(
         "--val-split",
         type=float,
@@ -209,6 +210,14 @@ def build_parser() -> _Parser:
         metavar="N",
         help="compute the loss N tokens at a time, never the whole [batch, seq, vocab] logits; 0: the model's own "
         f"loss (default: {settings.MODEL_CHUNKED_LOSS} with --model, else 0)",
+    )
+    add(
+        "--meta-init",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="slidedp only, the random-init model: build it on the meta device, each unit initialized straight into "
+        "the ledger (no rank holds the whole model); --no-meta-init builds it whole in each rank first (a --model "
+        "checkpoint is always read straight into the ledger) (default: on)",
     )
     add(
         "--update-threads",
@@ -465,8 +474,17 @@ def _model_problem(model_dir: str, synthetic: bool, pack: bool = False) -> str |
 
 
 def _input_file_problem(flag: str, path: str) -> str | None:
+    if settings.needs_datasets(path):
+        if not os.path.exists(path):
+            return f"{flag} {path} does not exist"
+        if importlib.util.find_spec("datasets") is None:
+            return f"{flag} {path} is read with Hugging Face datasets, which is not installed: pip install datasets"
+        return None
     if os.path.isdir(path):
-        return f"{flag} {path} is a directory: pass a JSONL file"
+        return (
+            f"{flag} {path} is a directory: pass a JSONL (or .json, .parquet, .arrow) file, or a directory that "
+            "datasets' save_to_disk wrote"
+        )
     if not os.path.isfile(path):
         return f"{flag} {path} does not exist"
     if not os.access(path, os.R_OK):
@@ -645,6 +663,10 @@ def check_args(args: argparse.Namespace) -> str | None:
     problem = _activation_policy_problem(args.activation_policy) or _lora_problem(args) or _checkpoint_problem(args)
     if problem is not None:
         return problem
+    if not args.meta_init and (args.model is not None or args.strategy != "slidedp"):
+        return "--no-meta-init applies to SlideDP's random-init model: " + (
+            "a --model checkpoint is read straight into the ledger" if args.model else "use --strategy slidedp"
+        )
     if args.trace_dir and args.strategy != "slidedp":
         return "--trace-dir traces SlideDP's lanes: use it with --strategy slidedp"
     if args.param_route == "replicated" and args.grad_route == "host_reduce":

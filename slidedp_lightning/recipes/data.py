@@ -1,6 +1,8 @@
-"""JSONL fine-tuning data for ``slidedp-finetune --data``: reading, checking, tokenizing, padding.
+"""Fine-tuning data for ``slidedp-finetune --data``: reading, checking, tokenizing, padding.
 
-Each line of a file is one JSON object in one of two schemas:
+A JSONL file is read here, line by line; a local ``.json``, ``.parquet`` or ``.arrow`` file, or a directory that
+``datasets``' ``save_to_disk`` wrote, through Hugging Face ``datasets`` (offline: local files only), each row a
+record. Each line (row) is one JSON object in one of two schemas:
 
 * ``{"prompt": str, "completion": str}``: the prompt and the completion are tokenized separately (no special
   tokens added) and concatenated, then the tokenizer's EOS token is appended; the loss covers the completion tokens
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from slidedp_lightning.recipes.settings import DATASET_BUILDERS, is_saved_dataset
 from slidedp_lightning.recipes.synthetic import IGNORE_INDEX
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -110,6 +113,40 @@ def read_jsonl(path: str) -> list[Record]:
     return records
 
 
+def read_records(path: str) -> list[Record]:
+    """The checked records of ``path``: a JSONL file (:func:`read_jsonl`), or what Hugging Face ``datasets`` reads
+    offline from a local ``.json``, ``.parquet`` or ``.arrow`` file or a ``save_to_disk`` directory (its ``train``
+    split for a ``DatasetDict``), row ``n`` named as line ``n``."""
+    builder = DATASET_BUILDERS.get(os.path.splitext(path)[1].lower())
+    saved = os.path.isdir(path) and is_saved_dataset(path)
+    if builder is None and not saved:  # JSONL
+        return read_jsonl(path)
+    if not os.path.exists(path):
+        raise DataError(path, None, "no such file")
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(path, None, "reading it needs Hugging Face datasets: pip install datasets") from None
+    try:
+        if saved:
+            table: Any = datasets.load_from_disk(path)
+            if isinstance(table, datasets.DatasetDict):
+                if "train" not in table:
+                    raise DataError(path, None, f"a DatasetDict without a train split (splits: {sorted(table)})")
+                table = table["train"]
+        else:
+            table = datasets.load_dataset(builder, data_files=path, split="train")
+    except (ValueError, OSError, datasets.exceptions.DatasetGenerationError) as err:
+        raise DataError(path, None, f"Hugging Face datasets cannot read it: {' '.join(str(err).split())}") from None
+    # a column the row's schema does not use is None there (a table has every column in every row)
+    records = [
+        _check_record(path, n, {k: v for k, v in row.items() if v is not None}) for n, row in enumerate(table, 1)
+    ]
+    if not records:
+        raise DataError(path, None, "empty: no records")
+    return records
+
+
 def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
@@ -180,7 +217,7 @@ class JsonlDataset(Dataset):
         rows: list[tuple[list[int], list[int]]] = []
         files = [paths] if isinstance(paths, str) else list(paths)
         for path in files:
-            for record in read_jsonl(path):
+            for record in read_records(path):
                 ids, labels = encode(tokenizer, record)
                 if len(ids) > seq_len:
                     if not truncate:

@@ -39,6 +39,7 @@ from slidedp_lightning.recipes.finetune import (
     chunked_loss,
     strategy_for,
 )
+from slidedp_lightning.recipes.host_memory import PeakHostMemory
 from slidedp_lightning.recipes.module import FinetuneModule
 from slidedp_lightning.recipes.plan import of_flags as plan_of_flags
 from slidedp_lightning.recipes.settings import (
@@ -149,16 +150,26 @@ class BeforeAfter(L.Callback):
 
 class LedgerFacts(L.Callback):
     """The host ledger's size at the end of training (SlideDP only): ``ledger_bytes`` and ``ledger_bytes_per_param``
-    (every region, padding and guards included, over the model's parameters)."""
+    (every region, padding and guards included, over the model's parameters); with ``--trace-dir``,
+    ``exposed_host_share``: the median over the traced steps (the first left out) of the share of rank 0's step
+    that its compute thread did not compute (waiting on the host's lanes, or between units)."""
 
     def __init__(self) -> None:
-        self.facts: dict[str, float | int | None] = {"ledger_bytes": None, "ledger_bytes_per_param": None}
+        self.facts: dict[str, float | int | None] = {
+            "ledger_bytes": None,
+            "ledger_bytes_per_param": None,
+            "exposed_host_share": None,
+        }
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         engine = getattr(trainer.strategy, "engine", None)
-        if engine is not None:
-            stats = engine.ledger_stats()
-            self.facts = {"ledger_bytes": stats.nbytes, "ledger_bytes_per_param": stats.nbytes / stats.num_params}
+        if engine is None:
+            return
+        stats = engine.ledger_stats()
+        self.facts |= {"ledger_bytes": stats.nbytes, "ledger_bytes_per_param": stats.nbytes / stats.num_params}
+        traced = [m for step, m in sorted(engine.tracer.metrics.items()) if step > 0 and m["step_time"] > 0]
+        if traced:
+            self.facts["exposed_host_share"] = statistics.median(m["exposed_host"] / m["step_time"] for m in traced)
 
 
 class StepBar(TQDMProgressBar):
@@ -370,6 +381,23 @@ def _precision(args: argparse.Namespace) -> dict[str, Any]:
     return {"precision": args.precision}
 
 
+def _memory_line(memory: PeakHostMemory, facts: dict[str, float | int | None]) -> str:
+    """The end-of-run line on host memory and the host work the step left exposed."""
+    gib = 1024**3
+    parts = [
+        f"peak host memory {memory.peak_bytes / gib:.2f} GiB ({memory.processes} processes, PSS)"
+        if memory.peak_bytes
+        else "peak host memory not measured"
+    ]
+    if facts["ledger_bytes"] is not None:
+        parts.append(f"ledger {facts['ledger_bytes'] / gib:.2f} GiB ({facts['ledger_bytes_per_param']:.2f} B/param)")
+    if facts["exposed_host_share"] is not None:
+        parts.append(f"host work exposed {100 * facts['exposed_host_share']:.0f}% of the step (rank 0, median)")
+    else:
+        parts.append("host work exposed: --trace-dir measures it")
+    return " | ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     """Fine-tune as the checked flags ``args`` say and print the before/after table (rank 0); returns the exit
     status: 0, 1 for a non-finite loss, 2 for data that cannot be used (before any process starts)."""
@@ -398,6 +426,7 @@ def run(args: argparse.Namespace) -> int:
     bar = sys.stderr.isatty()
     evals = BeforeAfter(report=not bar)
     throughput, ledger = TokenThroughput(), LedgerFacts()
+    memory = PeakHostMemory(launching=_launching_process())
     logger = TensorBoardLogger(save_dir=args.log_dir, name="", default_hp_metric=False)
     trainer = L.Trainer(
         strategy=strategy,
@@ -413,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
             LearningRateMonitor(logging_interval="step"),
             throughput,
             ledger,
+            memory,
             *([StepBar()] if bar else []),
             *([LaneTrace(args.trace_dir)] if args.trace_dir else []),
             *export_cb,
@@ -456,6 +486,7 @@ def run(args: argparse.Namespace) -> int:
     if args.results:
         report = {"before": before, "after": after, "train_loss": train_loss, "steps": trainer.global_step}
         report |= {"tokens_per_s": tokens_per_s, "step_s": step_s, **ledger.facts, "checkpoint": checkpoint}
+        report |= {"peak_host_bytes": memory.peak_bytes, "peak_host_processes": memory.processes}
         report |= {"export": os.path.abspath(args.export) if args.export else None}
         if isinstance(module, DataFinetuneModule):
             report |= module.packing_facts()
@@ -477,6 +508,7 @@ def run(args: argparse.Namespace) -> int:
         f"last train_loss {train_loss:.4f} | {tokens_per_s:,.0f} tokens/s, {step_s:.3f} s a step (medians) | time: "
         f"eval before {evals.seconds['before']:.1f} s, fit {fit_s:.1f} s (both evals included), eval after "
         f"{evals.seconds['after']:.1f} s",
+        _memory_line(memory, ledger.facts),
         f"TensorBoard logs: {logger.log_dir} (its config.yaml repeats this run)",
         *([f"last checkpoint: {checkpoint}"] if checkpoint else []),
         *(

@@ -133,10 +133,11 @@ STRATEGY_FLAG_DEFAULTS: dict[str, object] = {
 def strategy_options(args: Namespace) -> dict[str, object]:
     """The ``SlideDPStrategy`` keyword arguments the flags set, those that differ from the strategy's defaults
     (empty: the registered ``strategy="slidedp"``). The synthetic task's random-init model is built on the meta
-    device (``meta_init``: each unit initialized straight into the ledger, no rank holding the whole model)."""
+    device unless ``--no-meta-init`` (``meta_init``: each unit initialized straight into the ledger, no rank holding
+    the whole model)."""
     chosen = {k: getattr(args, k) for k in STRATEGY_FLAG_DEFAULTS} | {"activation_policy": activation_policy(args)}
     options = {k: v for k, v in chosen.items() if v != STRATEGY_FLAG_DEFAULTS[k]}
-    return options | ({"meta_init": True} if args.model is None else {})
+    return options | ({"meta_init": True} if args.model is None and args.meta_init else {})
 
 
 def slidedp_flags(args: Namespace) -> list[str]:
@@ -147,6 +148,20 @@ def slidedp_flags(args: Namespace) -> list[str]:
         if getattr(args, k) != default and not (k == "activation_policy" and args.activation_policy == "none")
     ]
     return ["--no-bf16-copy" if k == "bf16_copy" else "--" + k.replace("_", "-") for k in given]
+
+
+# --data read through Hugging Face datasets, by suffix (its builders); any other file is JSONL, read line by line
+DATASET_BUILDERS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def is_saved_dataset(path: str) -> bool:
+    """Whether ``path`` is a directory that ``datasets``' ``save_to_disk`` wrote (a Dataset's or a DatasetDict's)."""
+    return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
+
+
+def needs_datasets(path: str) -> bool:
+    """Whether ``--data path`` is read through Hugging Face datasets."""
+    return os.path.splitext(path)[1].lower() in DATASET_BUILDERS or (os.path.isdir(path) and is_saved_dataset(path))
 
 
 # --pack: the transformers model types whose forward, given position ids that restart per example and no attention

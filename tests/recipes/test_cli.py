@@ -64,7 +64,10 @@ BAD = {
     "no config.json": (["--model", "{noconfig}"], "has no config.json"),
     "small vocabulary": (["--model", "{small}"], "has a vocabulary of 16 token ids"),
     "missing data": (["--model", "{model}", "--data", "{tmp}/nope.jsonl"], "--data {tmp}/nope.jsonl does not exist"),
-    "data directory": (["--model", "{model}", "--data", "{tmp}"], "is a directory: pass a JSONL file"),
+    "data directory": (
+        ["--model", "{model}", "--data", "{tmp}"],
+        "is a directory: pass a JSONL (or .json, .parquet, .arrow) file",
+    ),
     "val-data without data": (["--val-data", "{data}"], "--val-data goes with --data"),
     "data without model": (["--data", "{data}"], "--data needs --model DIR"),
     "unknown precision": (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
@@ -113,6 +116,15 @@ BAD = {
         "--val-split holds part of --data out for validation: drop it, or drop --val-data",
     ),
     "val-split without data": (["--val-split", "0.1"], "--val-split goes with --data"),
+    "missing parquet data": (
+        ["--model", "{model}", "--data", "{tmp}/nope.parquet"],
+        "--data {tmp}/nope.parquet does not exist",
+    ),
+    "no-meta-init with a checkpoint": (
+        ["--model", "{model}", "--no-meta-init"],
+        "--no-meta-init applies to SlideDP's random-init model: a --model checkpoint",
+    ),
+    "no-meta-init under ddp": (["--strategy", "ddp", "--no-meta-init"], "use --strategy slidedp"),
     "pack without data": (["--pack"], "--pack goes with --data (your JSONL data), not the synthetic task"),
     "truncate without data": (["--truncate"], "--truncate goes with --data"),
     "pack a model that mixes packed examples": (

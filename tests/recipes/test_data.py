@@ -243,3 +243,54 @@ def test_truncate_cuts_long_examples_and_leaves_out_those_without_a_loss_token(t
     with pytest.raises(DataError, match="no example keeps a loss token within its first 16 tokens"):
         JsonlDataset(_write(tmp_path / "p.jsonl", [long_prompt]), tok, seq_len=16, truncate=True)
     assert "--truncate to cut" in _error(tmp_path, tok, [long_prompt], seq_len=16)
+
+
+ROWS = [
+    {"prompt": "what is 2+2=", "completion": "4"},
+    {"messages": [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "ant"}]},
+    {"prompt": "what is 2+", "completion": "2=4"},
+]
+
+
+def _saved(tmp_path, kind: str) -> str:
+    """ROWS as a local file (or directory) of ``kind``, written with Hugging Face datasets."""
+    import datasets
+
+    table = datasets.Dataset.from_dict({k: [r.get(k) for r in ROWS] for k in ("prompt", "completion", "messages")})
+    if kind == "json":  # one JSON array
+        path = tmp_path / "d.json"
+        path.write_text(json.dumps(ROWS))
+    elif kind == "parquet":
+        path = tmp_path / "d.parquet"
+        table.to_parquet(str(path))
+    else:
+        table.save_to_disk(str(tmp_path / "saved"))
+        if kind == "dict":
+            datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "dict"))
+            return str(tmp_path / "dict")
+        if kind == "saved":
+            return str(tmp_path / "saved")
+        (path,) = (tmp_path / "saved").glob("*.arrow")
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["json", "parquet", "arrow", "saved", "dict"])
+def test_datasets_files_give_the_rows_of_the_same_jsonl(tok, tmp_path, kind):
+    pytest.importorskip("datasets")
+    jsonl = JsonlDataset(_write(tmp_path / "d.jsonl", [json.dumps(r) for r in ROWS]), tok, seq_len=32)
+    other = JsonlDataset(_saved(tmp_path, kind), tok, seq_len=32)
+    for name in ("input_ids", "labels", "attention_mask"):
+        assert torch.equal(getattr(other, name), getattr(jsonl, name)), name
+
+
+def test_a_bad_datasets_row_names_the_file_and_row(tok, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / "bad.parquet"
+    datasets.Dataset.from_list([{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": None}]).to_parquet(
+        str(path)
+    )
+    with pytest.raises(DataError, match=f"^{path}:2: record has neither schema"):
+        JsonlDataset(str(path), tok, seq_len=32)
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DataError, match="Hugging Face datasets cannot read it"):
+        JsonlDataset(str(tmp_path / "broken.parquet"), tok, seq_len=32)

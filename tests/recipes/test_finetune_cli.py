@@ -80,3 +80,12 @@ def test_max_epochs_becomes_the_steps_of_that_many_passes():
     )  # 62.4: the last partial
     assert _max_steps(parse(["--max-steps", "7"]), module) == 7
     assert _max_steps(parse([]), module) == DEFAULT_MAX_STEPS
+
+
+def test_the_random_init_model_is_built_on_the_meta_device_unless_no_meta_init():
+    s = strategy_for(build_parser().parse_args([]))
+    assert isinstance(s, SlideDPStrategy) and s.options.meta_init
+    # nothing differs from the strategy's defaults (meta_init off): the registered strategy
+    assert strategy_for(build_parser().parse_args(["--no-meta-init"])) == "slidedp"
+    s = strategy_for(build_parser().parse_args(["--no-meta-init", "--optimizer-state", "int8"]))
+    assert isinstance(s, SlideDPStrategy) and not s.options.meta_init and s.options.optimizer_state == "int8"

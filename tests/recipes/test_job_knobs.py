@@ -59,15 +59,22 @@ def test_the_training_flags_give_ddps_run_and_the_compact_ledger_trains(tmp_path
     assert ours["steps"] == ddp["steps"] == 4
     assert ours["tokens_per_s"] > 0 and ours["step_s"] > 0 and ddp["tokens_per_s"] > 0
     assert 14 <= ours["ledger_bytes_per_param"] < 16 and ddp["ledger_bytes"] is None  # FP32 master, moments, copy
+    # the launching process measured the job's host memory: both ranks, the ledger counted once
+    assert ours["peak_host_processes"] == 2 and ours["ledger_bytes"] < ours["peak_host_bytes"] < 8 * 1024**3, ours
+    assert ours["plan"]["verdict"] == "fits" and ours["plan"]["params_counted"] == "safetensors headers", ours
+    assert ours["plan"]["ledger_bytes"] <= ours["ledger_bytes"] <= 1.05 * ours["plan"]["ledger_bytes"]  # + padding
+    assert ours["exposed_host_share"] is None and ddp["plan"] is None  # measured with --trace-dir only
     assert math.isclose(ours["train_loss"], ddp["train_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
     assert math.isclose(ours["after"]["val_loss"], ddp["after"]["val_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
 
     compact, log = _run(tmp_path, "int8", ["--model", model, "--max-steps", "6", "--optimizer-state", "int8",
-                                           "--no-bf16-copy", "--lr", "3e-3"])  # fmt: skip
+                                           "--no-bf16-copy", "--lr", "3e-3", "--trace-dir",
+                                           str(tmp_path / "trace")])  # fmt: skip
     assert f"--model {model}: activation policy 'full' (--activation-policy none turns it off)" in log, log[-3000:]
     assert "the loss in chunks of 1024 tokens (--chunked-loss 0 turns it off)" in log, log[-3000:]
     assert compact["steps"] == 6 and math.isfinite(compact["train_loss"])
     assert 6 <= compact["ledger_bytes_per_param"] < 8  # FP32 master and int8 moments, no copy
+    assert 0 <= compact["exposed_host_share"] < 1 and "host work exposed" in log, compact
     assert compact["after"]["val_loss"] < compact["before"]["val_loss"], compact
 
 
