@@ -342,6 +342,13 @@ def build_parser() -> _Parser:
         "status 0 when it fits, 1 when not (default: the plan is the run's first lines)",
     )
     add(
+        "--hardware",
+        metavar="PROFILE",
+        help="--dry-run only: also predict the step time, tokens/s and what bounds the step on PROFILE, a profile "
+        "of the step-time model (h200x1, h100x8, rtx4090x4, ...) or a file its calibrate command wrote (imports "
+        "torch) (default: no prediction)",
+    )
+    add(
         "--print-config",
         action="store_true",
         help="print the resolved settings as such a file and exit (default: run the job)",
@@ -667,6 +674,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--no-meta-init applies to SlideDP's random-init model: " + (
             "a --model checkpoint is read straight into the ledger" if args.model else "use --strategy slidedp"
         )
+    if args.hardware:
+        return "--hardware predicts the step of a --dry-run: add --dry-run"
     if args.trace_dir and args.strategy != "slidedp":
         return "--trace-dir traces SlideDP's lanes: use it with --strategy slidedp"
     if args.param_route == "replicated" and args.grad_route == "host_reduce":
@@ -715,7 +724,13 @@ def dry_run(args: argparse.Namespace) -> int:
         job = plan.of_flags(args)
     except (OSError, ValueError) as err:
         build_parser().error(f"--model {args.model}: the plan cannot read it: {' '.join(str(err).split())}")
-    print("\n".join(job.lines()))
+    lines = job.lines()
+    if args.hardware:
+        try:
+            lines.append(plan.predicted_step(args, args.hardware))
+        except (OSError, ValueError) as err:
+            build_parser().error(f"--hardware {args.hardware}: {' '.join(str(err).split())}")
+    print("\n".join(lines))
     return 1 if job.verdict == "does not fit" else 0
 
 

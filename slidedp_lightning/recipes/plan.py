@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from slidedp_lightning.constants import ledger_bytes_per_param
-from slidedp_lightning.recipes.settings import DEFAULT_CONFIG, lora_settings
+from slidedp_lightning.recipes.settings import DEFAULT_CONFIG, activation_policy, lora_settings
 
 # each rank's memory beside the ledger, by optimizer state (capacity benchmark, Qwen3-1.7B shape, 32 tokens a
 # rank, full recomputation: 3.1 GB exact, 2.3 GB int8)
@@ -271,3 +271,29 @@ def of_flags(args: Namespace) -> Plan:
         lora_targets=targets if isinstance(targets, str) else tuple(cast("list[str]", targets)),
     )
     return plan(read_model(model), setup, read_host())
+
+
+def predicted_step(args: Namespace, hardware: str) -> str:
+    """One line: the step-time model's prediction (simulator) of the job ``args`` describes on the ``hardware``
+    profile (a shipped name or a calibrated profile file): step time, tokens/s, and what bounds the step. Imports the
+    library (and torch): asked for with ``--hardware`` only."""
+    from slidedp_lightning.steptime import StepConfig, load_config, load_profile, simulate
+
+    model = args.model or os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", DEFAULT_CONFIG)
+    policy = activation_policy(args) or "none"
+    modelled = policy if policy in ("none", "full") else "full"
+    config = StepConfig(
+        load_config(model), args.batch_size, args.seq_len, args.devices,
+        param_route=args.param_route if args.param_route != "auto" else "full",
+        grad_route=args.grad_route if args.grad_route != "auto" else "gpu_reduce",
+        chunk_bytes=args.chunk_bytes if isinstance(args.chunk_bytes, int) else None, activation=modelled,
+        precision=args.precision, optimizer_state=args.optimizer_state, bf16_copy=args.bf16_copy, loss_sync=True,
+    )  # fmt: skip
+    profile = load_profile(hardware)
+    sim = simulate(config, profile)
+    note = "" if modelled == policy else f"; activations modelled as {modelled!r}, the run has {policy!r}"
+    return (
+        f"  predicted on {profile.name} ({args.devices} GPU{'s' if args.devices > 1 else ''}, batch "
+        f"{args.batch_size} x {args.seq_len} tokens a GPU{note}): step {sim.step_time:.3f} s, "
+        f"{sim.tokens_per_s:,.0f} tokens/s, {sim.bottleneck}"
+    )

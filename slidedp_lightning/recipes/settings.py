@@ -202,7 +202,7 @@ def lora_settings(args: Namespace) -> dict[str, object] | None:
 
 
 # what the command line adds to the job's flags: which file set them, and whether to print them or the plan and stop
-NOT_SETTINGS = ("config", "print_config", "dry_run")
+NOT_SETTINGS = ("config", "print_config", "dry_run", "hardware")
 
 
 def resolved_config(args: Namespace) -> dict[str, object]:

@@ -145,3 +145,23 @@ def test_the_real_run_of_a_job_that_does_not_fit_is_refused_before_any_ledger(tm
             elif flag == "--devices":
                 args.devices = int(value)
         assert plan.of_flags(args).verdict == "fits", fix
+
+
+def test_the_dry_run_predicts_the_step_on_a_hardware_profile(tmp_path):
+    from slidedp_lightning.steptime import StepConfig, load_config, load_profile, simulate
+    from slidedp_lightning_cli.finetune import main
+
+    config = Path(plan.__file__).with_name("configs") / "qwen3_tiny.json"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(config.read_text())
+    argv = ["--model", str(tmp_path / "m"), "--devices", "1", "--batch-size", "4", "--seq-len", "512"]
+    proc = subprocess.run([str(CLI), *argv, "--dry-run", "--hardware", "h200x1"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    want = simulate(StepConfig(load_config(str(tmp_path / "m")), 4, 512, 1, activation="full", loss_sync=True),
+                    load_profile("h200x1"))  # fmt: skip
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("  predicted on h200x1 (1 GPU, batch 4 x 512 tokens a GPU)"), proc.stdout
+    assert f"step {want.step_time:.3f} s, {want.tokens_per_s:,.0f} tokens/s, {want.bottleneck}" in line, line
+    with pytest.raises(SystemExit):
+        main([*argv, "--dry-run", "--hardware", "no-such-profile"])
