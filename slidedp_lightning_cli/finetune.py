@@ -148,10 +148,10 @@ def build_parser() -> _Parser:
     add("--accelerator", default="cpu", choices=settings.ACCELERATORS, help="Lightning accelerator")
     add(
         "--precision",
-        default="bf16-mixed",
         choices=settings.PRECISIONS,
         help="bf16-mixed: BF16 compute on an FP32 master; 16-mixed: FP16 autocast with dynamic loss scaling "
-        "(--strategy slidedp on CPU, any strategy on CUDA); 32-true: FP32 throughout",
+        "(--strategy slidedp on CPU, any strategy on CUDA); 32-true: FP32 throughout (default: bf16-mixed; 32-true "
+        "on --accelerator cpu when the CPU has neither AVX512-BF16 nor AMX, where bf16 matmuls are emulated)",
     )
     add(
         "--strategy",
@@ -412,7 +412,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         except ValueError as err:
             from_file.error(str(err))
         from_file.parse_args(tokens)  # the file's own values, checked alone: its errors name the file
-    return parser.parse_args([*tokens, *argv])
+    args = parser.parse_args([*tokens, *argv])
+    args.precision_chosen = args.precision is not None
+    if args.precision is None:  # the precision this host computes fast (--print-config writes it out)
+        args.precision = settings.default_precision(args.accelerator)
+    return args
 
 
 def config_vocab_size(model_dir: str) -> int | None:

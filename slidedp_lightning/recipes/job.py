@@ -45,6 +45,7 @@ from slidedp_lightning.recipes.plan import of_flags as plan_of_flags
 from slidedp_lightning.recipes.settings import (
     MODEL_ACTIVATION_POLICY,
     MODEL_CHUNKED_LOSS,
+    bf16_note,
     latest_checkpoint,
     lora_settings,
     resolved_config,
@@ -336,6 +337,13 @@ def _log_model_defaults(args: argparse.Namespace) -> None:
         log.info("--model %s: %s", args.model, "; ".join(chosen))
 
 
+def _log_precision(args: argparse.Namespace) -> None:
+    """Say why the job computes in FP32 on a CPU without fast bf16, or what bf16 asked for there costs."""
+    note = bf16_note(args, chosen=getattr(args, "precision_chosen", True))
+    if note is not None and _launching_process():
+        (log.warning if getattr(args, "precision_chosen", True) else log.info)("%s", note)
+
+
 def _log_data(args: argparse.Namespace, module: FinetuneModule) -> None:
     """Say what --truncate left out and what --pack made of the training examples."""
     from slidedp_lightning.recipes.own_data import DataFinetuneModule
@@ -414,6 +422,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"slidedp-finetune: error: {err}", file=sys.stderr, flush=True)
         return 2
     _log_model_defaults(args)
+    _log_precision(args)
     _log_data(args, module)
     max_steps = _max_steps(args, module)
 

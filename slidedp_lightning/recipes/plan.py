@@ -132,7 +132,7 @@ class Plan:
             "mem_available_bytes": self.host.mem_available,
             "shared_free_bytes": self.host.shared_free,
             "verdict": self.verdict,
-            "fix": self.fix(),
+            "fix": self.fix() if self.verdict != "fits" else None,
         }
 
 

@@ -92,6 +92,59 @@ MODEL_ACTIVATION_POLICY = "full"
 MODEL_CHUNKED_LOSS = 1024
 
 
+# CPU flags (/proc/cpuinfo) under which torch's bf16 matmuls run at least as fast as FP32 (oneDNN's AVX512-BF16 and
+# AMX kernels); elsewhere (AVX2 Zen 2/3, Skylake-SP to Ice Lake) they are emulated, on an AVX2 Zen 2 about 150x
+# slower than FP32 (docs/PERFORMANCE.md, "Machines")
+FAST_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+DEFAULT_PRECISION = "bf16-mixed"
+SLOW_BF16_PRECISION = "32-true"
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
+    """(model name, flags) of this host's first CPU; ("", empty) where ``cpuinfo`` cannot be read."""
+    name, flags = "", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return name, flags
+
+
+def fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bf16 matmuls fast (:data:`FAST_BF16_FLAGS`); None where its flags cannot be read."""
+    _, flags = cpu_flags(cpuinfo)
+    return bool(flags & set(FAST_BF16_FLAGS)) if flags else None
+
+
+def default_precision(accelerator: str, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The job's precision unless ``--precision`` says: bf16-mixed, except on the CPU device of a CPU without fast
+    bf16 matmuls, where FP32 (32-true) is the fast one."""
+    if accelerator == "cpu" and fast_bf16(cpuinfo) is False:
+        return SLOW_BF16_PRECISION
+    return DEFAULT_PRECISION
+
+
+def bf16_note(args: Namespace, chosen: bool, cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """What the job says about bf16 on a CPU device without fast bf16 matmuls (None elsewhere): why it runs FP32 by
+    default, or (``--precision bf16-mixed`` given) what bf16 costs there."""
+    if args.accelerator != "cpu" or fast_bf16(cpuinfo) is not False:
+        return None
+    model, _ = cpu_flags(cpuinfo)
+    cpu = f"this CPU ({model or 'unnamed'}) has neither AVX512-BF16 nor AMX, so torch's bf16 matmuls are emulated"
+    if not chosen:
+        return f"--precision {SLOW_BF16_PRECISION} by default: {cpu}, far slower than FP32; --precision bf16-mixed asks for bf16"
+    if args.precision == "bf16-mixed":
+        return f"--precision bf16-mixed: {cpu}, on an AVX2 CPU about 150x slower than FP32; --precision 32-true is fast here"
+    return None
+
+
 def check_vocab(vocab_size: int, spec: TaskSpec, where: str) -> None:
     """Raise ``ValueError`` (naming ``where`` and the fix) when a vocabulary of ``vocab_size`` ids cannot hold
     the task's token ids."""
@@ -202,7 +255,7 @@ def lora_settings(args: Namespace) -> dict[str, object] | None:
 
 
 # what the command line adds to the job's flags: which file set them, and whether to print them or the plan and stop
-NOT_SETTINGS = ("config", "print_config", "dry_run", "hardware")
+NOT_SETTINGS = ("config", "print_config", "dry_run", "hardware", "precision_chosen")
 
 
 def resolved_config(args: Namespace) -> dict[str, object]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from slidedp_lightning.recipes.settings import NOT_SETTINGS
 from slidedp_lightning_cli.finetune import main, parse
 
 CLI = Path(sys.executable).with_name("slidedp-finetune")
@@ -18,7 +19,8 @@ FLAGS = ["--optimizer-state", "int8", "--no-bf16-copy", "--activation-policy", "
 
 
 def settings(args) -> dict:
-    return {k: v for k, v in vars(args).items() if k not in ("config", "print_config")}
+    """The run's settings: every parsed value but what the command line says about itself (which file, print)."""
+    return {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}
 
 
 def test_the_printed_config_reads_back_to_the_same_settings(tmp_path, capsys):

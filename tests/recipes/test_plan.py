@@ -165,3 +165,10 @@ def test_the_dry_run_predicts_the_step_on_a_hardware_profile(tmp_path):
     assert f"step {want.step_time:.3f} s, {want.tokens_per_s:,.0f} tokens/s, {want.bottleneck}" in line, line
     with pytest.raises(SystemExit):
         main([*argv, "--dry-run", "--hardware", "no-such-profile"])
+
+
+def test_the_report_names_a_fix_only_for_a_job_that_needs_one():
+    fits = plan.plan(plan.Model(params=GB // 10, counted="test"), plan.Setup(ranks=1), HOST)
+    assert fits.verdict == "fits" and fits.as_dict()["fix"] is None
+    big = plan.plan(plan.Model(params=int(1.5 * GB), counted="test"), plan.Setup(ranks=2), HOST)
+    assert big.as_dict()["fix"] == "--optimizer-state int8" and big.as_dict()["verdict"] == "does not fit"
