@@ -4,8 +4,9 @@
 For every system, a search over the number of layers of Qwen3-1.7B's shape (hidden 2048, 16 query / 8 KV heads
 of 128, MLP 6144, vocabulary 151,936, tied embeddings) finds the deepest model that completes the whole job on
 2 CPU ranks: load a BF16 sharded safetensors checkpoint (written here, shard by shard), 3 training steps
-(bf16-mixed, 1 x 32 tokens per rank, full activation checkpointing), a checkpoint save and, for SlideDP, a Hugging
-Face export that transformers then reloads. Each attempt is a process tree of its own under a host-memory
+(1 x 32 tokens per rank, full activation checkpointing), a checkpoint save and, for SlideDP, a Hugging Face export
+that transformers then reloads. Every system trains in the precision this host computes fast (:data:`PRECISION`:
+bf16-mixed, or 32-true on a CPU without AVX512-BF16 or AMX, where torch emulates bf16 matmuls); the table says which. Each attempt is a process tree of its own under a host-memory
 watchdog (the sum of the job's PSS) below the machine's limit: a model that does not fit is a data point
 ("does not fit"), not a crash of the benchmark. Every row of the table comes from one run.
 """
@@ -25,8 +26,10 @@ from pathlib import Path
 from bench.baselines.runner import GB, REPO, RunResult, run_job
 from bench.baselines.sharded_checkpoint import ShardedCheckpoints
 from bench.baselines.workload import JobSpec, ModelShape
+from slidedp_lightning.recipes.settings import default_precision
 
 log = logging.getLogger(__name__)
+PRECISION = default_precision("cpu")  # every system's, so that the rows compare
 
 QWEN3_1_7B = ModelShape(
     name="qwen3-1.7b-shape",
@@ -99,7 +102,7 @@ def spec_for(label: str, shape: ModelShape, layers: int, checkpoint: Path, timeo
         seq=SEQ,
         steps=STEPS,
         warmup=1,
-        precision="bf16-mixed",
+        precision=PRECISION,
         checkpointing=True,
         knobs=dict(knobs),
         timeout_s=timeout_s,
@@ -203,7 +206,8 @@ def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, 
 def table(searches: list[Search], shape: ModelShape, limit: int) -> str:
     rows = [
         f"Largest model of {shape.name} (layers searched) that completes load + {STEPS} steps + save (+ export and "
-        f"reload) on {RANKS} CPU ranks, under a {limit / GB:.1f} GB host-memory watchdog (PSS of the whole job).",
+        f"reload) on {RANKS} CPU ranks in {PRECISION} (every system), under a {limit / GB:.1f} GB host-memory "
+        "watchdog (PSS of the whole job).",
         "",
         "| system | layers | params | peak host GB | ledger GB | private GB (all ranks) | load s (GB/s) | step s "
         "| save s | export s | GB per B (slope) | attempts |",

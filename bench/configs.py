@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.baselines.workload import SYSTEMS, JobSpec, ModelShape
+from slidedp_lightning.recipes.settings import default_precision
 
 SCALES = ("cpu", "gpu")
 
@@ -124,7 +125,7 @@ def scale(name: str, ranks: int | None = None, fast: bool = False) -> Scale:
             seq=32,
             steps=7,
             warmup=2,
-            precision="bf16-mixed",
+            precision=default_precision("cpu"),  # what this host computes fast
             loss_shape=_shape("h128-L2", 128, 2, 384, 4, 2, 512, head_dim=32),
             loss_batch=8,
             loss_seq=32,

@@ -102,6 +102,28 @@ class Table:
         return re.sub(r"[^A-Za-z0-9]+", "-", f"{self.suite}-{self.title}").strip("-").lower()
 
 
+# the widest vector ISA a CPU's flags name, widest first
+VECTOR_ISAS = (
+    ("amx_bf16", "AMX + AVX-512-BF16"),
+    ("avx512_bf16", "AVX-512 + AVX-512-BF16"),
+    ("avx512f", "AVX-512"),
+    ("avx2", "AVX2"),
+)
+
+
+def _numba_target() -> str:
+    """The CPU name Numba compiles the kernels for (``NUMBA_CPU_NAME``, else the host's, as LLVM names it)."""
+    name = os.environ.get("NUMBA_CPU_NAME")
+    if name:
+        return name
+    try:
+        import llvmlite.binding as llvm
+
+        return str(llvm.get_host_cpu_name())
+    except (ImportError, RuntimeError):
+        return "not recorded"
+
+
 @cache
 def machine() -> dict[str, object]:
     import torch
@@ -118,8 +140,15 @@ def machine() -> dict[str, object]:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from slidedp_lightning.recipes.settings import cpu_flags, default_precision
+
+    flags = cpu_flags()[1]
+    isa = next((name for flag, name in VECTOR_ISAS if flag in flags), "not recorded" if not flags else "SSE")
     return {
         "cpu": cpu,
+        "vector_isa": isa,
+        "numba_target": _numba_target(),
+        "cpu_precision": default_precision("cpu"),  # what this host computes fast on the CPU device
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(mem / 2**30, 1),
         "python": platform.python_version(),

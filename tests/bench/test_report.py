@@ -57,3 +57,18 @@ def test_notes_only_suites_are_in_the_report(tmp_path):
     report.note("one-time costs", "ZeRO-Offload: not installed: DeepSpeed is not installed")
     report.write()
     assert "### one-time costs\n\nZeRO-Offload: not installed" in (tmp_path / "report.md").read_text()
+
+
+def test_every_report_names_the_cpu_its_vector_isa_numba_target_and_cpu_precision(tmp_path):
+    from bench.report import VECTOR_ISAS, machine
+    from slidedp_lightning.recipes.settings import cpu_flags, default_precision
+
+    info = machine()
+    flags = cpu_flags()[1]
+    widest = next((name for flag, name in VECTOR_ISAS if flag in flags), None)
+    assert info["vector_isa"] == (widest or ("not recorded" if not flags else "SSE"))
+    assert info["cpu_precision"] == default_precision("cpu") and info["numba_target"]
+    report = BenchReport(tmp_path)
+    report.write()
+    head = (tmp_path / "report.md").read_text().splitlines()[2]
+    assert head.startswith("machine: ") and f'"vector_isa": "{info["vector_isa"]}"' in head, head
