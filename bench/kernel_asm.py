@@ -6,13 +6,16 @@ bf16 gradient in, bf16 copy out) and lists each innermost loop that holds packed
 static instructions (both sides of a branch inside the loop count), the elements one iteration handles and
 their quotient. The 8-bit kernel's loops on that route are the update loop (one per lerp branch; a group uses
 one) and the encode loop; the others decode frozen gaps or saturate out-of-range blocks. Compiles into a temporary cache directory, since Numba does not disassemble cached code
-(a cold compile of one signature each: seconds)::
+(a cold compile of one signature each: seconds). ``--cpu NAME`` compiles for the LLVM CPU ``NAME`` with its own
+features instead of this host's (Numba's ``NUMBA_CPU_NAME``, with ``NUMBA_CPU_FEATURES`` empty), so the loops of an
+AVX2 target (``haswell``, ``znver2``) can be read on an AVX-512 machine::
 
-    python -m bench.kernel_asm
+    python -m bench.kernel_asm [--cpu znver2]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -96,19 +99,31 @@ def kernel_asm() -> dict[str, str]:
     return {name: k.inspect_asm(k.signatures[0]) for name, k in kernels.items()}
 
 
-def main() -> int:
+AVX512 = re.compile(r"%zmm|%k[1-7]\b|\{%k")  # a 512-bit register or a mask register: AVX-512 code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cpu", metavar="NAME", help="compile for this LLVM CPU (haswell, znver2, skylake-avx512, ...)"
+    )
+    args = parser.parse_args(argv)
     if "numba" in sys.modules:
-        raise RuntimeError("bench.kernel_asm must set NUMBA_CACHE_DIR before numba is imported")
+        raise RuntimeError("bench.kernel_asm must set NUMBA_CACHE_DIR (and the target) before numba is imported")
     with tempfile.TemporaryDirectory(prefix="slidedp-asm-") as cache:
         os.environ["NUMBA_CACHE_DIR"] = cache
+        if args.cpu:  # the named CPU's own features (an empty list: LLVM takes them from the name)
+            os.environ["NUMBA_CPU_NAME"], os.environ["NUMBA_CPU_FEATURES"] = args.cpu, ""
         import numba
 
-        print(f"host CPU as LLVM sees it: {numba.config.CPU_NAME or 'host'} / {_llvm_cpu()}")
+        print(f"target: {numba.config.CPU_NAME or 'this host'} (this host as LLVM sees it: {_llvm_cpu()})")
         print(
             "| kernel | loop | instructions | elements/iteration | instructions/element | " + " | ".join(MARKERS) + " |"
         )
         print("|---|---|---|---|---|" + "---|" * len(MARKERS))
         for name, asm in kernel_asm().items():
+            if AVX512.search(parallel_bodies(asm)):
+                print(f"{name}: uses AVX-512 registers")
             for loop in vector_loops(parallel_bodies(asm)):
                 marks = " | ".join(str(loop.markers[k]) for k in MARKERS)
                 print(

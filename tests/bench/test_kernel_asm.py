@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from bench.kernel_asm import parallel_bodies, vector_loops
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.kernel_asm import AVX512, parallel_bodies, vector_loops
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ASM = """\
 __gufunc__._ZN13_3cdynamic_3e36__numba_parfor_gufunc_0xabc:
@@ -43,6 +51,11 @@ def test_only_the_innermost_packed_loops_of_prange_bodies_count() -> None:
     assert loop.markers["vsqrtps"] == 1 and loop.markers["vdivps"] == 0
 
 
+def test_avx512_code_is_recognized() -> None:
+    assert AVX512.search("\tvaddps\t%zmm0, %zmm1, %zmm1") and AVX512.search("\tvmovups\t(%rax), %ymm1 {%k1}")
+    assert not AVX512.search("\tvaddps\t%ymm0, %ymm1, %ymm1")
+
+
 def test_a_loop_without_an_element_index_has_no_elements() -> None:
     asm = "_ZN_numba_parfor_gufunc_1:\n.LBB1_1:\n\tvaddps\t%ymm0, %ymm1, %ymm1\n\taddq\t$32, %rax\n\tjne\t.LBB1_1\n"
     (loop,) = vector_loops(parallel_bodies(asm))
@@ -56,3 +69,18 @@ def test_an_unconditional_backward_jump_is_not_a_loop() -> None:
         ".LBB2_2:\n\tmovq\t(%rsp), %r11\n\tjmp\t.LBB2_1\n.LBB2_3:\n\tret\n"
     )
     assert vector_loops(parallel_bodies(asm)) == []
+
+
+@pytest.mark.slow  # two cold Numba compiles in a subprocess
+def test_an_avx2_target_is_compiled_on_any_x86_host() -> None:
+    """``--cpu haswell`` compiles the kernels for that CPU wherever this runs: no AVX-512 register in them, and the
+    FP32 update's vector loops listed with their instructions per element."""
+    pytest.importorskip(
+        "threadpoolctl", reason="bench.kernel_asm runs the benchmark's cases: pip install -e '.[bench]'"
+    )
+    proc = subprocess.run([sys.executable, "-m", "bench.kernel_asm", "--cpu", "haswell"], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("target: haswell (this host") and "AVX-512 registers" not in proc.stdout, proc.stdout
+    fp32 = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| fp32 moments |")]
+    assert fp32 and all(float(cells[5]) > 0 for cells in fp32), proc.stdout
