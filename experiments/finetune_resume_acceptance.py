@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from slidedp_lightning.recipes.host_memory import process_tree, pss_bytes
+
 HERE = Path(__file__).resolve().parent
 CLI = Path(sys.executable).with_name("slidedp-finetune")
 
@@ -66,31 +68,6 @@ def job(workdir: Path, name: str, extra: list[str] = ()) -> list[str]:
     ]  # fmt: skip
 
 
-def _pss(pids: set[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += sum(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
-        except OSError:
-            pass
-    return total
-
-
-def _tree(root: int) -> set[int]:
-    pids, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        try:
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                kids = [int(k) for k in f.read().split()]
-        except OSError:
-            kids = []
-        pids.update(kids)
-        frontier += kids
-    return pids
-
-
 def run(cmd: list[str], log: Path, kill_when: Path | None = None) -> tuple[int, float, int]:
     """(exit status, seconds, peak PSS of the job's process tree); SIGKILL the tree once ``kill_when`` exists."""
     t0 = time.perf_counter()
@@ -101,7 +78,7 @@ def run(cmd: list[str], log: Path, kill_when: Path | None = None) -> tuple[int, 
     def sample() -> None:
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, _pss(_tree(proc.pid)))
+            peak = max(peak, sum(pss_bytes(pid) for pid in process_tree(proc.pid)))
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 # in the order they import each other; each imports nothing but the standard library and those before it
 PLAIN = (
     "slidedp_lightning.constants",
+    "slidedp_lightning.runtime.host_os",
     "slidedp_lightning.steptime.workload",
     "slidedp_lightning.recipes.settings",
     "slidedp_lightning.recipes.plan",
@@ -49,6 +50,8 @@ def _load(name: str) -> ModuleType:
 if TYPE_CHECKING:
     from slidedp_lightning.recipes import plan, settings
 else:
-    settings, plan = [_load(name) for name in PLAIN][2:]
+    for _name in PLAIN:
+        _load(_name)
+    settings, plan = sys.modules["slidedp_lightning.recipes.settings"], sys.modules["slidedp_lightning.recipes.plan"]
 
 __all__ = ["plan", "settings"]

@@ -28,6 +28,7 @@ from typing import cast
 
 from slidedp_lightning.constants import ledger_bytes_per_param
 from slidedp_lightning.recipes.settings import DEFAULT_CONFIG, activation_policy, lora_settings
+from slidedp_lightning.runtime.host_os import mem_available
 
 # each rank's memory beside the ledger, by optimizer state (capacity benchmark, Qwen3-1.7B shape, 32 tokens a
 # rank, full recomputation: 3.1 GB exact, 2.3 GB int8)
@@ -201,12 +202,7 @@ def _numel(shape: list[int]) -> int:
 # ------------------------------------------------------------------------------------------------- the host
 def read_host() -> Host:
     """MemAvailable, and the free bytes where the ledger goes (``$SLIDEDP_SHM_DIR``, else /dev/shm)."""
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                mem = int(line.split()[1]) * 1024
-                break
+    mem = mem_available()
     directory = os.environ.get(SHM_ENV) or "/dev/shm"
     try:
         st = os.statvfs(directory)

@@ -1,4 +1,5 @@
-"""Small operating-system helpers: byte formatting, glibc heap trim, process state and start time from /proc."""
+"""Small operating-system helpers: byte formatting, glibc heap trim, MemAvailable, process state and start time
+from /proc. Plain Python (the standard library only): ``slidedp-finetune``'s plan reads it before torch is imported."""
 
 from __future__ import annotations
 
@@ -11,6 +12,18 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} GiB"
+
+
+def mem_available() -> int:
+    """The kernel's estimate of the memory available to new work (``MemAvailable``), bytes; 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def trim_host_heap() -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from slidedp_lightning.runtime.host_os import format_bytes
+from slidedp_lightning.runtime.host_os import format_bytes, mem_available
 from slidedp_lightning.runtime.ledger.geometry import LedgerGeometry
 
 SHM_ENV = "SLIDEDP_SHM_DIR"  # where ledgers are created (default /dev/shm); any local directory shared by the ranks
@@ -55,12 +55,7 @@ class HostMemoryError(MemoryError):
 def available_host_bytes(directory: str | None = "") -> tuple[int, int]:
     """(MemAvailable, free bytes in the ledger ``directory``: by default :func:`shm_dir`; None, a private ledger:
     MemAvailable again)."""
-    mem = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                mem = int(line.split()[1]) * 1024
-                break
+    mem = mem_available()
     if directory is None:
         return mem, mem
     st = os.statvfs(directory or shm_dir())
