@@ -7,7 +7,7 @@ CPU ranks::
 
     slidedp-finetune --model D --data train.jsonl --pack --optimizer-state int8 --activation-policy full
         --accumulate-grad-batches 2 --checkpoint-dir C --checkpoint-every 5 --max-steps 12 --export OUT
-        --precision 32-true --val-split 0.05 --val-every 12
+        --precision 32-true --val-split 0.05 --val-every 12   (or --precision bf16-mixed)
 
 once through, and once killed with SIGKILL (launcher and ranks) as soon as its second checkpoint is complete, then
 rerun with ``--resume auto``. Checks that both exports hold the same weights bit for bit and that transformers
@@ -57,12 +57,12 @@ def build(workdir: Path, seed: int = 0) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def job(workdir: Path, name: str, extra: list[str] = ()) -> list[str]:
+def job(workdir: Path, name: str, extra: list[str] = (), precision: str = "32-true") -> list[str]:
     return [
         str(CLI), "--model", str(workdir / "base"), "--data", str(workdir / "train.jsonl"), "--pack",
         "--seq-len", "64", "--batch-size", "2", "--optimizer-state", "int8", "--activation-policy", "full",
         "--accumulate-grad-batches", "2", "--checkpoint-dir", str(workdir / f"ck-{name}"), "--checkpoint-every", "5",
-        "--max-steps", "12", "--export", str(workdir / f"out-{name}"), "--precision", "32-true", "--lr", "1e-4",
+        "--max-steps", "12", "--export", str(workdir / f"out-{name}"), "--precision", precision, "--lr", "1e-4",
         "--val-split", "0.05", "--val-every", "12",
         "--results", str(workdir / f"{name}.json"), "--log-dir", str(workdir / f"logs-{name}"), *extra,
     ]  # fmt: skip
@@ -106,17 +106,19 @@ def weights(directory: Path) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path("runs/finetune_resume_acceptance"))
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"))
     args = p.parse_args()
     work: Path = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     params = build(work)
     print(f"checkpoint: {params / 1e9:.3f} B parameters", flush=True)
 
-    whole = run(job(work, "whole"), work / "whole.log")
+    whole = run(job(work, "whole", precision=args.precision), work / "whole.log")
     assert whole[0] == 0, (work / "whole.log").read_text()[-3000:]
-    killed = run(job(work, "resumed"), work / "killed.log", kill_when=work / "ck-resumed" / "step=10.ckpt")
+    killed = run(job(work, "resumed", precision=args.precision), work / "killed.log",
+                 kill_when=work / "ck-resumed" / "step=10.ckpt")  # fmt: skip
     assert not (work / "out-resumed").exists(), "the killed run finished before its second checkpoint"
-    resumed = run(job(work, "resumed", ["--resume", "auto"]), work / "resumed.log")
+    resumed = run(job(work, "resumed", ["--resume", "auto"], args.precision), work / "resumed.log")
     assert resumed[0] == 0, (work / "resumed.log").read_text()[-3000:]
 
     import torch
@@ -126,8 +128,11 @@ def main() -> int:
     different = sorted(n for n in want if not torch.equal(want[n], got[n]))
     AutoModelForCausalLM.from_pretrained(work / "out-resumed")  # transformers reloads the export
     report = json.loads((work / "whole.json").read_text())
+    largest = max((want[n].double() - got[n].double()).abs().max().item() for n in want) if want else float("nan")
     summary = {
         "params": params,
+        "precision": args.precision,
+        "largest_difference": largest,
         "bit_identical": not different and sorted(want) == sorted(got),
         "different": different,
         "seconds": {"whole": whole[1], "killed": killed[1], "resumed": resumed[1]},
