@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
 
 import lightning.pytorch as L
 
@@ -77,6 +76,3 @@ class PeakHostMemory(L.Callback):
             self._stop.set()
             self._thread.join()
             self._thread = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}  # nothing of a run's memory belongs in its checkpoint
