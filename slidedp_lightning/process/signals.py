@@ -117,12 +117,12 @@ class SignalGuard:
             if self._state == "armed":
                 self._requests |= REQUEUE
                 log.warning(
-                    "SlideDP: %s received %s (%s) at the end of this step.",
+                    "SlideDP: %s received %s%s at the end of this step.",
                     self._describe(),
                     signal.Signals(signum).name,
-                    "saving a checkpoint, then stopping,"
+                    ": saving a checkpoint and stopping"
                     if self.save_and_stop
-                    else "SLURM auto-requeue: saving a checkpoint and requeueing the job",
+                    else " (SLURM auto-requeue): saving a checkpoint and requeueing the job",
                 )
             return  # in teardown there is no step left to save
         if signum == signal.SIGTERM and self._requeue_signal is not None and self._state == "armed":

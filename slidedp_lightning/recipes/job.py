@@ -367,7 +367,8 @@ def _log_data(args: argparse.Namespace, module: FinetuneModule) -> None:
 
 
 def _plan(args: argparse.Namespace) -> dict[str, object] | None:
-    """The job's plan (:mod:`~slidedp_lightning.recipes.plan`; SlideDP only), logged as the run's first lines."""
+    """The job's plan (:mod:`~slidedp_lightning.recipes.plan`; SlideDP only), logged in one line as the run's
+    first."""
     if args.strategy != "slidedp":
         return None
     try:
@@ -376,8 +377,7 @@ def _plan(args: argparse.Namespace) -> dict[str, object] | None:
         log.info("no plan: %s", " ".join(str(err).split()))
         return None
     if _launching_process():
-        for line in job.lines():
-            log.info("%s", line)
+        log.info("%s (--dry-run: the whole plan)", job.summary())
     return job.as_dict()
 
 

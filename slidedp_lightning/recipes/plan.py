@@ -123,6 +123,17 @@ class Plan:
         lines.append("  ledger by optimizer state (full fine-tuning): " + "; ".join(by_mode))
         return lines
 
+    def summary(self) -> str:
+        """The plan in one line, as every run logs it first (``lines()`` in full: ``--dry-run``)."""
+        h = self.host
+        fix = self.fix() if self.verdict != "fits" else None
+        return (
+            f"plan: {count(self.model.params)} parameters, ledger {gib(self.ledger_bytes)} "
+            f"({self.ledger_bytes / max(self.model.params, 1):.2f} B/param) + the ranks' own ~{gib(self.rest_bytes)} "
+            f"(estimate); MemAvailable {gib(h.mem_available)}, {h.shared_dir} free {gib(h.shared_free)}: "
+            f"{self.verdict}" + (f" (fits with {fix})" if fix else "")
+        )
+
     def as_dict(self) -> dict[str, object]:
         return {
             "params": self.model.params,

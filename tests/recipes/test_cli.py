@@ -298,7 +298,8 @@ def test_the_main_job_is_one_quiet_launch(tmp_path, source):
     """One fit: one "Initializing distributed" banner, the ledger built once (one ledger file, one "SlideDP rank 0/2"
     summary) and, with --model, the checkpoint read once ("SlideDP read checkpoint ... into the ledger"); no advice
     that the job triggers itself, no model summary, no progress-bar fields (not a terminal: no bar at all), at most
-    20 lines, the table last; the "after" metrics are the last step's evaluation that TensorBoard logged."""
+    22 lines (the plan first, in one line), the table last with the host-memory line; the "after" metrics are the
+    last step's evaluation that TensorBoard logged."""
     args = ["--max-steps", "6", "--results", str(tmp_path / "r.json"), "--log-dir", str(tmp_path / "logs")]
     if source == "checkpoint":
         args += ["--model", _tiny_checkpoint(tmp_path / "ckpt")]
@@ -325,9 +326,10 @@ def test_the_main_job_is_one_quiet_launch(tmp_path, source):
         assert count(r"^SlideDP initialized [\d,]+ params unit by unit into the ledger") == 1, out
     for noise in ("materialized on every rank", "model summary", "v_num", "Epoch 0/", "FLOPs", "Tip:", "Sanity"):
         assert noise not in out, noise
-    assert len(lines) <= 20, "\n".join(lines)
-    assert lines[-1].startswith("TensorBoard logs: "), lines[-6:]
-    assert lines[-4].startswith("before ") and lines[-3].startswith("after "), lines[-6:]
+    assert len(lines) <= 22, "\n".join(lines)
+    assert count(r"^plan: [\d.]+ M parameters, ledger .*: fits \(--dry-run: the whole plan\)$") == 1, out
+    assert lines[-1].startswith("TensorBoard logs: ") and lines[-2].startswith("peak host memory "), lines[-7:]
+    assert lines[-5].startswith("before ") and lines[-4].startswith("after "), lines[-7:]
 
     results = json.loads((tmp_path / "r.json").read_text())
     assert results["steps"] == 6
