@@ -263,9 +263,14 @@ def plan(model: Model, setup: Setup, host: Host, alternatives: bool = True) -> P
     return result
 
 
+def model_path(args: Namespace) -> str:
+    """The job's checkpoint: ``--model``, or the config of the random-init tiny model."""
+    return args.model or os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", DEFAULT_CONFIG)
+
+
 def of_flags(args: Namespace) -> Plan:
     """The plan of the job that ``slidedp-finetune``'s checked flags ``args`` describe, on this host."""
-    model = args.model or os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", DEFAULT_CONFIG)
+    model = model_path(args)
     lora = lora_settings(args)
     targets = lora["targets"] if lora else "all-linear"  # "all-linear" or a list of module names
     setup = Setup(
@@ -286,7 +291,7 @@ def predicted_step(args: Namespace, hardware: str) -> str:
     library (and torch): asked for with ``--hardware`` only."""
     from slidedp_lightning.steptime import StepConfig, load_config, load_profile, simulate
 
-    model = args.model or os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", DEFAULT_CONFIG)
+    model = model_path(args)
     policy = activation_policy(args) or "none"
     modelled = policy if policy in ("none", "full") else "full"
     config = StepConfig(
