@@ -108,7 +108,8 @@ class Plan:
             f"plan: {count(self.model.params)} parameters ({self.model.counted}), {count(self.trainable)} "
             f"trainable; {s.ranks} rank{'s' if s.ranks > 1 else ''}; {mode}",
             f"  ledger {gib(self.ledger_bytes)} ({self.ledger_bytes / max(self.model.params, 1):.2f} B/param)"
-            f" + the ranks' own memory ~{gib(self.rest_bytes)} (estimate) = {gib(self.need_bytes)}",
+            f" + the ranks' own memory, at most {gib(self.rest_bytes)} (measured at 1.7 B; less for smaller "
+            f"models) = {gib(self.need_bytes)}",
             f"  host: MemAvailable {gib(h.mem_available)}, {h.shared_dir} free {gib(h.shared_free)}: "
             f"{self.verdict.upper()}",
         ]
@@ -129,8 +130,8 @@ class Plan:
         fix = self.fix() if self.verdict != "fits" else None
         return (
             f"plan: {count(self.model.params)} parameters, ledger {gib(self.ledger_bytes)} "
-            f"({self.ledger_bytes / max(self.model.params, 1):.2f} B/param) + the ranks' own ~{gib(self.rest_bytes)} "
-            f"(estimate); MemAvailable {gib(h.mem_available)}, {h.shared_dir} free {gib(h.shared_free)}: "
+            f"({self.ledger_bytes / max(self.model.params, 1):.2f} B/param) + the ranks' own, at most "
+            f"{gib(self.rest_bytes)}; MemAvailable {gib(h.mem_available)}, {h.shared_dir} free {gib(h.shared_free)}: "
             f"{self.verdict}" + (f" (fits with {fix})" if fix else "")
         )
 
