@@ -369,15 +369,14 @@ def _log_data(args: argparse.Namespace, module: FinetuneModule) -> None:
 def _plan(args: argparse.Namespace) -> dict[str, object] | None:
     """The job's plan (:mod:`~slidedp_lightning.recipes.plan`; SlideDP only), logged in one line as the run's
     first."""
-    if args.strategy != "slidedp":
+    if args.strategy != "slidedp" or not _launching_process():  # the others neither log nor report it
         return None
     try:
         job = plan_of_flags(args)
     except (OSError, ValueError) as err:  # a config the plan cannot read: the run goes on without one
         log.info("no plan: %s", " ".join(str(err).split()))
         return None
-    if _launching_process():
-        log.info("%s (--dry-run: the whole plan)", job.summary())
+    log.info("%s (--dry-run: the whole plan)", job.summary())
     return job.as_dict()
 
 
