@@ -26,7 +26,7 @@ FUNCTION = re.compile(r"^([^\s.][^:]*):\s*$")
 LABEL = re.compile(r"^(\.LBB\d+_\d+):")
 JUMP = re.compile(r"^\s+j(?!mp\b)\w+\s+(\.LBB\d+_\d+)\s*$")  # conditional: a loop's latch, not a layout jump
 STEP = re.compile(r"^\s+addq\s+\$(\d+), %(\w+)\s*$")
-PACKED = re.compile(r"\bv\w+p[sd]\b.*%ymm|\bvp\w+\b.*%ymm")
+PACKED = re.compile(r"\bv\w+p[sd]\b.*%[yz]mm|\bvp\w+\b.*%[yz]mm")
 # the costly instructions of interest: (F16C or AVX512-FP16 "x") float16 conversions, gathers/inserts of table lookups
 MARKERS = ("vsqrtps", "vdivps", "vcvtps2ph", "vcvtph2ps", "vinsertps", "vpgatherdd")
 
@@ -88,15 +88,45 @@ def _indexes(body: list[str], reg: str) -> bool:
 
 
 def kernel_asm() -> dict[str, str]:
-    """Run each kernel once on small buffers and return its machine code (first signature)."""
-    from bench.test_adamw8_kernel import Buffers, build_cases
-    from cpu_ops import _kernels, _kernels8
+    """Run each kernel once on small buffers and return its machine code (first signature): the benchmark's 8-bit and
+    FP32 cases (bf16 gradient in, bf16 copy out) and the FP32 update without the copy."""
+    from bench.test_adamw8_kernel import BETA1, BETA2, EPS, LR, WEIGHT_DECAY, Buffers, build_cases
+    from cpu_ops import _kernels, _kernels8, adamw_update
 
-    cases = build_cases(Buffers(1 << 16))
+    buffers = Buffers(1 << 16)
+    cases = build_cases(buffers)
     cases["8-bit moments"][0]()
     cases["fp32 moments"][0]()
-    kernels = {"8-bit moments": _kernels8.adamw8_kernel, "fp32 moments": _kernels.adamw_bf16_out_kernel}
+    b = buffers
+    adamw_update(b.p, b.m, b.v, b.g16, step=1, lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WEIGHT_DECAY)
+    kernels = {
+        "8-bit moments": _kernels8.adamw8_kernel,
+        "fp32 moments": _kernels.adamw_bf16_out_kernel,
+        NO_COPY: _kernels.adamw_kernel,
+    }
     return {name: k.inspect_asm(k.signatures[0]) for name, k in kernels.items()}
+
+
+NO_COPY = "fp32 moments, no copy"
+
+
+def summary(loops: dict[str, list[Loop]]) -> list[str]:
+    """The two ratios of instructions per element that stand in for speed where a target cannot be timed: the 8-bit
+    update (its update loop, the one with the square root and the division, plus its encode loop, the one with the
+    float16 conversion) against the FP32 update with the bf16 copy, and that against the FP32 update without the
+    copy. A kernel has one such loop per flag combination (weight decay, lerp branch): their mean counts."""
+
+    def mean(name: str, *markers: str) -> float:
+        values = [x.per_element for x in loops.get(name, []) if all(x.markers[k] for k in markers)]
+        return sum(values) / len(values) if values else float("nan")
+
+    eight = mean("8-bit moments", "vsqrtps", "vdivps") + mean("8-bit moments", "vcvtps2ph")
+    copy, plain = mean("fp32 moments", "vsqrtps"), mean(NO_COPY, "vsqrtps")
+    return [
+        f"8-bit update + encode: {eight:.1f} instructions/element, {eight / copy:.2f}x the FP32 update with the bf16 "
+        f"copy ({copy:.1f})",
+        f"FP32 update with the bf16 copy: {copy / plain:.2f}x the one without ({plain:.1f})",
+    ]
 
 
 AVX512 = re.compile(r"%zmm|%k[1-7]\b|\{%k")  # a 512-bit register or a mask register: AVX-512 code
@@ -121,15 +151,19 @@ def main(argv: list[str] | None = None) -> int:
             "| kernel | loop | instructions | elements/iteration | instructions/element | " + " | ".join(MARKERS) + " |"
         )
         print("|---|---|---|---|---|" + "---|" * len(MARKERS))
+        found = {}
         for name, asm in kernel_asm().items():
             if AVX512.search(parallel_bodies(asm)):
                 print(f"{name}: uses AVX-512 registers")
-            for loop in vector_loops(parallel_bodies(asm)):
+            found[name] = vector_loops(parallel_bodies(asm))
+            for loop in found[name]:
                 marks = " | ".join(str(loop.markers[k]) for k in MARKERS)
                 print(
                     f"| {name} | {loop.label} | {loop.instructions} | {loop.elements} | "
                     f"{loop.per_element:.1f} | {marks} |"
                 )
+        print()
+        print("\n".join(summary(found)))
     return 0
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.kernel_asm import AVX512, parallel_bodies, vector_loops
+from bench.kernel_asm import AVX512, MARKERS, NO_COPY, Loop, parallel_bodies, summary, vector_loops
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,3 +85,21 @@ def test_an_avx2_target_is_compiled_on_any_x86_host() -> None:
     assert proc.stdout.startswith("target: haswell (this host") and "AVX-512 registers" not in proc.stdout, proc.stdout
     fp32 = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| fp32 moments |")]
     assert fp32 and all(float(cells[5]) > 0 for cells in fp32), proc.stdout
+    eight, copy = proc.stdout.strip().splitlines()[-2:]
+    ratios = [float(x) for x in re.findall(r"([0-9.]+)x the", eight + copy)]
+    assert len(ratios) == 2 and all(1.0 < r < 4.0 for r in ratios), proc.stdout  # both measured, each costs more
+
+
+def test_the_summary_compares_the_mean_loops_of_each_kernel() -> None:
+    def loop(per: int, *marks: str) -> Loop:
+        return Loop(".L", per * 8, 8, {k: int(k in marks) for k in MARKERS})
+
+    found = {
+        "8-bit moments": [loop(6, "vsqrtps", "vdivps", "vcvtph2ps"), loop(8, "vsqrtps", "vdivps"), loop(2),
+                          loop(4, "vsqrtps", "vcvtps2ph")],
+        "fp32 moments": [loop(4, "vsqrtps", "vdivps"), loop(6, "vsqrtps", "vdivps")],
+        NO_COPY: [loop(2, "vsqrtps", "vdivps"), loop(3, "vsqrtps", "vdivps")],
+    }  # fmt: skip
+    eight, copy = summary(found)
+    assert eight.startswith("8-bit update + encode: 11.0 instructions/element, 2.20x") and "(5.0)" in eight
+    assert copy == "FP32 update with the bf16 copy: 2.00x the one without (2.5)"

@@ -183,7 +183,15 @@ def test_native_bf16_conversion_equals_the_integer_one_bit_for_bit() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cpu", "features", "native"), [("generic", "", False), ("znver4", "+avx512f,+avx512bf16", True)]
+    ("cpu", "features", "native"),
+    [
+        ("generic", "", False),
+        ("znver4", "+avx512f,+avx512bf16", True),
+        ("znver4", "-avx512bf16", False),
+        ("cooperlake", "", True),  # the named CPU's own features: LLVM's list has AVX512-BF16
+        ("skylake-avx512", "", False),
+        ("haswell", "", False),
+    ],
 )
 def test_the_conversion_instruction_is_used_only_where_numba_targets_it(cpu: str, features: str, native: bool) -> None:
     """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES (a portable cache) decide, not the host."""
