@@ -64,14 +64,15 @@ class LedgerFile:
         return f"/proc/self/fd/{self.fd}"
 
     @classmethod
-    def create(cls, directory: str, nbytes: int, label: str, *, share: bool) -> LedgerFile:
+    def create(cls, directory: str, nbytes: int, label: str, *, share: bool, memfd_fallback: bool = True) -> LedgerFile:
         """A new zero-filled unnamed file of ``nbytes`` bytes in ``directory`` (a memfd where the filesystem does not
-        support ``O_TMPFILE``); ``share``: serve its descriptor to the other ranks until :meth:`stop_sharing`."""
+        support ``O_TMPFILE``, unless ``memfd_fallback`` is off: then the ``OSError``); ``share``: serve its
+        descriptor to the other ranks until :meth:`stop_sharing`."""
         try:
             fd = os.open(directory, os.O_TMPFILE | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
             kind = f"O_TMPFILE in {directory}"
         except OSError as err:
-            if err.errno not in NO_TMPFILE:
+            if err.errno not in NO_TMPFILE or not memfd_fallback:
                 raise
             fd = os.memfd_create(label[:200] or "slidedp-ledger", os.MFD_CLOEXEC)
             kind = "memfd"
@@ -90,12 +91,13 @@ class LedgerFile:
         file = cls(fd, kind, nbytes)
         if share:
             file._serve()
-        log.info(
-            "SlideDP ledger file: an unnamed %s of %d bytes, never linked to a name; %s",
-            kind,
-            nbytes,
-            pages_note(huge_page_policy(fd), nbytes),
-        )
+        if memfd_fallback:  # a memory file: its page size matters
+            log.info(
+                "SlideDP ledger file: an unnamed %s of %d bytes, never linked to a name; %s",
+                kind,
+                nbytes,
+                pages_note(huge_page_policy(fd), nbytes),
+            )
         return file
 
     def handle(self) -> LedgerHandle:

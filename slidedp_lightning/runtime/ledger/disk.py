@@ -1,0 +1,238 @@
+"""Ledger state on a local disk: an unnamed file in a directory, read and written in aligned pieces.
+
+For state too large for host memory (the FP32 master and the Adam moments, paper arXiv 2609.34162 and
+docs/ledger.md): local rank 0 creates an unnamed file (``O_TMPFILE``, never linked to a name, so it is gone when the
+last process holding it ends, however it ends) and reserves its blocks at once (``posix_fallocate``: a disk too
+small is refused before any step, and no write can later fail for space); the other ranks open it as they open the
+ledger (:class:`~slidedp_lightning.runtime.ledger.memory.LedgerFile`). Each process reads and writes it through its
+own descriptor with ``O_DIRECT`` where the filesystem allows (no page-cache copy: the host memory the state takes is
+the bounded :class:`AlignedPool`), else buffered, said once in the log. Every I/O error names the file's directory,
+the operation, offset and size.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import queue
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from slidedp_lightning.runtime.host_os import format_bytes
+from slidedp_lightning.runtime.ledger.memory import NO_TMPFILE, LedgerFile
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # offsets, lengths and buffer addresses of direct I/O: a multiple of every logical block size in use
+
+
+class DiskStateError(OSError):
+    """The state file cannot be created, or an I/O on it failed; the message names the directory and what to do."""
+
+
+def aligned_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate on ``directory``'s filesystem."""
+    return shutil.disk_usage(directory).free
+
+
+class StateFile:
+    """This process's direct-I/O view of the unnamed state file (``file``: the shared descriptor it came from)."""
+
+    def __init__(self, file: LedgerFile, directory: str) -> None:
+        self.file = file
+        self.directory = directory
+        self.nbytes = file.nbytes
+        try:
+            self.fd = os.open(file.path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            self.direct = True
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            self.fd = os.open(file.path, os.O_RDWR | os.O_CLOEXEC)
+            self.direct = False
+            log.warning("SlideDP: %s does not support direct I/O; the state file is read and written through the "
+                        "page cache, which then holds up to the file's size of host memory", directory)  # fmt: skip
+
+    @classmethod
+    def create(cls, directory: str, nbytes: int, *, share: bool) -> StateFile:
+        """A new unnamed file of ``nbytes`` (rounded up to :data:`ALIGN`) in ``directory``, its blocks reserved; a
+        directory that does not exist, cannot hold unnamed files or has too little free space is refused, with the
+        numbers and what to do, before anything is written."""
+        nbytes = aligned_up(nbytes)
+        if not os.path.isdir(directory):
+            raise DiskStateError(errno.ENOENT, f"SlideDP state directory {directory} does not exist")
+        free = free_bytes(directory)
+        if free < nbytes:
+            raise DiskStateError(
+                errno.ENOSPC,
+                f"SlideDP state directory {directory} has {format_bytes(free)} free, the state file needs "
+                f"{format_bytes(nbytes)}: free {format_bytes(nbytes - free)} there or choose a larger local disk",
+            )
+        try:
+            file = LedgerFile.create(directory, nbytes, "slidedp-state", share=share, memfd_fallback=False)
+        except OSError as err:
+            if err.errno in NO_TMPFILE:
+                raise DiskStateError(
+                    err.errno,
+                    f"SlideDP state directory {directory}: its filesystem cannot hold unnamed files (O_TMPFILE: "
+                    f"{err.strerror}); choose a directory on a local ext4, xfs or btrfs disk",
+                ) from err
+            raise DiskStateError(err.errno, f"SlideDP state directory {directory}: {err.strerror}") from err
+        try:
+            assert file.fd is not None
+            os.posix_fallocate(file.fd, 0, nbytes)
+        except OSError as err:
+            file.close()
+            raise DiskStateError(
+                err.errno, f"SlideDP could not reserve {format_bytes(nbytes)} in {directory}: {err.strerror}"
+            ) from err
+        state = cls(file, directory)
+        log.info("SlideDP state file: an unnamed file of %s in %s, never linked to a name, its blocks reserved; %s I/O",
+                 format_bytes(nbytes), directory, "direct" if state.direct else "buffered")  # fmt: skip
+        return state
+
+    def _check(self, offset: int, buf: np.ndarray) -> memoryview:
+        if not buf.flags.c_contiguous:
+            raise ValueError("the state file reads into and writes from contiguous arrays only")
+        view = buf.data.cast("B")
+        if self.direct and (offset % ALIGN or view.nbytes % ALIGN or buf.ctypes.data % ALIGN):
+            raise ValueError(
+                f"direct I/O needs offset, size and address aligned to {ALIGN} bytes: offset {offset}, "
+                f"{view.nbytes} bytes at {buf.ctypes.data:#x}"
+            )
+        if offset < 0 or offset + view.nbytes > self.nbytes:
+            raise ValueError(f"[{offset}, {offset + view.nbytes}) is outside the state file's {self.nbytes} bytes")
+        return view
+
+    def read_into(self, offset: int, buf: np.ndarray) -> None:
+        """Fill contiguous ``buf`` with the file's bytes from ``offset`` (the GIL is released while it waits)."""
+        view = self._check(offset, buf)
+        done = 0
+        while done < view.nbytes:
+            try:
+                n = os.preadv(self.fd, [view[done:]], offset + done)
+            except OSError as err:
+                raise self._error("read", offset, view.nbytes, err) from err
+            if n == 0:
+                raise self._error("read", offset, view.nbytes, OSError(errno.EIO, "unexpected end of file"))
+            done += n
+
+    def write_from(self, offset: int, buf: np.ndarray) -> None:
+        """Write contiguous ``buf`` to the file at ``offset``."""
+        view = self._check(offset, buf)
+        done = 0
+        while done < view.nbytes:
+            try:
+                done += os.pwritev(self.fd, [view[done:]], offset + done)
+            except OSError as err:
+                raise self._error("write", offset, view.nbytes, err) from err
+
+    def _error(self, op: str, offset: int, nbytes: int, err: OSError) -> DiskStateError:
+        return DiskStateError(
+            err.errno,
+            f"SlideDP state file in {self.directory}: {op} of {format_bytes(nbytes)} at byte {offset} failed: "
+            f"{err.strerror}",
+        )
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None  # type: ignore[assignment]
+        self.file.close()
+
+
+class AlignedPool:
+    """``count`` page-aligned buffers of ``nbytes`` each (anonymous mappings): the only host memory the state's
+    I/O uses. :meth:`take` blocks while all are in use, which bounds how far reads run ahead of the update."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        if count < 1 or nbytes < 1:
+            raise ValueError(f"an aligned pool needs at least one buffer of at least one byte, got {count} x {nbytes}")
+        self.nbytes = aligned_up(nbytes)
+        self._maps = [mmap.mmap(-1, self.nbytes) for _ in range(count)]
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(i)
+
+    @property
+    def count(self) -> int:
+        return len(self._maps)
+
+    @contextmanager
+    def take(self) -> Iterator[np.ndarray]:
+        """One free buffer as a uint8 array, given back on exit."""
+        i = self._free.get()
+        try:
+            yield np.frombuffer(self._maps[i], np.uint8)
+        finally:
+            self._free.put(i)
+
+    def close(self) -> None:
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive: the mapping goes with it
+                pass
+        self._maps = []
+
+
+@dataclass(frozen=True)
+class DiskCeiling:
+    """Sequential throughput of a directory's disk with the state file's I/O (direct, ``depth`` requests in flight)."""
+
+    directory: str
+    nbytes: int
+    chunk_bytes: int
+    depth: int
+    direct: bool
+    write_gbps: float
+    read_gbps: float
+
+
+def measure_ceiling(directory: str, nbytes: int = 1 << 30, chunk_bytes: int = 8 << 20, depth: int = 4) -> DiskCeiling:
+    """Write then read ``nbytes`` of an unnamed file in ``directory`` in ``chunk_bytes`` pieces, ``depth`` at a
+    time, with the state file's I/O; GB/s of each (the write timed to its data on the disk: ``fsync``)."""
+    chunk_bytes = aligned_up(chunk_bytes)
+    nbytes = aligned_up(max(nbytes, chunk_bytes))
+    chunks = nbytes // chunk_bytes
+    state = StateFile.create(directory, chunks * chunk_bytes, share=False)
+    pool = AlignedPool(depth, chunk_bytes)
+    try:
+        rng = np.random.default_rng(0)
+        for _ in range(depth):  # each buffer once (the pool hands them out in turn): incompressible data
+            with pool.take() as buf:
+                buf[:] = rng.integers(0, 256, buf.size, np.uint8)
+
+        def write(i: int) -> None:
+            with pool.take() as b:
+                state.write_from(i * chunk_bytes, b)
+
+        def read(i: int) -> None:
+            with pool.take() as b:
+                state.read_into(i * chunk_bytes, b)
+
+        with ThreadPoolExecutor(depth, thread_name_prefix="slidedp-disk") as ex:
+            t0 = time.perf_counter()
+            list(ex.map(write, range(chunks)))
+            os.fsync(state.fd)
+            t1 = time.perf_counter()
+            list(ex.map(read, range(chunks)))
+            t2 = time.perf_counter()
+        total = chunks * chunk_bytes
+        return DiskCeiling(directory, total, chunk_bytes, depth, state.direct, total / (t1 - t0) / 1e9,
+                           total / (t2 - t1) / 1e9)  # fmt: skip
+    finally:
+        pool.close()
+        state.close()

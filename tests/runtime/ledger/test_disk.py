@@ -1,0 +1,133 @@
+"""The state file on a local disk: unnamed, reserved, direct I/O, shared, and refusals that name the numbers."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from slidedp_lightning.runtime.ledger import disk
+from slidedp_lightning.runtime.ledger.disk import ALIGN, AlignedPool, DiskStateError, StateFile, measure_ceiling
+from slidedp_lightning.runtime.ledger.memory import LedgerFile
+
+MIB = 1 << 20
+
+
+def test_written_bytes_read_back_from_an_unnamed_reserved_file(tmp_path) -> None:
+    state = StateFile.create(str(tmp_path), 3 * MIB + 5, share=False)
+    try:
+        assert state.nbytes == 3 * MIB + ALIGN  # rounded up to the alignment
+        assert os.listdir(tmp_path) == [] and os.fstat(state.fd).st_nlink == 0  # never has a name
+        assert os.fstat(state.fd).st_blocks * 512 >= state.nbytes  # every block reserved up front
+        pool = AlignedPool(2, MIB)
+        with pool.take() as out, pool.take() as back:
+            assert out.ctypes.data % ALIGN == 0 and back.ctypes.data % ALIGN == 0
+            out[:] = np.random.default_rng(1).integers(0, 256, out.size, np.uint8)
+            state.write_from(2 * MIB, out)
+            state.read_into(2 * MIB, back)
+            np.testing.assert_array_equal(back, out)
+            state.read_into(0, back)
+            assert not back.any()  # reserved, never written: zeros
+        pool.close()
+    finally:
+        state.close()
+
+
+def test_another_process_view_reads_what_one_wrote(tmp_path) -> None:
+    """Local rank 0 creates and shares the file; a rank that opens it by the handle sees the same bytes."""
+    creator = StateFile.create(str(tmp_path), MIB, share=True)
+    other = StateFile(LedgerFile.open(creator.file.handle()), str(tmp_path))
+    try:
+        pool = AlignedPool(1, MIB)
+        with pool.take() as buf:
+            buf[:] = 7
+            creator.write_from(0, buf)
+            buf[:] = 0
+            other.read_into(0, buf)
+            assert (buf == 7).all()
+        pool.close()
+    finally:
+        other.close()
+        creator.close()
+
+
+def test_a_disk_too_small_is_refused_with_the_numbers_before_any_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(disk, "free_bytes", lambda directory: 10 * MIB)
+    with pytest.raises(DiskStateError, match=r"has 10\.00 MiB free, the state file needs 64\.00 MiB: free 54\.00 MiB"):
+        StateFile.create(str(tmp_path), 64 * MIB, share=False)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_missing_directory_or_one_without_unnamed_files_is_refused(tmp_path, monkeypatch) -> None:
+    with pytest.raises(DiskStateError, match="does not exist"):
+        StateFile.create(str(tmp_path / "nowhere"), MIB, share=False)
+
+    def no_tmpfile(*args, **kwargs):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(LedgerFile, "create", no_tmpfile)
+    with pytest.raises(DiskStateError, match="cannot hold unnamed files .* local ext4, xfs or btrfs"):
+        StateFile.create(str(tmp_path), MIB, share=False)
+
+
+def test_an_io_error_names_the_directory_the_operation_and_the_place(tmp_path) -> None:
+    state = StateFile.create(str(tmp_path), MIB, share=False)
+    pool = AlignedPool(1, ALIGN)
+    read_only = os.open(state.file.path, os.O_RDONLY)
+    writable, state.fd = state.fd, read_only
+    try:
+        with (
+            pool.take() as buf,
+            pytest.raises(
+                DiskStateError, match=rf"in {tmp_path}: write of 4.00 KiB at byte 8192 failed: Bad file descriptor"
+            ),
+        ):
+            state.write_from(2 * ALIGN, buf)
+    finally:
+        state.fd = writable
+        os.close(read_only)
+        pool.close()
+        state.close()
+
+
+def test_direct_io_refuses_unaligned_pieces_and_any_outside_the_file(tmp_path) -> None:
+    state = StateFile.create(str(tmp_path), MIB, share=False)
+    try:
+        pool = AlignedPool(1, 2 * ALIGN)
+        with pool.take() as b:
+            with pytest.raises(ValueError, match="outside the state file"):
+                state.read_into(MIB - ALIGN, b)
+            if state.direct:
+                with pytest.raises(ValueError, match="aligned to 4096 bytes: offset 512"):
+                    state.read_into(512, b)
+        pool.close()
+    finally:
+        state.close()
+
+
+def test_the_pool_blocks_when_every_buffer_is_taken() -> None:
+    pool = AlignedPool(1, 100)
+    assert pool.nbytes == ALIGN
+    taken = threading.Event()
+
+    def second() -> None:
+        with pool.take():
+            taken.set()
+
+    with pool.take():
+        t = threading.Thread(target=second)
+        t.start()
+        assert not taken.wait(0.2)  # the second take waits for the first buffer
+    assert taken.wait(5)
+    t.join()
+    with pytest.raises(ValueError, match="at least one buffer"):
+        AlignedPool(0, 1)
+
+
+def test_the_disk_ceiling_is_measured_in_both_directions(tmp_path) -> None:
+    ceiling = measure_ceiling(str(tmp_path), nbytes=8 * MIB, chunk_bytes=MIB, depth=2)
+    assert ceiling.nbytes == 8 * MIB and ceiling.write_gbps > 0 and ceiling.read_gbps > 0
+    assert os.listdir(tmp_path) == []  # the measuring file is gone
