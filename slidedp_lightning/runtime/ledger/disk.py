@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slidedp_lightning.runtime.host_os import format_bytes
+from slidedp_lightning.runtime.ledger.geometry import MOMENTS, LedgerGeometry
 from slidedp_lightning.runtime.ledger.memory import NO_TMPFILE, LedgerFile
 
 log = logging.getLogger(__name__)
@@ -236,3 +237,67 @@ def measure_ceiling(directory: str, nbytes: int = 1 << 30, chunk_bytes: int = 8 
     finally:
         pool.close()
         state.close()
+
+
+RECORD_ALIGN = 64  # bytes: each region inside a record starts on a cache line (a vector boundary for the kernels)
+DISK_STATE = {"moments": MOMENTS, "master_and_moments": ("master", *MOMENTS)}  # what state_on_disk puts on disk
+
+
+@dataclass(frozen=True)
+class Record:
+    """One rank's shard of one unit in the state file: ``nbytes`` from ``offset`` (both page multiples), holding
+    each region's range of the shard at ``parts[name] = (byte offset in the record, elements)``."""
+
+    offset: int
+    nbytes: int
+    parts: dict[str, tuple[int, int]]
+
+
+class DiskLayout:
+    """Where the state file keeps each (unit, owner) shard's ranges of the regions on disk: one contiguous,
+    page-aligned record per shard, so the rank that updates a shard reads and writes all its state in one request
+    each way, and no two ranks ever write the same page.
+
+    ``regions``: the ledger regions kept on disk (see :data:`DISK_STATE`; the int8 moments bring their block scales
+    along). A shard covers the unit-relative elements ``[r * n, (r + 1) * n)``, ``n = unit size / owners``; a region
+    that covers only a unit's trainable prefix (:meth:`LedgerGeometry.unit_elems`) has the shard's part of it."""
+
+    def __init__(self, geometry: LedgerGeometry, regions: tuple[str, ...]) -> None:
+        if geometry.optimizer_state == "int8" and any(m in regions for m in MOMENTS):
+            regions = (*regions, "exp_avg_absmax", "exp_avg_sq_absmax")
+        self.regions = tuple(r for r in geometry.specs if r in regions)
+        self.geometry = geometry
+        self.owners = geometry.world_size
+        self.records: list[list[Record]] = []
+        pos = 0
+        for u, size in enumerate(geometry.unit_sizes):
+            n = size // self.owners
+            row = []
+            for r in range(self.owners):
+                parts, used = {}, 0
+                for name in self.regions:
+                    covered = geometry.unit_elems(name, u)
+                    elems = max(0, min((r + 1) * n, covered) - r * n) // geometry.specs[name][1]
+                    if elems:
+                        parts[name] = (used, elems)
+                        used = -(-(used + elems * geometry.itemsize(name)) // RECORD_ALIGN) * RECORD_ALIGN
+                nbytes = aligned_up(used)
+                row.append(Record(pos, nbytes, parts))
+                pos += nbytes
+            self.records.append(row)
+        self.nbytes = pos
+
+    def record(self, unit: int, owner: int) -> Record:
+        return self.records[unit][owner]
+
+    @property
+    def max_record_bytes(self) -> int:
+        return max((rec.nbytes for row in self.records for rec in row), default=0)
+
+    def views(self, buf: np.ndarray, record: Record) -> dict[str, np.ndarray]:
+        """The region arrays of ``record`` inside ``buf`` (a uint8 buffer holding that record from its byte 0)."""
+        out = {}
+        for name, (start, elems) in record.parts.items():
+            dtype = np.dtype(str(self.geometry.dtype(name)).removeprefix("torch."))
+            out[name] = buf[start : start + elems * dtype.itemsize].view(dtype)
+        return out

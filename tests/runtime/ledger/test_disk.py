@@ -10,7 +10,16 @@ import numpy as np
 import pytest
 
 from slidedp_lightning.runtime.ledger import disk
-from slidedp_lightning.runtime.ledger.disk import ALIGN, AlignedPool, DiskStateError, StateFile, measure_ceiling
+from slidedp_lightning.runtime.ledger.disk import (
+    ALIGN,
+    DISK_STATE,
+    AlignedPool,
+    DiskLayout,
+    DiskStateError,
+    StateFile,
+    measure_ceiling,
+)
+from slidedp_lightning.runtime.ledger.geometry import LedgerGeometry
 from slidedp_lightning.runtime.ledger.memory import LedgerFile
 
 MIB = 1 << 20
@@ -131,3 +140,56 @@ def test_the_disk_ceiling_is_measured_in_both_directions(tmp_path) -> None:
     ceiling = measure_ceiling(str(tmp_path), nbytes=8 * MIB, chunk_bytes=MIB, depth=2)
     assert ceiling.nbytes == 8 * MIB and ceiling.write_gbps > 0 and ceiling.read_gbps > 0
     assert os.listdir(tmp_path) == []  # the measuring file is gone
+
+
+def _geometry(optimizer_state: str, trainable_sizes: tuple[int, ...] = (), regions_of_unit=()) -> LedgerGeometry:
+    sizes = (4096, 8192, 2048)
+    return LedgerGeometry(
+        total=sum(sizes), num_units=3, world_size=2, staging_slots=0, staging_elems=0, staging_itemsize=4,
+        unit_sizes=sizes, optimizer_state=optimizer_state, trainable_sizes=trainable_sizes,
+        regions_of_unit=regions_of_unit,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8"])
+@pytest.mark.parametrize("on_disk", ["moments", "master_and_moments"])
+def test_each_shard_is_one_page_aligned_record_and_the_records_cover_the_regions(state: str, on_disk: str) -> None:
+    geometry = _geometry(state, trainable_sizes=(4096, 6144, 0), regions_of_unit=(
+        ("master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax", "bf16"),) * 2 + (("bf16",),))  # fmt: skip
+    layout = DiskLayout(geometry, DISK_STATE[on_disk])
+    expected = {"master": on_disk == "master_and_moments", "exp_avg_absmax": state == "int8"}
+    assert ("master" in layout.regions) == expected["master"]
+    assert ("exp_avg_absmax" in layout.regions) == expected["exp_avg_absmax"]
+    pos = 0
+    for u in range(3):
+        for r in range(2):
+            rec = layout.record(u, r)
+            assert rec.offset == pos and rec.offset % ALIGN == 0 and rec.nbytes % ALIGN == 0
+            pos += rec.nbytes
+        for name in layout.regions:
+            covered = sum(layout.record(u, r).parts.get(name, (0, 0))[1] for r in range(2))
+            assert covered == geometry.unit_elems(name, u) // geometry.specs[name][1], (u, name)
+    assert layout.nbytes == pos
+    assert layout.record(2, 0).parts == {} and layout.record(2, 0).nbytes == 0  # a frozen unit has no state
+    # unit 1 keeps moments over its first 6144 of 8192 elements: owner 1's shard [4096, 8192) has 2048 of them
+    assert layout.record(1, 1).parts["exp_avg"][1] == 2048
+
+
+def test_the_views_of_a_record_are_its_regions_without_overlap() -> None:
+    geometry = _geometry("int8")
+    layout = DiskLayout(geometry, DISK_STATE["master_and_moments"])
+    rec = layout.record(1, 1)
+    pool = AlignedPool(1, layout.max_record_bytes)
+    with pool.take() as buf:
+        views = layout.views(buf, rec)
+        assert {k: v.dtype.name for k, v in views.items()} == {
+            "master": "float32", "exp_avg": "uint8", "exp_avg_sq": "uint8", "exp_avg_absmax": "float32",
+            "exp_avg_sq_absmax": "float32",
+        }  # fmt: skip
+        assert views["master"].size == 4096 and views["exp_avg_absmax"].size == 4
+        for i, v in enumerate(views.values()):
+            v[:] = i + 1
+            assert v.ctypes.data % 64 == 0
+        for i, v in enumerate(views.values()):
+            assert (v == i + 1).all()
+    pool.close()
