@@ -117,8 +117,15 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, set[str]]:
     return name, flags
 
 
+# oneDNN (torch's CPU matmuls) capped below AVX512-BF16 by ONEDNN_MAX_CPU_ISA computes bf16 as a CPU without it does
+SLOW_BF16_ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
 def fast_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU computes bf16 matmuls fast (:data:`FAST_BF16_FLAGS`); None where its flags cannot be read."""
+    """Whether this CPU computes bf16 matmuls fast (:data:`FAST_BF16_FLAGS`, unless ``ONEDNN_MAX_CPU_ISA`` caps
+    oneDNN below them); None where its flags cannot be read."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in SLOW_BF16_ONEDNN_ISAS:
+        return False
     _, flags = cpu_flags(cpuinfo)
     return bool(flags & set(FAST_BF16_FLAGS)) if flags else None
 

@@ -23,14 +23,26 @@ def cpuinfo(tmp_path):
     return write
 
 
-def test_fast_bf16_is_read_from_the_cpu_flags(cpuinfo, tmp_path):
+def test_fast_bf16_is_read_from_the_cpu_flags(cpuinfo, tmp_path, monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert settings.fast_bf16(cpuinfo(ZEN2)) is False
     assert settings.fast_bf16(cpuinfo(ZEN4)) is True and settings.fast_bf16(cpuinfo(SAPPHIRE)) is True
     assert settings.fast_bf16(str(tmp_path / "missing")) is None  # unknown: bf16 stays the default
     assert settings.cpu_flags(cpuinfo(ZEN2))[0] == "AMD EPYC 7B12"
 
 
-def test_the_default_precision_is_the_one_the_host_computes_fast(cpuinfo, tmp_path):
+@pytest.mark.parametrize(
+    ("isa", "fast"), [("avx2", False), ("AVX512_CORE", False), ("AVX512_CORE_BF16", True), ("ALL", True)]
+)
+def test_onednn_capped_below_avx512_bf16_computes_bf16_slowly(cpuinfo, monkeypatch, isa, fast):
+    """``ONEDNN_MAX_CPU_ISA`` (oneDNN runs torch's CPU matmuls) below AVX512-BF16 makes a Zen 4 compute bf16 as an
+    AVX2 CPU does (measured: 0.4 GFLOP/s against 190 uncapped)."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert settings.fast_bf16(cpuinfo(ZEN4)) is fast
+
+
+def test_the_default_precision_is_the_one_the_host_computes_fast(cpuinfo, tmp_path, monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert settings.default_precision("cpu", cpuinfo(ZEN2)) == "32-true"
     assert settings.default_precision("cuda", cpuinfo(ZEN2)) == "bf16-mixed"  # the GPU computes
     assert settings.default_precision("cpu", cpuinfo(ZEN4)) == "bf16-mixed"
