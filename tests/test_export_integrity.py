@@ -351,3 +351,32 @@ def test_the_export_cli_interrupted_midway_leaves_the_previous_export_whole_and_
     assert signal.Signals(signum).name in line and f"{out} is unchanged" in line, line
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not hidden_left(tmp_path)
+
+
+@pytest.mark.parametrize("when", ["before the first shard", "after the last shard"])
+def test_a_stop_asked_for_ends_the_export_and_leaves_the_previous_one(tmp_path, monkeypatch, when) -> None:
+    """The CLI's signal handler also sets an event: a stop whose exception was lost (raised inside a finalizer,
+    which Python ignores) still ends the export before the next shard or before the swap, never after it."""
+    import threading
+
+    from slidedp_lightning.hf import export as hf_export
+
+    _checkpoint_of_a_small_model(tmp_path / "ck")
+    out = tmp_path / "hf"
+    assert export_main([str(tmp_path / "ck"), str(out), "--dtype", "bf16"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    stop = threading.Event()
+    if when == "before the first shard":
+        stop.set()
+    else:
+        write = hf_export.write_hf
+
+        def write_then_stop(*args, **kwargs):
+            write(*args, **kwargs)
+            stop.set()  # as if a SIGTERM's exception had vanished while the last shard was written
+
+        monkeypatch.setattr(hf_export, "write_hf", write_then_stop)
+    with pytest.raises(hf_export.ExportStopped, match="was stopped"):
+        hf_export.export_checkpoint(tmp_path / "ck", out, "fp32", stop=stop)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]  # no hidden directory left

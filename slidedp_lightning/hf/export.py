@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -236,6 +237,10 @@ def save_hf(
         raise failed
 
 
+class ExportStopped(BaseException):
+    """The export was asked to stop (see :func:`export_checkpoint`); nothing of it is left."""
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike,
     directory: str | os.PathLike,
@@ -243,12 +248,15 @@ def export_checkpoint(
     max_shard_size: str | int = "5GB",
     config: str | os.PathLike | None = None,
     adapter_only: bool = False,
+    stop: threading.Event | None = None,
 ) -> None:
     """Write a ``save_pretrained`` directory from a distributed SlideDP checkpoint, in one process, without the
     training job: one shard's tensors are read from the checkpoint at a time (whatever host layout, number of
     hosts or ranks saved it). ``config``: a Hugging Face model directory or ``config.json``, needed only when the
     checkpoint does not carry the model's config. A checkpoint of a peft (LoRA) model exports merged, or with
-    ``adapter_only`` its adapters alone in peft's format."""
+    ``adapter_only`` its adapters alone in peft's format. ``stop``, once set, ends the export before its next shard
+    or before it replaces ``directory`` with :class:`ExportStopped` (``directory`` unchanged, nothing left): a
+    signal handler's exception can be lost (raised inside a finalizer, Python ignores it), its event cannot."""
     dtype = _dtype(dtype)
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
@@ -295,7 +303,12 @@ def export_checkpoint(
     if missing:
         raise KeyError(f"{checkpoint} holds parameters the {type(model).__name__} does not have: {missing[:5]}")
 
+    def stop_if_asked() -> None:
+        if stop is not None and stop.is_set():
+            raise ExportStopped(f"the export of {checkpoint} to {target} was stopped")
+
     def fetch(shard: list[str]) -> dict[str, torch.Tensor]:
+        stop_if_asked()
         params = {n: torch.empty(meta[n].shape) for n in shard if prefix + n in info["params"]}
         wanted = [(f"model/{prefix}{n}", 0, t.numel(), t.view(-1)) for n, t in params.items()]
         with warnings.catch_warnings():  # one process reading on purpose
@@ -310,6 +323,7 @@ def export_checkpoint(
         else:
             out_meta, read = merged_view(model, meta, fetch) if peft_model is not None else (meta, fetch)
             write_hf(tmp, out_meta, read, hf_config, generation, dtype, max_shard_size)
+        stop_if_asked()
     log.info("SlideDP: Hugging Face export (%s) of %s written to %s", dtype, checkpoint, target)
 
 

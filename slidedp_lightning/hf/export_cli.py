@@ -10,14 +10,22 @@ import signal
 import sys
 import threading
 
-from slidedp_lightning.hf.export import DTYPES, export_checkpoint
+from slidedp_lightning.hf.export import DTYPES, ExportStopped, export_checkpoint
 
 
 class _Terminated(BaseException):
     """SIGTERM while exporting: raised where the export is, so that it removes what it wrote (as on Ctrl-C)."""
 
 
+_STOP = threading.Event()  # also set: a handler's exception raised inside a finalizer is lost, the event is not
+_RECEIVED: list[int] = []
+
+
 def _terminate(signum: int, frame: object) -> None:
+    _RECEIVED.append(signum)
+    _STOP.set()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise _Terminated(signum)
 
 
@@ -34,15 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     installed = threading.current_thread() is threading.main_thread()  # signal handlers: the main thread's only
-    previous = signal.signal(signal.SIGTERM, _terminate) if installed else None
+    previous = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGINT)} if installed else {}
+    _STOP.clear()
+    _RECEIVED.clear()
     try:
-        export_checkpoint(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.config, args.adapter_only)
+        export_checkpoint(
+            args.checkpoint, args.out, args.dtype, args.max_shard_size, args.config, args.adapter_only, stop=_STOP
+        )
     except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"{parser.prog}: error: {message}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, _Terminated) as err:
-        signum = err.args[0] if isinstance(err, _Terminated) else signal.SIGINT
+    except (KeyboardInterrupt, _Terminated, ExportStopped):
+        signum = _RECEIVED[0] if _RECEIVED else signal.SIGINT  # a KeyboardInterrupt raised by other means: SIGINT
         name = signal.Signals(signum).name
         print(
             f"{parser.prog}: interrupted by {name}: {args.out} is unchanged, nothing of the export left",
@@ -50,6 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 128 + signum
     finally:
-        if installed:
-            signal.signal(signal.SIGTERM, previous)
+        for signum_, handler in previous.items():
+            signal.signal(signum_, handler)
     return 0
