@@ -14,3 +14,13 @@ def test_both_directions_are_measured_in_the_directory_asked_for(tmp_path, capsy
     assert result["directory"] == str(tmp_path) and result["nbytes"] == 8 << 20 and result["depth"] == 2
     assert result["write_gbps"] > 0 and result["read_gbps"] > 0
     assert os.listdir(tmp_path) == []
+
+
+def test_the_streamed_update_is_timed_against_the_ceiling(tmp_path, capsys) -> None:
+    args = ["--dir", str(tmp_path), "--gib", "0.015625", "--chunk-mib", "1", "--depth", "2", "--stream", "--json"]
+    assert main(args) == 0
+    stream = json.loads(capsys.readouterr().out)["stream"]
+    # 16 units of 1024-element multiples: master and two moments (12 B/param) read once and written once
+    assert stream["read_bytes"] == stream["written_bytes"] > 0 and stream["units"] == 16
+    assert stream["seconds"] > 0 and 0 < stream["of_ceiling"] and stream["gparam_s"] > 0
+    assert os.listdir(tmp_path) == []

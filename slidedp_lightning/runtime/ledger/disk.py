@@ -20,7 +20,7 @@ import queue
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -301,3 +301,118 @@ class DiskLayout:
             dtype = np.dtype(str(self.geometry.dtype(name)).removeprefix("torch."))
             out[name] = buf[start : start + elems * dtype.itemsize].view(dtype)
         return out
+
+
+class RecordStream:
+    """One rank's shard records of the state file, read ahead into an :class:`AlignedPool` and written back behind
+    on ``threads`` I/O threads, so the update of one unit overlaps the reads of the next and the writes of the last.
+
+    :meth:`prefetch` starts a record's read when a buffer is free (never blocks); :meth:`acquire` returns its region
+    views (waiting for its read, or reading it now); :meth:`release` starts its write and gives the buffer back when
+    that is done; :meth:`flush` waits for every write. A record is read only after its last write finished, so a unit
+    updated again reads what was written. An I/O error of a background read or write is raised by the next call."""
+
+    def __init__(self, state: StateFile, layout: DiskLayout, owner: int, buffers: int = 4, threads: int = 2) -> None:
+        if buffers < 2:
+            raise ValueError(f"a record stream needs at least 2 buffers (one updated, one read ahead), got {buffers}")
+        self.state, self.layout, self.owner = state, layout, owner
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        self._maps = [mmap.mmap(-1, max(layout.max_record_bytes, ALIGN)) for _ in range(buffers)]
+        for m in self._maps:
+            self._free.put(np.frombuffer(m, np.uint8))
+        self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"slidedp-state-r{owner}")
+        self._reads: dict[int, tuple[np.ndarray, Future[None]]] = {}  # unit -> (buffer, its read)
+        self._writes: dict[int, Future[None]] = {}  # unit -> its last write
+        self._held: dict[int, np.ndarray] = {}
+        self.read_bytes = self.written_bytes = 0
+
+    def _record_buffer(self, unit: int, buf: np.ndarray) -> np.ndarray:
+        return buf[: self.layout.record(unit, self.owner).nbytes]
+
+    def _read(self, unit: int, buf: np.ndarray) -> Future[None]:
+        rec = self.layout.record(unit, self.owner)
+        after = self._writes.get(unit)
+
+        def read() -> None:
+            if after is not None:
+                after.result()  # the record's last write first
+            self.state.read_into(rec.offset, buf[: rec.nbytes])
+
+        self.read_bytes += rec.nbytes
+        return self._io.submit(read)
+
+    def prefetch(self, unit: int) -> None:
+        """Start reading ``unit``'s record if a buffer is free and it is not read or held already."""
+        if unit in self._reads or unit in self._held or not self.layout.record(unit, self.owner).nbytes:
+            return
+        try:
+            buf = self._free.get_nowait()
+        except queue.Empty:
+            return
+        self._reads[unit] = (buf, self._read(unit, buf))
+
+    def acquire(self, unit: int) -> dict[str, np.ndarray]:
+        """The region views of ``unit``'s record, read (each region a contiguous array of its shard range)."""
+        if unit in self._held:
+            raise RuntimeError(f"unit {unit}'s state record is acquired already")
+        if unit not in self._reads:
+            self._reads[unit] = ((buf := self._take()), self._read(unit, buf))
+        buf, read = self._reads.pop(unit)
+        try:
+            read.result()
+        except BaseException:
+            self._free.put(buf)
+            raise
+        self._held[unit] = buf
+        return self.layout.views(buf, self.layout.record(unit, self.owner))
+
+    def _take(self) -> np.ndarray:
+        """A free buffer; when none is free, the one of the oldest read ahead (a guess the update did not follow)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self._reads:
+            unit = next(iter(self._reads))
+            buf, read = self._reads.pop(unit)
+            try:
+                read.result()
+            except OSError:
+                pass  # that record is read again when acquired
+            return buf
+        return self._free.get()  # every buffer is being written: the first write to end frees one
+
+    def release(self, unit: int) -> None:
+        """Write ``unit``'s record back (in the background); its buffer is free again once written."""
+        buf = self._held.pop(unit)
+        rec = self.layout.record(unit, self.owner)
+        previous = self._writes.get(unit)
+
+        def write() -> None:
+            try:
+                if previous is not None:
+                    previous.result()
+                self.state.write_from(rec.offset, buf[: rec.nbytes])
+            finally:
+                self._free.put(buf)
+
+        self.written_bytes += rec.nbytes
+        self._writes[unit] = self._io.submit(write)
+
+    def flush(self) -> None:
+        """Wait for every write; raise the first I/O error."""
+        writes, self._writes = list(self._writes.values()), {}
+        for f in writes:
+            f.result()
+
+    def close(self) -> None:
+        """Finish the writes (their errors are not raised here: :meth:`flush` raises them) and stop the threads."""
+        self._io.shutdown(wait=True)
+        self._reads.clear()
+        self._held.clear()
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive: the mapping goes with it
+                pass
+        self._maps = []

@@ -16,6 +16,7 @@ from slidedp_lightning.runtime.ledger.disk import (
     AlignedPool,
     DiskLayout,
     DiskStateError,
+    RecordStream,
     StateFile,
     measure_ceiling,
 )
@@ -193,3 +194,134 @@ def test_the_views_of_a_record_are_its_regions_without_overlap() -> None:
         for i, v in enumerate(views.values()):
             assert (v == i + 1).all()
     pool.close()
+
+
+def _stream_setup(tmp_path, state: str = "fp32", buffers: int = 3):
+    geometry = _geometry(state)
+    layout = DiskLayout(geometry, DISK_STATE["master_and_moments"])
+    file = StateFile.create(str(tmp_path), layout.nbytes, share=False)
+    return layout, file, RecordStream(file, layout, owner=0, buffers=buffers)
+
+
+def test_records_written_back_are_read_again_and_the_other_owners_are_untouched(tmp_path) -> None:
+    layout, file, stream = _stream_setup(tmp_path)
+    try:
+        for u in range(3):
+            for i, view in enumerate(stream.acquire(u).values()):
+                view[:] = 10 * u + i + 1
+            stream.release(u)
+        stream.flush()
+        again = RecordStream(file, layout, owner=0)
+        for u in range(3):
+            for i, view in enumerate(again.acquire(u).values()):
+                assert (view == 10 * u + i + 1).all(), (u, i)
+            again.release(u)
+        again.close()
+        other = RecordStream(file, layout, owner=1)
+        assert all(not v.any() for v in other.acquire(1).values())  # owner 1's shard of unit 1: never written
+        other.close()
+    finally:
+        stream.close()
+        file.close()
+
+
+def test_a_record_is_read_only_after_its_last_write(tmp_path, monkeypatch) -> None:
+    """Updated twice in a row: the second read waits for the first write (made slow here), never reading stale."""
+    import time
+
+    layout, file, stream = _stream_setup(tmp_path)
+    write = file.write_from
+
+    def slow_write(offset, buf):
+        time.sleep(0.2)
+        write(offset, buf)
+
+    monkeypatch.setattr(file, "write_from", slow_write)
+    try:
+        for step in range(1, 4):
+            stream.prefetch(0)  # a read ahead issued while the last write is still under way
+            master = stream.acquire(0)["master"]
+            assert (master == step - 1).all(), step
+            master += 1
+            stream.release(0)
+        stream.flush()
+    finally:
+        stream.close()
+        file.close()
+
+
+def test_reads_ahead_are_used_once_and_never_block_and_a_missed_guess_frees_its_buffer(tmp_path) -> None:
+    layout, file, stream = _stream_setup(tmp_path, buffers=2)
+    try:
+        for u in (0, 1, 2):
+            stream.prefetch(u)  # the third finds no free buffer and is skipped, without waiting
+        assert stream.read_bytes == layout.record(0, 0).nbytes + layout.record(1, 0).nbytes
+        stream.acquire(2)  # not read ahead: takes the buffer of the oldest guess (unit 0)
+        stream.acquire(1)  # read ahead: not read again
+        assert stream.read_bytes == sum(layout.record(u, 0).nbytes for u in (0, 1, 2))
+        stream.release(2)
+        stream.release(1)
+        stream.flush()
+    finally:
+        stream.close()
+        file.close()
+
+
+def test_a_failed_background_write_is_raised_by_the_next_flush(tmp_path, monkeypatch) -> None:
+    layout, file, stream = _stream_setup(tmp_path, buffers=2)
+
+    def fail(offset, buf):
+        raise DiskStateError(errno.EIO, f"SlideDP state file in {tmp_path}: write failed: Input/output error")
+
+    try:
+        stream.acquire(0)
+        monkeypatch.setattr(file, "write_from", fail)
+        stream.release(0)
+        with pytest.raises(DiskStateError, match="write failed"):
+            stream.flush()
+        stream.acquire(1)  # the failed write's buffer is back in the pool
+        stream.acquire(0)
+    finally:
+        stream.close()
+        file.close()
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8"])
+def test_updates_through_the_records_equal_updates_in_memory_bit_for_bit(tmp_path, state: str) -> None:
+    """Three AdamW steps of each unit shard with its master and moments streamed from the file equal the same
+    kernels on arrays in memory."""
+    from cpu_ops import adamw8_update, adamw_update
+
+    layout, file, stream = _stream_setup(tmp_path, state)
+    rng = np.random.default_rng(0)
+    memory = {}
+    try:
+        for u in range(3):  # the same start in the file and in memory
+            views = stream.acquire(u)
+            views["master"][:] = rng.standard_normal(views["master"].size, dtype=np.float32)
+            memory[u] = {k: v.copy() for k, v in views.items()}
+            stream.release(u)
+        for step in range(1, 4):
+            for u in range(3):
+                stream.prefetch((u + 1) % 3)
+                views = stream.acquire(u)
+                grad = rng.standard_normal(views["master"].size, dtype=np.float32)
+                for arrays in (views, memory[u]):
+                    if state == "fp32":
+                        adamw_update(arrays["master"], arrays["exp_avg"], arrays["exp_avg_sq"], grad, step=step,
+                                     lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)  # fmt: skip
+                    else:
+                        adamw8_update(arrays["master"], arrays["exp_avg"], arrays["exp_avg_sq"],
+                                      arrays["exp_avg_absmax"], arrays["exp_avg_sq_absmax"], grad,
+                                      segments=np.array([[0, grad.size, 0]], np.int64),
+                                      hyper=[(1e-2, 0.9, 0.999, 1e-8, 0.01, True)], step=step)  # fmt: skip
+                stream.release(u)
+        stream.flush()
+        for u in range(3):
+            views = stream.acquire(u)
+            for name, array in memory[u].items():
+                np.testing.assert_array_equal(views[name], array, err_msg=f"unit {u} {name}")
+            stream.release(u)
+    finally:
+        stream.close()
+        file.close()
