@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import cast
 
 from slidedp_lightning.constants import ledger_bytes_per_param
-from slidedp_lightning.recipes.settings import DEFAULT_CONFIG, activation_policy, lora_settings
+from slidedp_lightning.recipes.settings import DEFAULT_CONFIG, DEFAULT_PRECISION, activation_policy, lora_settings
 from slidedp_lightning.runtime.host_os import mem_available
 
 # each rank's memory beside the ledger, by optimizer state (capacity benchmark, Qwen3-1.7B shape, 32 tokens a
@@ -295,14 +295,17 @@ def predicted_step(args: Namespace, hardware: str) -> str:
     model = model_path(args)
     policy = activation_policy(args) or "none"
     modelled = policy if policy in ("none", "full") else "full"
+    profile = load_profile(hardware)
+    # the job on a GPU host computes in bf16 unless --precision says otherwise (this host's default need not apply)
+    chosen = getattr(args, "precision_chosen", True)
+    precision = args.precision if chosen or profile.host_is_device else DEFAULT_PRECISION
     config = StepConfig(
         load_config(model), args.batch_size, args.seq_len, args.devices,
         param_route=args.param_route if args.param_route != "auto" else "full",
         grad_route=args.grad_route if args.grad_route != "auto" else "gpu_reduce",
         chunk_bytes=args.chunk_bytes if isinstance(args.chunk_bytes, int) else None, activation=modelled,
-        precision=args.precision, optimizer_state=args.optimizer_state, bf16_copy=args.bf16_copy, loss_sync=True,
+        precision=precision, optimizer_state=args.optimizer_state, bf16_copy=args.bf16_copy, loss_sync=True,
     )  # fmt: skip
-    profile = load_profile(hardware)
     sim = simulate(config, profile)
     note = "" if modelled == policy else f"; activations modelled as {modelled!r}, the run has {policy!r}"
     return (

@@ -14,7 +14,10 @@ SAPPHIRE = "model name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: avx2 avx51
 
 
 @pytest.fixture
-def cpuinfo(tmp_path):
+def cpuinfo(tmp_path, monkeypatch):
+    """A cpuinfo file of the test's text; oneDNN's ISA left uncapped (a capped one overrides the flags)."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
     def write(text: str) -> str:
         path = tmp_path / "cpuinfo"
         path.write_text(text)
@@ -23,8 +26,7 @@ def cpuinfo(tmp_path):
     return write
 
 
-def test_fast_bf16_is_read_from_the_cpu_flags(cpuinfo, tmp_path, monkeypatch):
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+def test_fast_bf16_is_read_from_the_cpu_flags(cpuinfo, tmp_path):
     assert settings.fast_bf16(cpuinfo(ZEN2)) is False
     assert settings.fast_bf16(cpuinfo(ZEN4)) is True and settings.fast_bf16(cpuinfo(SAPPHIRE)) is True
     assert settings.fast_bf16(str(tmp_path / "missing")) is None  # unknown: bf16 stays the default
@@ -41,8 +43,7 @@ def test_onednn_capped_below_avx512_bf16_computes_bf16_slowly(cpuinfo, monkeypat
     assert settings.fast_bf16(cpuinfo(ZEN4)) is fast
 
 
-def test_the_default_precision_is_the_one_the_host_computes_fast(cpuinfo, tmp_path, monkeypatch):
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+def test_the_default_precision_is_the_one_the_host_computes_fast(cpuinfo, tmp_path):
     assert settings.default_precision("cpu", cpuinfo(ZEN2)) == "32-true"
     assert settings.default_precision("cuda", cpuinfo(ZEN2)) == "bf16-mixed"  # the GPU computes
     assert settings.default_precision("cpu", cpuinfo(ZEN4)) == "bf16-mixed"
