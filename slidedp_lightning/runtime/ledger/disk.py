@@ -200,11 +200,13 @@ class DiskCeiling:
     direct: bool
     write_gbps: float
     read_gbps: float
+    mixed_gbps: float  # reads and writes at once, half each (what an update streaming its state does)
 
 
 def measure_ceiling(directory: str, nbytes: int = 1 << 30, chunk_bytes: int = 8 << 20, depth: int = 4) -> DiskCeiling:
     """Write then read ``nbytes`` of an unnamed file in ``directory`` in ``chunk_bytes`` pieces, ``depth`` at a
-    time, with the state file's I/O; GB/s of each (the write timed to its data on the disk: ``fsync``)."""
+    time, with the state file's I/O, then both at once (even pieces written, odd ones read); GB/s of each (writes
+    timed to their data on the disk: ``fsync``)."""
     chunk_bytes = aligned_up(chunk_bytes)
     nbytes = aligned_up(max(nbytes, chunk_bytes))
     chunks = nbytes // chunk_bytes
@@ -231,9 +233,12 @@ def measure_ceiling(directory: str, nbytes: int = 1 << 30, chunk_bytes: int = 8 
             t1 = time.perf_counter()
             list(ex.map(read, range(chunks)))
             t2 = time.perf_counter()
+            list(ex.map(lambda i: write(i) if i % 2 == 0 else read(i), range(chunks)))
+            os.fsync(state.fd)
+            t3 = time.perf_counter()
         total = chunks * chunk_bytes
         return DiskCeiling(directory, total, chunk_bytes, depth, state.direct, total / (t1 - t0) / 1e9,
-                           total / (t2 - t1) / 1e9)  # fmt: skip
+                           total / (t2 - t1) / 1e9, total / (t3 - t2) / 1e9)  # fmt: skip
     finally:
         pool.close()
         state.close()

@@ -139,7 +139,7 @@ def test_the_pool_blocks_when_every_buffer_is_taken() -> None:
 
 def test_the_disk_ceiling_is_measured_in_both_directions(tmp_path) -> None:
     ceiling = measure_ceiling(str(tmp_path), nbytes=8 * MIB, chunk_bytes=MIB, depth=2)
-    assert ceiling.nbytes == 8 * MIB and ceiling.write_gbps > 0 and ceiling.read_gbps > 0
+    assert ceiling.nbytes == 8 * MIB and ceiling.write_gbps > 0 and ceiling.read_gbps > 0 and ceiling.mixed_gbps > 0
     assert os.listdir(tmp_path) == []  # the measuring file is gone
 
 
