@@ -58,22 +58,40 @@ def suite_target() -> str | None:
     return next((cpu for cpu in ("cooperlake", "skylake-avx512", "haswell") if set(TARGETS[cpu]) <= have), None)
 
 
-@pytest.mark.slow  # a cold compile of every kernel signature the checks use: about 30 s a target
-@pytest.mark.parametrize("cpu", sorted(TARGETS))
-def test_kernels_compiled_for_the_target_match_their_references(cpu: str, tmp_path: Path) -> None:
-    missing = [f for f in TARGETS[cpu] if f not in host_features()]
-    if missing:
-        pytest.skip(f"this host cannot run {cpu} code (no {', '.join(missing)})")
-    if cpu == suite_target():
-        pytest.skip(f"the other tests run {cpu}'s kind of code here already")
-    env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path)}
-    probe = "import numba; from cpu_ops import _kernels; print(numba.config.CPU_NAME, _kernels.NATIVE_BF16)"
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == [cpu, str(NATIVE_BF16[cpu])]  # the target really is the one named
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rs", *CHECKS]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    tail = (run.stdout + run.stderr)[-4000:]
-    assert run.returncode == 0, tail
-    if NATIVE_BF16[cpu]:  # the one check that only runs where the conversion instruction is compiled ran
-        assert "SKIPPED" not in run.stdout, tail
+def eligible_targets() -> tuple[list[str], list[str]]:
+    """(targets to check here, why each other one is not)."""
+    have, run, why = host_features(), [], []
+    for cpu in sorted(TARGETS):
+        missing = [f for f in TARGETS[cpu] if f not in have]
+        if missing:
+            why.append(f"this host cannot run {cpu} code (no {', '.join(missing)})")
+        elif cpu == suite_target():
+            why.append(f"the other tests run {cpu}'s kind of code here already")
+        else:
+            run.append(cpu)
+    return run, why
+
+
+@pytest.mark.slow  # a cold compile of every kernel signature the checks use: about 35 s a target, two at once
+def test_kernels_compiled_for_each_target_match_their_references(tmp_path: Path) -> None:
+    targets, why = eligible_targets()
+    if not targets:
+        pytest.skip("; ".join(why))
+    runs = {}
+    for cpu in targets:  # each in its own Numba cache; the compiles of two targets run at once (one core each)
+        env = {**os.environ, "NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": "", "NUMBA_CACHE_DIR": str(tmp_path / cpu)}
+        probe = "import numba; from cpu_ops import _kernels; print(numba.config.CPU_NAME, _kernels.NATIVE_BF16)"
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120,
+                             cwd=ROOT)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split() == [cpu, str(NATIVE_BF16[cpu])]  # the target really is the one named
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rs", *CHECKS]
+        runs[cpu] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=ROOT)  # fmt: skip
+    outputs = {cpu: proc.communicate(timeout=900)[0] for cpu, proc in runs.items()}
+    for cpu, proc in runs.items():
+        tail = f"{cpu}:\n{outputs[cpu][-4000:]}"
+        assert proc.returncode == 0, tail
+        if NATIVE_BF16[cpu]:  # the one check that only runs where the conversion instruction is compiled ran
+            assert "SKIPPED" not in outputs[cpu], tail
+    print(f"checked: {', '.join(targets)}; not: {'; '.join(why) or 'none'}")
