@@ -318,7 +318,7 @@ def build_parser() -> _Parser:
         "--checkpoint-every",
         type=int,
         metavar="N",
-        help="a checkpoint every N optimizer steps (default: one, at --max-steps)",
+        help="a checkpoint every N optimizer steps, and at the last (default: one, at --max-steps)",
     )
     add("--keep-last", type=int, metavar="K", default=2, help="checkpoints kept under --checkpoint-dir, the newest")
     add(

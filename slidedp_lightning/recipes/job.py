@@ -278,16 +278,35 @@ def write_run_config(args: argparse.Namespace, directory: str) -> str:
     return path
 
 
+class StepCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` every ``every_n_train_steps`` steps that also saves the run's last step,
+    ``last_step``, when that is not a multiple of it: a run always ends with its final state on disk."""
+
+    def __init__(self, *, last_step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.last_step = last_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any) -> None:
+        every = self._every_n_train_steps
+        if trainer.global_step == self.last_step and every > 0 and trainer.global_step % every:
+            self._every_n_train_steps = trainer.global_step  # a multiple of itself: the base class saves this step
+        try:
+            super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        finally:
+            self._every_n_train_steps = every
+
+
 def _checkpoints(args: argparse.Namespace, max_steps: int) -> list[L.Callback]:
-    """The checkpoint callbacks of ``--checkpoint-dir``: ``step=N.ckpt`` every ``--checkpoint-every`` steps (without
-    it, one at ``--max-steps``), the newest ``--keep-last`` kept; and one at the end of the step in which SIGTERM (or
-    SIGUSR1, SLURM's requeue signal) arrived, after which the job stops (SlideDP)."""
+    """The checkpoint callbacks of ``--checkpoint-dir``: ``step=N.ckpt`` every ``--checkpoint-every`` steps and at
+    the last step (without it, one at ``--max-steps``), the newest ``--keep-last`` kept; and one at the end of the
+    step in which SIGTERM (or SIGUSR1, SLURM's requeue signal) arrived, after which the job stops (SlideDP)."""
     if args.checkpoint_dir is None:
         return []
     every = args.checkpoint_every or max_steps
     return [
         SaveAndStopAtStepEnd(lambda step: os.path.join(args.checkpoint_dir, f"step={step}.ckpt")),
-        ModelCheckpoint(
+        StepCheckpoint(
+            last_step=max_steps,
             dirpath=args.checkpoint_dir,
             filename="step={step}",
             auto_insert_metric_name=False,

@@ -88,14 +88,14 @@ def test_a_killed_run_resumed_ends_bit_for_bit_where_the_whole_run_ends(tmp_path
     assert "resuming from " + str(tmp_path / "ck-resumed" / "step=") in output, output[-3000:]
     report = json.loads((tmp_path / "resumed.json").read_text())
     assert report["steps"] == 10 and report["export"] == str(tmp_path / "out-resumed")
-    assert report["checkpoint"] == str(tmp_path / "ck-resumed" / "step=9.ckpt")
+    assert report["checkpoint"] == str(tmp_path / "ck-resumed" / "step=10.ckpt")  # the last step is always saved
 
     want, got = _weights(tmp_path / "out-whole"), _weights(tmp_path / "out-resumed")
     assert sorted(got) == sorted(want) and want
     different = [n for n in want if not torch.equal(got[n], want[n])]
     assert not different, different
     kept = sorted(p.name for p in (tmp_path / "ck-whole").iterdir())
-    assert kept == ["step=6.ckpt", "step=9.ckpt"], kept  # every 3 steps, --keep-last 2
+    assert kept == ["step=10.ckpt", "step=9.ckpt"], kept  # every 3 steps and the last, --keep-last 2
 
     from transformers import AutoModelForCausalLM
 
