@@ -156,29 +156,40 @@ class StateFile:
 
 class AlignedPool:
     """``count`` page-aligned buffers of ``nbytes`` each (anonymous mappings): the only host memory the state's
-    I/O uses. :meth:`take` blocks while all are in use, which bounds how far reads run ahead of the update."""
+    I/O uses. :meth:`get` blocks while all are in use, which bounds how far reads run ahead of the update."""
 
     def __init__(self, count: int, nbytes: int) -> None:
         if count < 1 or nbytes < 1:
             raise ValueError(f"an aligned pool needs at least one buffer of at least one byte, got {count} x {nbytes}")
         self.nbytes = aligned_up(nbytes)
         self._maps = [mmap.mmap(-1, self.nbytes) for _ in range(count)]
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(count):
-            self._free.put(i)
+        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for m in self._maps:
+            self._free.put(np.frombuffer(m, np.uint8))
 
     @property
     def count(self) -> int:
         return len(self._maps)
 
+    def get(self, block: bool = True) -> np.ndarray | None:
+        """A free buffer (uint8); None when ``block`` is off and none is free."""
+        try:
+            return self._free.get(block)
+        except queue.Empty:
+            return None
+
+    def put(self, buf: np.ndarray) -> None:
+        """Give ``buf`` (from :meth:`get`) back."""
+        self._free.put(buf)
+
     @contextmanager
     def take(self) -> Iterator[np.ndarray]:
-        """One free buffer as a uint8 array, given back on exit."""
-        i = self._free.get()
+        """One free buffer, given back on exit."""
+        buf = self._free.get()
         try:
-            yield np.frombuffer(self._maps[i], np.uint8)
+            yield buf
         finally:
-            self._free.put(i)
+            self._free.put(buf)
 
     def close(self) -> None:
         for m in self._maps:
@@ -321,10 +332,7 @@ class RecordStream:
         if buffers < 2:
             raise ValueError(f"a record stream needs at least 2 buffers (one updated, one read ahead), got {buffers}")
         self.state, self.layout, self.owner = state, layout, owner
-        self._free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        self._maps = [mmap.mmap(-1, max(layout.max_record_bytes, ALIGN)) for _ in range(buffers)]
-        for m in self._maps:
-            self._free.put(np.frombuffer(m, np.uint8))
+        self._pool = AlignedPool(buffers, max(layout.max_record_bytes, ALIGN))
         self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"slidedp-state-r{owner}")
         self._reads: dict[int, tuple[np.ndarray, Future[None]]] = {}  # unit -> (buffer, its read)
         self._writes: dict[int, Future[None]] = {}  # unit -> its last write
@@ -350,11 +358,9 @@ class RecordStream:
         """Start reading ``unit``'s record if a buffer is free and it is not read or held already."""
         if unit in self._reads or unit in self._held or not self.layout.record(unit, self.owner).nbytes:
             return
-        try:
-            buf = self._free.get_nowait()
-        except queue.Empty:
-            return
-        self._reads[unit] = (buf, self._read(unit, buf))
+        buf = self._pool.get(block=False)
+        if buf is not None:
+            self._reads[unit] = (buf, self._read(unit, buf))
 
     def acquire(self, unit: int) -> dict[str, np.ndarray]:
         """The region views of ``unit``'s record, read (each region a contiguous array of its shard range)."""
@@ -366,17 +372,16 @@ class RecordStream:
         try:
             read.result()
         except BaseException:
-            self._free.put(buf)
+            self._pool.put(buf)
             raise
         self._held[unit] = buf
         return self.layout.views(buf, self.layout.record(unit, self.owner))
 
     def _take(self) -> np.ndarray:
         """A free buffer; when none is free, the one of the oldest read ahead (a guess the update did not follow)."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
+        buf = self._pool.get(block=False)
+        if buf is not None:
+            return buf
         if self._reads:
             unit = next(iter(self._reads))
             buf, read = self._reads.pop(unit)
@@ -385,7 +390,9 @@ class RecordStream:
             except OSError:
                 pass  # that record is read again when acquired
             return buf
-        return self._free.get()  # every buffer is being written: the first write to end frees one
+        buf = self._pool.get()  # every buffer is being written: the first write to end frees one
+        assert buf is not None
+        return buf
 
     def release(self, unit: int) -> None:
         """Write ``unit``'s record back (in the background); its buffer is free again once written."""
@@ -399,7 +406,7 @@ class RecordStream:
                     previous.result()
                 self.state.write_from(rec.offset, buf[: rec.nbytes])
             finally:
-                self._free.put(buf)
+                self._pool.put(buf)
 
         self.written_bytes += rec.nbytes
         self._writes[unit] = self._io.submit(write)
@@ -415,9 +422,4 @@ class RecordStream:
         self._io.shutdown(wait=True)
         self._reads.clear()
         self._held.clear()
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a view is still alive: the mapping goes with it
-                pass
-        self._maps = []
+        self._pool.close()
