@@ -84,12 +84,17 @@ class Search:
         return max(fitting, key=lambda a: a.layers) if fitting else None
 
     def slope_gb_per_b(self) -> float | None:
-        """Host GB per billion parameters between the shallowest and the deepest fitting attempts."""
+        """Host GB per billion parameters between the shallowest and the deepest fitting attempts; None without two
+        of them, or where the deeper one's peak is not the larger (sizes too close for the peak's noise: a slope
+        that small or negative would extrapolate nonsense)."""
         fitting = sorted((a for a in self.attempts if a.fits), key=lambda a: a.layers)
         if len(fitting) < 2:
             return None
         a, b = fitting[0], fitting[-1]
-        return (b.result["host_peak_run"] - a.result["host_peak_run"]) / GB / ((b.params - a.params) / 1e9)
+        grown = b.result["host_peak_run"] - a.result["host_peak_run"]
+        if grown <= 0 or b.params <= a.params:
+            return None
+        return grown / GB / ((b.params - a.params) / 1e9)
 
 
 def spec_for(label: str, shape: ModelShape, layers: int, checkpoint: Path, timeout_s: float) -> JobSpec:
@@ -261,7 +266,11 @@ def extrapolate(searches: list[Search], usable: float = 0.9) -> str:
     ]
     for s in searches:
         a, slope = s.largest, s.slope_gb_per_b()
-        if a is None or slope is None:
+        if a is None:
+            continue
+        if slope is None:
+            rows.append(f"| {s.label} | — | — | " + " | ".join(["no slope: its fitting sizes' peaks did not grow"]
+                                                             * len(PAPER_HOSTS)) + " |")  # fmt: skip
             continue
         rest = max(0.0, (a.result["host_peak_run"] / GB - slope * a.params / 1e9) / RANKS)
         cells = []
