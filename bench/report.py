@@ -148,6 +148,10 @@ def machine() -> dict[str, object]:
         "cpu": cpu,
         "vector_isa": isa,
         "numba_target": _numba_target(),
+        # torch's CPU kernels and oneDNN's matmuls: the hardware's, unless held lower (ATEN_CPU_CAPABILITY,
+        # ONEDNN_MAX_CPU_ISA: a run standing in for an older CPU says so here)
+        "torch_cpu": torch.backends.cpu.get_cpu_capability(),
+        "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "all"),
         "cpu_precision": default_precision("cpu"),  # what this host computes fast on the CPU device
         "logical_cpus": os.cpu_count(),
         "memory_gib": round(mem / 2**30, 1),

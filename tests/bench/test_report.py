@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from bench.report import BenchReport, Ratio, Table, Verdict
 
@@ -68,6 +69,10 @@ def test_every_report_names_the_cpu_its_vector_isa_numba_target_and_cpu_precisio
     widest = next((name for flag, name in VECTOR_ISAS if flag in flags), None)
     assert info["vector_isa"] == (widest or ("not recorded" if not flags else "SSE"))
     assert info["cpu_precision"] == default_precision("cpu") and info["numba_target"]
+    import torch
+
+    assert info["torch_cpu"] == torch.backends.cpu.get_cpu_capability()
+    assert info["onednn_max_isa"] == os.environ.get("ONEDNN_MAX_CPU_ISA", "all")
     report = BenchReport(tmp_path)
     report.write()
     head = (tmp_path / "report.md").read_text().splitlines()[2]
