@@ -14,20 +14,14 @@ import threading
 
 import lightning.pytorch as L
 
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(k) for k in f.read().split()]
-    except OSError:
-        return []
+from slidedp_lightning.runtime.host_os import process_children
 
 
 def process_tree(root: int) -> list[int]:
     """``root`` and every process below it."""
     out, frontier = [root], [root]
     while frontier:
-        kids = _children(frontier.pop())
+        kids = process_children(frontier.pop())
         out += kids
         frontier += kids
     return out

@@ -59,3 +59,12 @@ def process_start_time(pid: int) -> str | None:
 def process_state(pid: int) -> str | None:
     """The state letter of ``pid`` in /proc (R, S, D, T, t, Z, ...), None when it is gone."""
     return _stat_field(pid, 0)
+
+
+def process_children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (those its main thread started), [] when it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(k) for k in f.read().split()]
+    except OSError:
+        return []

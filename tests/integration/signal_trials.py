@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slidedp_lightning.runtime.host_os import process_children
+
 JOB = Path(__file__).with_name("reliability_job.py")
 LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
 
@@ -47,14 +49,6 @@ def session_pids(sid: int) -> list[int]:
         if fields[0] not in "ZX" or _exiting(int(name)):
             pids.append(int(name))
     return pids
-
-
-def children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
 
 
 @dataclass
@@ -107,7 +101,7 @@ def run_trial(
     time.sleep(delay)
     pid: int | None = proc.pid if target == "launcher" else None
     while pid is None and proc.poll() is None:
-        found = [c for c in children(proc.pid) if _is_job(c)]  # not a helper the launcher started
+        found = [c for c in process_children(proc.pid) if _is_job(c)]  # not a helper the launcher started
         pid = found[0] if found else None
         if pid is None:
             time.sleep(0.01)
