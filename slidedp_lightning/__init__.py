@@ -14,6 +14,7 @@ from slidedp_lightning.fabric import SlideDPFabricStrategy
 from slidedp_lightning.hf.pretrained import from_pretrained
 from slidedp_lightning.models.block_list import stream_blocks
 from slidedp_lightning.models.chunked_loss import use_chunked_loss
+from slidedp_lightning.options import StateOnDisk
 from slidedp_lightning.precision import SlideDPFabricPrecision, SlideDPPrecision
 from slidedp_lightning.strategy import SlideDPStrategy
 
@@ -36,6 +37,7 @@ __all__ = [
     "SlideDPFabricStrategy",
     "SlideDPPrecision",
     "SlideDPStrategy",
+    "StateOnDisk",
     "from_pretrained",
     "stream_blocks",
     "use_chunked_loss",

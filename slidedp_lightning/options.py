@@ -31,6 +31,30 @@ ActivationOption = str | dict | ActivationPolicy | UnitPolicy | AutoPolicy | Non
 
 
 @dataclass(frozen=True)
+class StateOnDisk:
+    """``optimizer_state=StateOnDisk(directory)``: the Adam moments (``moments``: ``"fp32"`` or ``"int8"``) live in
+    one file on a local disk in ``directory``, shared by the host's ranks, instead of host memory (8 B/param less
+    with FP32 moments); each rank's CPU update reads its shard of the next units ahead and writes them back behind
+    (direct I/O where the filesystem allows). The file is unnamed: it is gone when the job ends, however it ends.
+    The directory's free space is checked at setup. See docs/ledger.md, "State on a local disk"."""
+
+    directory: str
+    moments: OptimizerState = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.moments not in OPTIMIZER_STATES:
+            raise ValueError(f"StateOnDisk moments must be one of {OPTIMIZER_STATES}, got {self.moments!r}.")
+        if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
+            raise ValueError(f"StateOnDisk needs a directory on a local disk, got {self.directory!r}.")
+        if not os.path.isdir(self.directory):
+            raise FileNotFoundError(
+                f"StateOnDisk directory {self.directory!r} does not exist: create it on a local disk (an NVMe SSD "
+                "for speed) that every rank of the host can reach."
+            )
+        object.__setattr__(self, "directory", os.path.abspath(os.fspath(self.directory)))
+
+
+@dataclass(frozen=True)
 class SlideDPOptions:
     """The user's choices for :class:`~slidedp_lightning.SlideDPStrategy`.
 
@@ -74,7 +98,7 @@ class SlideDPOptions:
             ``torch.distributed.checkpoint`` (FP32 weights and moments per parameter, loadable on any number of
             ranks, swapped into place atomically); ``"full"``: one ``torch.save`` file from rank 0.
         optimizer_state: the ledger's Adam moments, ``"fp32"`` (exact) or ``"int8"`` (block-wise 8-bit, 8 B/param
-            ledger); bf16_copy: keep the BF16 transfer copy (False: converted from the master on the way, -2 B/param).
+            ledger), in host memory; or :class:`StateOnDisk` for moments in a file on a local disk; bf16_copy: keep the BF16 transfer copy (False: converted from the master on the way, -2 B/param).
     """
 
     param_route: ParamRoute | Literal["auto"] = "full"
@@ -88,18 +112,35 @@ class SlideDPOptions:
     meta_init: bool = False
     host_layout: HostLayout = "replicated"
     checkpoint_format: CheckpointFormat = "distributed"
-    optimizer_state: OptimizerState = "fp32"
+    optimizer_state: OptimizerState | StateOnDisk = "fp32"
     bf16_copy: bool = True
 
+    @property
+    def moments(self) -> str:
+        """The Adam moments' form, "fp32" or "int8" (wherever they live)."""
+        state = self.optimizer_state
+        return state.moments if isinstance(state, StateOnDisk) else state
+
+    @property
+    def state_dir(self) -> str | None:
+        """The directory of the state file on disk (None: the moments are in host memory)."""
+        return self.optimizer_state.directory if isinstance(self.optimizer_state, StateOnDisk) else None
+
     def __post_init__(self) -> None:
-        if self.optimizer_state not in OPTIMIZER_STATES:
+        if isinstance(self.optimizer_state, StateOnDisk):
+            if self.checkpoint_format == "full":
+                raise ValueError(
+                    "checkpoint_format='full' gathers every moment into one file on rank 0; with the moments on disk "
+                    "(StateOnDisk) use checkpoint_format='distributed'."
+                )
+        elif self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(
                 f"optimizer_state must be one of {OPTIMIZER_STATES} (the Adam moments in the host ledger: exact FP32 "
                 f"or block-wise 8-bit), got {self.optimizer_state!r}."
             )
         if not isinstance(self.bf16_copy, bool):
             raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
-        if self.optimizer_state == "int8" and self.checkpoint_format == "full":
+        if self.moments == "int8" and self.checkpoint_format == "full":
             raise ValueError(
                 "checkpoint_format='full' stores torch AdamW's FP32 moments, and optimizer_state='int8' keeps 8-bit "
                 "ones: use checkpoint_format='distributed' (it stores the 8-bit moments as the ledger holds them) or "
@@ -155,7 +196,8 @@ class SlideDPOptions:
             activation_policy=ActivationPolicy.coerce(static),
             update="deferred" if self.update == "deferred" else "immediate",
             max_units_in_flight=self.max_units_in_flight,
-            optimizer_state=self.optimizer_state,
+            optimizer_state=self.moments,
+            state_dir=self.state_dir,
             bf16_copy=self.bf16_copy,
         )
 

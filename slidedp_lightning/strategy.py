@@ -27,7 +27,7 @@ from slidedp_lightning.checks import refuse_what_cannot_see_gradients
 from slidedp_lightning.constants import CheckpointFormat, GradRoute, HostLayout, OptimizerState, ParamRoute, UpdateMode
 from slidedp_lightning.hf import export
 from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
-from slidedp_lightning.options import ActivationOption, SlideDPOptions
+from slidedp_lightning.options import ActivationOption, SlideDPOptions, StateOnDisk
 from slidedp_lightning.precision import SlideDPPrecision, slidedp_precision
 from slidedp_lightning.process import requeue
 
@@ -89,7 +89,7 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
         meta_init: bool = False,
         host_layout: HostLayout = "replicated",
         checkpoint_format: CheckpointFormat = "distributed",
-        optimizer_state: OptimizerState = "fp32",
+        optimizer_state: OptimizerState | StateOnDisk = "fp32",
         bf16_copy: bool = True,
         start_method: StartMethod = "popen",
         timeout: timedelta | None = default_pg_timeout,

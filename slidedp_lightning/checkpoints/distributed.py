@@ -195,16 +195,19 @@ def _held(engine: EngineView, writing: bool = False) -> list[tuple[str, int, int
     back by ``engine.restored`` when ``writing``)."""
     slots = engine.state.named_slots()
     out = []
-    for key, view in engine.state.ledger_tensors(_mine(engine), writing).items():
+    mine = _mine(engine)
+    for key, view in engine.state.ledger_tensors(mine, writing).items():
         parts = engine.state.host_parts(slots[key.split("/", 1)[1]])
         lo, hi = parts[engine.topology.host] if engine.topology.host_sharded else parts[0]
         if hi > lo:
             out.append((key, lo, hi, view.view(-1)[lo:hi]))
+    out += engine.state.disk_moment_views(mine)  # moments in a state file on disk: a piece per owner shard
     index, count = engine.topology.checkpoint_share
     for unit in engine.layout.units[index::count]:  # int8 moments: their per-block scales, one rank per unit
         for key, (lo, hi, view) in engine.state.scale_tensors(unit.index).items():
             if hi > lo:
                 out.append((key, lo, hi, view))
+        out += engine.state.disk_scale_views(unit.index)
     return out
 
 
@@ -354,6 +357,8 @@ def save(engine: EngineView, checkpoint: dict[str, Any], path: str | os.PathLike
             dcp.save(pieces, checkpoint_id=tmp, process_group=_job_group(engine))
             # the files this rank wrote, and its pieces' digests (what a resume checks as it reads them)
             mine = sums(sorted(tmp.glob(f"__{rank}_*"))), {k: tensor_digest(v) for k, v in pieces.items()}
+            del pieces
+            engine.state.release_disk_views()
             written = _gather(engine, mine)
             if files is not None:
                 doc, tensors = files
@@ -393,8 +398,12 @@ def refuse_storage_options(storage_options: Any | None) -> None:
 
 def _checkpoint_bytes(engine: EngineView) -> int:
     """About what a checkpoint of ``engine`` takes on disk: every ledger tensor it stores."""
-    views = engine.state.ledger_tensors(list(engine.state.named_slots()))
-    return sum(v.numel() * v.element_size() for v in views.values())
+    names = list(engine.state.named_slots())
+    views = list(engine.state.ledger_tensors(names).values()) + [v for *_, v in engine.state.disk_moment_views(names)]
+    nbytes = sum(v.numel() * v.element_size() for v in views)
+    del views
+    engine.state.release_disk_views()
+    return nbytes
 
 
 def _hf_configs(model) -> dict[str, dict]:
@@ -413,8 +422,10 @@ def _check_moments(path: Path, engine: EngineView, reader: CheckedFileSystemRead
     saved); moments of parameters this run freezes are left unread."""
     stored = stored_pieces(path, dcp_metadata(path, reader))
     saved = {k.split("/", 1)[1] for k in stored if k.startswith("exp_avg/")}
-    views = engine.state.ledger_tensors(list(engine.state.named_slots()))
-    mine = {k.split("/", 1)[1] for k in views if k.startswith("exp_avg/")}
+    names = list(engine.state.named_slots())
+    keys = list(engine.state.ledger_tensors(names)) + [k for k, *_ in engine.state.disk_moment_views(names)]
+    engine.state.release_disk_views()
+    mine = {k.split("/", 1)[1] for k in keys if k.startswith("exp_avg/")}
     if mine - saved:
         names = sorted(mine - saved)
         raise ValueError(
@@ -467,6 +478,7 @@ def load(engine: EngineView, path: str | os.PathLike) -> dict[str, Any]:
     try:
         held = _held(engine, writing=True)
         read_ranges(path, held, _job_group(engine), digests=digests, checks=checks, reader=reader)
+        del held  # views of the state file's mapping, if any: let go before engine.restored unmaps it
     except BaseException as err:  # a damaged file DCP tripped over: name it (a signal: at once, unchecked)
         problem = None
         if isinstance(err, (Exception, CheckpointException)) and expected:

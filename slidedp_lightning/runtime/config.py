@@ -38,6 +38,9 @@ class EngineConfig:
     max_units_in_flight: int = 2  # units whose gradient may wait for the CPU update before backward waits
     # the ledger's Adam moments: "fp32" (exact) or "int8" (block-wise 8-bit codes + an FP32 absmax per block)
     optimizer_state: str = "fp32"
+    # a directory on a local disk: the moments live in a state file there instead of host memory, read ahead and
+    # written behind by the update lane (runtime.ledger.disk); None: everything in host memory
+    state_dir: str | None = None
     # keep the BF16 transfer copy in the ledger (False: units are converted from the FP32 master on the way)
     bf16_copy: bool = True
     # bf16_copy=False under bf16 compute: "host" converts into a reused (pinned) staging buffer and copies BF16,
@@ -89,6 +92,13 @@ class EngineConfig:
             raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {self.optimizer_state!r}.")
         if not isinstance(self.bf16_copy, bool):
             raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
+        if self.state_dir is not None and (not isinstance(self.state_dir, str) or not self.state_dir):
+            raise ValueError(f"state_dir must be None or a directory path, got {self.state_dir!r}.")
+        if self.state_dir is not None and self.param_route == "replicated":
+            raise ValueError(
+                "param_route='replicated' keeps a whole ledger per rank; the state on disk is one file per host "
+                "shared by its ranks: use param_route='full', 'sharded' or 'auto' with a state directory."
+            )
         if self.h2d_convert not in ("host", "device", "auto"):
             raise ValueError(f"h2d_convert must be 'host', 'device' or 'auto', got {self.h2d_convert!r}.")
         if self.unit_copies not in ("auto", "always", "never"):

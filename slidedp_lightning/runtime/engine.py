@@ -154,7 +154,9 @@ class SlideDPEngine:
     def _open_ledger(self, weights: InitialWeights, stack: ExitStack) -> None:
         """The host's ledger (collective), and the liveness of the ranks that map it."""
         self.geometry = ledger_geometry(self.layout, self.config, self.topology, self.compute_dtype)
-        self.ledger = ledger = open_ledger(self.geometry, self.layout.num_params, weights, self.topology)
+        self.ledger = ledger = open_ledger(
+            self.geometry, self.layout.num_params, weights, self.topology, self.config.state_dir
+        )
         stack.callback(lambda: ledger.close(copies_done=self._copies_done))
         self.liveness = Liveness(  # the pids of the ranks that map this ledger, by rank, 0 for this one
             pids=lambda: [0 if p == os.getpid() else int(p) for p in ledger.pids],
@@ -350,8 +352,10 @@ class SlideDPEngine:
             self.steps.trace_phase(done, then)
 
     def synchronize(self) -> None:
-        """Wait until every rank's updates of every dispatched step are in the ledger."""
+        """Wait until every rank's updates of every dispatched step are in the ledger (and in its state file on
+        disk, when it has one)."""
         self.lane.wait_idle(self.liveness)
+        self.lane.flush_state(self.liveness)
         version = self.ledger.version[:, self.topology.host_owners]  # the owners whose shards this ledger holds
         wait_until(lambda: bool((version >= self.step).all()), self.liveness, "all ranks' updates")
 

@@ -85,6 +85,12 @@ CASES = {
         False,
         {"freeze": ["model.layers.1."], "layers": 3, "param_route": "sharded", "grad_route": "host_reduce"},
     ),
+    # the moments in a state file on disk, read ahead and written behind by the update lane
+    "tied-moments-on-disk-host_reduce": (True, {"state_on_disk": True, "grad_route": "host_reduce"}),
+    "untied-moments-on-disk-sharded-chunk4KiB": (
+        False,
+        {"state_on_disk": True, "param_route": "sharded", "chunk_bytes": 4096, "prefetch_window": 1},
+    ),
     # a vocabulary whose embedding is over twice a block: an outlier unit, reduced piece by piece
     "tied-large-vocab": (True, {"vocab": 2048}),
     "tied-large-vocab-chunk4KiB-sharded": (True, {"vocab": 2048, "chunk_bytes": 4096, "param_route": "sharded"}),

@@ -258,6 +258,12 @@ def fit(cfg: JobConfig) -> int:
         from slidedp_lightning.autopolicy import AutoPolicy
 
         options = cfg.strategy_options()
+        if cfg.state_on_disk:
+            from slidedp_lightning import StateOnDisk
+
+            state_dir = os.path.join(cfg.out, "state")
+            os.makedirs(state_dir, exist_ok=True)
+            options["optimizer_state"] = StateOnDisk(state_dir, moments=cfg.optimizer_state)
         if cfg.memory_budget is not None:
             options["activation_policy"] = AutoPolicy(memory_budget=cfg.memory_budget)
         strategy = SlideDPStrategy(**options, timeout=timeout)

@@ -155,6 +155,13 @@ class UpdateLane:
         # the int8 scales under fp32, the BF16 copy when it is not kept)
         self._arrays = [dict((r, ledger.region_np(r, u.index)) for r in ALL_REGIONS) for u in layout.units]
         self.int8 = ledger.geometry.optimizer_state == "int8"
+        # regions on disk (ledger.disk): this rank's shard record of a unit is acquired at the unit's first update
+        # chunk and written back after its last, the next unit's read ahead meanwhile (in the previous step's order)
+        self._records = ledger.disk.stream(owner) if ledger.disk is not None else None
+        self._held: dict[int, dict[str, np.ndarray]] = {}
+        self._order: list[int] = []  # units in the order this step acquired their records
+        self._last_order: list[int] = []  # ... and the previous step's
+        self._records_step = 0
         self._queue: queue.Queue[UpdateTask | _Call | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
@@ -253,6 +260,9 @@ class UpdateLane:
             set_kernel_threads(self.threads)
             # here, never inside the first training step (with int8 moments: the 8-bit kernels too)
             self.jit_s = warmup(sum_rows=self._sum_rows, adam8=self.int8)
+            if self._records is not None:
+                assert self.ledger.disk is not None
+                self.ledger.disk.clear(self.owner)  # zero moments in this rank's records
         except BaseException as exc:  # reported to the training thread
             self.error = exc
         finally:
@@ -315,22 +325,75 @@ class UpdateLane:
         if task.grad is not None and task.action is UpdateAction.UPDATE:
             task.grad.release()
         if task.last:
+            if task.unit in self._held:
+                self._release(task.unit)
             self.ledger.version[task.unit, self.owner] = task.step
+
+    # -- the shard records of the regions on disk (update-lane thread only) --------------------------------
+    def _shard_state(self, task: UpdateTask, s0: int) -> dict[str, tuple[np.ndarray | None, int]]:
+        """The unit's arrays, each with the unit-relative element its index 0 stands for: its ranges of the
+        regions in memory (0) and of the regions on disk, this rank's shard record (``s0``), acquired here at the
+        unit's first chunk."""
+        out: dict[str, tuple[np.ndarray | None, int]] = {r: (a, 0) for r, a in self._arrays[task.unit].items()}
+        if self._records is None:
+            return out
+        views = self._held.get(task.unit)
+        if views is None:
+            if task.step != self._records_step:  # a new step: the last one's order guides the reads ahead
+                self._records.check()
+                self._last_order, self._order, self._records_step = self._order or self._last_order, [], task.step
+            views = self._held[task.unit] = self._records.acquire(task.unit)
+            self._order.append(task.unit)
+            for unit in self._next_units(task.unit):
+                self._records.prefetch(unit)
+        out.update({r: (a, s0) for r, a in views.items()})
+        return out
+
+    def _next_units(self, unit: int, ahead: int = 2) -> list[int]:
+        """The units whose records to read ahead of ``unit``'s update: those after it in the previous step's
+        order (the first step: backward's order, the units before it)."""
+        if unit in self._last_order:
+            i = self._last_order.index(unit)
+            return self._last_order[i + 1 : i + 1 + ahead]
+        return list(range(unit - 1, max(unit - 1 - ahead, -1), -1))
+
+    def _release(self, unit: int) -> None:
+        del self._held[unit]
+        assert self._records is not None
+        self._records.release(unit)
+
+    def flush_state(self, liveness=None) -> None:
+        """After the updates submitted so far: every record written back (the state file holds them all)."""
+        if self._records is not None:
+            self.call(self._flush_records)
+            self.wait_idle(liveness)
+
+    def _flush_records(self) -> None:
+        assert self._records is not None
+        for unit in list(self._held):
+            self._release(unit)
+        self._records.flush()
 
     def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0), one param-group run at a time."""
-        arrays = self._arrays[task.unit]
+        if not any(g >= 0 and sa < c1 and sb > c0 for sa, sb, g in self.segments[task.unit]):
+            return  # frozen parameters only: their weights and moments stay bit-identical
+        arrays = self._shard_state(task, unit.shard(self.owner)[0])
         if self.int8:
             self._kernels8(task, arrays, grad, c0, c1, scale)
             return
-        master, exp_avg, exp_avg_sq, bf16 = (arrays[r] for r in ("master", "exp_avg", "exp_avg_sq", "bf16"))
+
+        def part(name: str, lo: int, hi: int) -> np.ndarray | None:
+            array, base = arrays[name]
+            return None if array is None else array[lo - base : hi - base]
+
         for sa, sb, g in self.segments[task.unit]:
             a, b = max(sa, c0), min(sb, c1)
             if a >= b or g < 0:  # g < 0: frozen parameters keep their weights and moments bit-identical
                 continue
+            master, exp_avg, exp_avg_sq, bf16 = (part(r, a, b) for r in ("master", "exp_avg", "exp_avg_sq", "bf16"))
             assert master is not None and exp_avg is not None and exp_avg_sq is not None
             h = task.hyper[g]
-            lo, hi = a, b
             kw = _AdamKwargs(
                 step=task.step,
                 lr=h.lr,
@@ -340,18 +403,20 @@ class UpdateLane:
                 weight_decay=h.weight_decay,
                 decoupled=h.decoupled,
                 grad_scale=scale,
-                bf16_out=bf16[lo:hi] if bf16 is not None else None,
+                bf16_out=bf16,
             )
             if grad.ndim == 1:
-                adamw_update(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[a - c0 : b - c0], **kw)
+                adamw_update(master, exp_avg, exp_avg_sq, grad[a - c0 : b - c0], **kw)
             else:
-                adamw_update_sum(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[:, a - c0 : b - c0], **kw)
+                adamw_update_sum(master, exp_avg, exp_avg_sq, grad[:, a - c0 : b - c0], **kw)
 
     def _kernels8(self, task: UpdateTask, arrays: dict, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """int8 moments: one fused call over unit-relative [c0, c1) (c0 on a QUANT_BLOCK boundary) with its
         param-group runs as segments; frozen runs are left out (their weights stay, their zero moments too), and so
-        is a frozen tail that keeps no moments (``Unit.trainable_extent``)."""
-        covered = arrays["exp_avg"].shape[0] if arrays["exp_avg"] is not None else 0
+        is a frozen tail that keeps no moments (``Unit.trainable_extent``). ``arrays``: (array, the unit-relative
+        element of its index 0) per region (see :meth:`_shard_state`)."""
+        codes, base = arrays["exp_avg"]
+        covered = base + codes.shape[0] if codes is not None else 0
         if c1 > covered:
             grad, c1 = grad[..., : max(covered - c0, 0)], max(covered, c0)
         segments = [
@@ -363,20 +428,27 @@ class UpdateLane:
             return
         if c0 % QUANT_BLOCK:
             raise AssertionError(f"int8 update chunk starts at {c0}, not on a {QUANT_BLOCK}-element block")
-        b0, b1 = c0 // QUANT_BLOCK, -(-c1 // QUANT_BLOCK)
-        bf16 = arrays["bf16"]
+
+        def part(name: str) -> np.ndarray:
+            array, base = arrays[name]
+            if array is None:
+                return None  # type: ignore[return-value]  # (the BF16 copy, when not kept)
+            if name.endswith("_absmax"):  # one scale per block (bases are shard starts: block multiples)
+                return array[(c0 - base) // QUANT_BLOCK : -(-(c1 - base) // QUANT_BLOCK)]
+            return array[c0 - base : c1 - base]
+
         adamw8_update(
-            arrays["master"][c0:c1],
-            arrays["exp_avg"][c0:c1],
-            arrays["exp_avg_sq"][c0:c1],
-            arrays["exp_avg_absmax"][b0:b1],
-            arrays["exp_avg_sq_absmax"][b0:b1],
+            part("master"),
+            part("exp_avg"),
+            part("exp_avg_sq"),
+            part("exp_avg_absmax"),
+            part("exp_avg_sq_absmax"),
             grad,
             segments=np.asarray(segments, dtype=np.int64),
             hyper=[(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.decoupled) for h in task.hyper],
             step=task.step,
             grad_scale=scale,
-            bf16_out=bf16[c0:c1] if bf16 is not None else None,
+            bf16_out=part("bf16"),
         )
 
     def close(self, wait_s: float = 30.0) -> None:
@@ -384,3 +456,4 @@ class UpdateLane:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join(timeout=wait_s)
+        self._held.clear()  # the record stream itself is closed with the ledger's disk state

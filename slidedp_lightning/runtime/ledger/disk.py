@@ -25,10 +25,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from slidedp_lightning.runtime.host_os import format_bytes
 from slidedp_lightning.runtime.ledger.geometry import MOMENTS, LedgerGeometry
-from slidedp_lightning.runtime.ledger.memory import NO_TMPFILE, LedgerFile
+from slidedp_lightning.runtime.ledger.memory import NO_TMPFILE, LedgerFile, LedgerHandle
 
 log = logging.getLogger(__name__)
 
@@ -423,3 +424,108 @@ class RecordStream:
         self._reads.clear()
         self._held.clear()
         self._pool.close()
+
+    def check(self) -> None:
+        """Raise the first error of a write that has finished (never waits)."""
+        for f in list(self._writes.values()):
+            if f.done():
+                f.result()
+
+
+class DiskState:
+    """The ledger regions one host keeps on a local disk (``LedgerGeometry.on_disk``): the state file, created by
+    local rank 0 and opened by every local rank from its :attr:`handle` (as the ledger is), its
+    :class:`DiskLayout`, and this process's :class:`RecordStream` of the shards it updates."""
+
+    def __init__(self, state: StateFile, geometry: LedgerGeometry) -> None:
+        self.state = state
+        self.layout = DiskLayout(geometry, geometry.on_disk)
+        self.directory = state.directory
+        self._stream: RecordStream | None = None
+        self._map: mmap.mmap | None = None
+
+    @classmethod
+    def create(cls, directory: str, geometry: LedgerGeometry, *, share: bool) -> DiskState:
+        """A new state file for ``geometry``'s regions on disk in ``directory`` (refused with the numbers when the
+        disk cannot hold it; see :meth:`StateFile.create`)."""
+        nbytes = DiskLayout(geometry, geometry.on_disk).nbytes
+        return cls(StateFile.create(directory, nbytes, share=share), geometry)
+
+    @classmethod
+    def open(cls, handle: LedgerHandle, directory: str, geometry: LedgerGeometry) -> DiskState:
+        """The state file local rank 0 created, from its handle."""
+        return cls(StateFile(LedgerFile.open(handle), directory), geometry)
+
+    @property
+    def handle(self) -> LedgerHandle:
+        return self.state.file.handle()
+
+    def stop_sharing(self) -> None:
+        self.state.file.stop_sharing()
+
+    def stream(self, owner: int, buffers: int = 4, threads: int = 2) -> RecordStream:
+        """This process's record stream of ``owner``'s shards (one per process, made on first use)."""
+        if self._stream is None:
+            self._stream = RecordStream(self.state, self.layout, owner, buffers, threads)
+        elif self._stream.owner != owner:
+            raise RuntimeError(f"this process streams owner {self._stream.owner}'s records, not {owner}'s")
+        return self._stream
+
+    def clear(self, owner: int) -> None:
+        """Write ``owner``'s records as zero moments: zero bytes are FP32 zeros and E4M3's zero, but the int8
+        code of -1 in ``exp_avg``'s signed map, so int8 records get that map's code of 0 (blocks of scale 0)."""
+        if "exp_avg_absmax" not in self.layout.regions:
+            return  # FP32 moments: the reserved blocks read as zeros
+        from cpu_ops.adamw8 import quantize_blockwise
+
+        zero = int(quantize_blockwise(np.zeros(1, np.float32), signed=True)[0][0])
+        stream = self.stream(owner)
+        for unit in range(len(self.layout.records)):
+            if self.layout.record(unit, owner).nbytes:
+                views = stream.acquire(unit)
+                for name, view in views.items():
+                    view.fill(zero if name == "exp_avg" else 0)
+                stream.release(unit)
+        stream.flush()
+
+    # -- whole-file access for checkpoints: the file mapped, while the update lane is idle and flushed ----------
+    def part_views(self, region: str, unit: int) -> list[tuple[int, torch.Tensor]]:
+        """``unit``'s range of ``region`` as it lies in the records: one ``(first element, view)`` per owner shard
+        holding part of it (elements of the region: a scale region counts blocks), views of the file mapped shared
+        (reading them reads the disk through the page cache, writing them writes the file). Only while no record
+        is read or written (after the update lane's flush); :meth:`unmap` when done."""
+        geometry = self.layout.geometry
+        dtype = geometry.dtype(region)
+        per = geometry.specs[region][1]
+        n = geometry.unit_sizes[unit] // self.layout.owners
+        out = []
+        for owner in range(self.layout.owners):
+            rec = self.layout.record(unit, owner)
+            if region in rec.parts:
+                start, elems = rec.parts[region]
+                lo = rec.offset + start
+                raw = self._mapped()[lo : lo + elems * geometry.itemsize(region)]
+                out.append((owner * n // per, raw.view(dtype)))
+        return out
+
+    def _mapped(self) -> torch.Tensor:
+        if self._map is None:
+            self._map = mmap.mmap(self.state.fd, self.state.nbytes)
+        return torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def unmap(self) -> None:
+        """Write what the mapping changed to the file and let go of it (a view still alive keeps it mapped)."""
+        if self._map is not None:
+            self._map.flush()
+            try:
+                self._map.close()
+            except BufferError:  # a caller still holds a view: it goes with the view
+                pass
+            self._map = None
+
+    def close(self) -> None:
+        self.unmap()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self.state.close()

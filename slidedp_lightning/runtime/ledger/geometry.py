@@ -73,6 +73,9 @@ class LedgerGeometry:
     # alone keeps the frozen parameters' weights)
     trainable_sizes: tuple[int, ...] = ()
     trim_master: bool = False
+    # regions kept in a state file on a local disk instead of this file (``runtime.ledger.disk``): they keep their
+    # per-unit extents (:meth:`unit_elems`) but take no bytes here (:meth:`mapped_elems`)
+    on_disk: tuple[str, ...] = ()
 
     @property
     def specs(self) -> dict[str, tuple[torch.dtype, int]]:
@@ -92,6 +95,8 @@ class LedgerGeometry:
             )
         if self.regions_of_unit and len(self.regions_of_unit) != len(self.unit_sizes):
             raise ValueError("regions_of_unit needs one entry per unit of unit_sizes")
+        if any(name not in self.specs for name in self.on_disk):
+            raise ValueError(f"on_disk names regions this ledger does not have: {self.on_disk}")
         if self.trainable_sizes and (
             len(self.trainable_sizes) != len(self.unit_sizes)
             or any(t > n or t % QUANT_BLOCK for t, n in zip(self.trainable_sizes, self.unit_sizes))
@@ -140,6 +145,10 @@ class LedgerGeometry:
             return self._elems(name, self.total)
         return sum(self._elems(name, self.unit_elems(name, u)) for u in range(self.num_units))
 
+    def mapped_elems(self, name: str) -> int:
+        """Elements of region ``name`` in the ledger file (0 for a region kept on disk)."""
+        return 0 if name in self.on_disk else self.region_elems(name)
+
     def itemsize(self, name: str) -> int:
         return torch.empty(0, dtype=self.dtype(name)).element_size()
 
@@ -159,7 +168,7 @@ class LedgerGeometry:
     def offsets(self) -> dict[str, int]:
         off, pos = {}, 0
         sizes = [("stamps", self._stamp_elems() * 8)]
-        sizes += [(name, self.region_elems(name) * self.itemsize(name)) for name in self.specs]
+        sizes += [(name, self.mapped_elems(name) * self.itemsize(name)) for name in self.specs]
         sizes += [("staging", self.staging_bytes)]
         for name, nbytes in sizes:
             off[name] = pos

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from slidedp_lightning.runtime.host_os import format_bytes
+from slidedp_lightning.runtime.ledger.disk import DiskState
 from slidedp_lightning.runtime.ledger.geometry import (
     ALL_REGIONS,
     MOMENTS,
@@ -81,11 +82,16 @@ class HostLedger:
         self.master = self.exp_avg = self.exp_avg_sq = self.bf16 = torch.empty(0)
         self.exp_avg_absmax = self.exp_avg_sq_absmax = torch.empty(0)
         for name, (dtype, _) in g.specs.items():
-            setattr(self, name, view(name, g.region_elems(name), dtype))
+            setattr(self, name, view(name, g.mapped_elems(name), dtype))
         self._unit_offsets: dict[str, tuple[int | None, ...]] | None = None
         if g.unit_sizes:
             none = (None,) * g.num_units
-            self._unit_offsets = {name: g.unit_offsets(name) if name in g.specs else none for name in ALL_REGIONS}
+            self._unit_offsets = {
+                name: g.unit_offsets(name) if name in g.specs and name not in g.on_disk else none
+                for name in ALL_REGIONS
+            }
+        # the regions kept in a state file on a local disk (``geometry.on_disk``), attached by open_ledger
+        self.disk: DiskState | None = None
         stamps = view("stamps", g._stamp_elems(), torch.int64).numpy()
         r, u, k = g.world_size, g.num_units, g.staging_slots
         pos = 0
@@ -110,7 +116,8 @@ class HostLedger:
         """The padded range of ``unit`` (its index) in region ``name`` (``master``, ``exp_avg``, ``exp_avg_sq``,
         their ``*_absmax`` scales under int8, ``bf16``), a view of the shared mapping (a scale region: one element
         per block); None when the unit has no range there (a wholly frozen unit keeps neither moments nor, under
-        bf16 compute, an FP32 master; no unit has a BF16 copy with ``bf16_copy=False``)."""
+        bf16 compute, an FP32 master; no unit has a BF16 copy with ``bf16_copy=False``; a region kept on disk,
+        ``geometry.on_disk``, is read and written through :attr:`disk` only)."""
         if self._unit_offsets is None:
             raise ValueError("this ledger's geometry does not describe its units: region() needs unit_sizes")
         start = self._unit_offsets[name][unit]
@@ -281,6 +288,9 @@ class HostLedger:
                 "page-locked until this process exits",
                 format_bytes(self.geometry.nbytes),
             )
+        disk, self.disk = getattr(self, "disk", None), None
+        if disk is not None:
+            disk.close()
         file = getattr(self, "file", None)  # absent when __init__ failed before opening it
         if file is not None:
             file.close()

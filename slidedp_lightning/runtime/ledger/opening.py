@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from slidedp_lightning.runtime.config import EngineConfig
 from slidedp_lightning.runtime.layout import Layout
-from slidedp_lightning.runtime.ledger.geometry import LedgerGeometry, unit_regions
+from slidedp_lightning.runtime.ledger.disk import DiskState
+from slidedp_lightning.runtime.ledger.geometry import MOMENTS, LedgerGeometry, unit_regions
 from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
 from slidedp_lightning.runtime.ledger.initial_weights import InitialWeights, broadcast_weights
 from slidedp_lightning.runtime.ledger.memory import LedgerHandle
@@ -55,6 +56,9 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
     regions = tuple(unit_regions(not u.frozen, dtype, *mode) for u in layout.units)
     extents = tuple(u.trainable_extent for u in layout.units)
     trimmed = any(0 < e < u.padded for e, u in zip(extents, layout.units))
+    on_disk: tuple[str, ...] = ()
+    if config.state_dir is not None:
+        on_disk = MOMENTS + (("exp_avg_absmax", "exp_avg_sq_absmax") if config.optimizer_state == "int8" else ())
     return LedgerGeometry(
         total=layout.total,
         num_units=len(layout.units),
@@ -67,10 +71,44 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
         optimizer_state=config.optimizer_state,
         trainable_sizes=extents if trimmed else (),
         trim_master=dtype == torch.bfloat16 and config.bf16_copy,
+        on_disk=on_disk,
     )
 
 
-def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology) -> HostLedger:
+def open_disk_state(geometry: LedgerGeometry, directory: str, topology: Topology) -> DiskState:
+    """The host's state file of ``geometry.on_disk`` in ``directory``, created (its blocks reserved, a disk too
+    small refused with the numbers) by local rank 0 and opened by every local rank."""
+    if topology.host_sharded or topology.ledger_per_rank:
+        raise ValueError(
+            "the state on disk is one file per host shared by its ranks, holding every shard of the host's ledger: "
+            "it needs host_layout='replicated' and param_route 'full' or 'sharded'."
+        )
+    shared = topology.ranks_per_host > 1
+    created: list[DiskState] = []
+
+    def create() -> LedgerHandle | None:
+        created.append(DiskState.create(directory, geometry, share=shared))
+        return created[0].handle if shared else None
+
+    handle = on_rank0_for_all(create, topology)
+    disk = created[0] if created else DiskState.open(handle, directory, geometry)  # type: ignore[arg-type]
+    try:
+        if topology.ledger_group is not None:
+            dist.barrier(group=topology.ledger_group)
+        disk.stop_sharing()
+    except BaseException:
+        disk.close()
+        raise
+    return disk
+
+
+def open_ledger(
+    geometry: LedgerGeometry,
+    num_params: int,
+    weights: InitialWeights,
+    topology: Topology,
+    state_dir: str | None = None,
+) -> HostLedger:
     """The host's ledger, an unnamed file created by local rank 0 and opened and mapped by every local rank (it stops
     handing the file out once all have it); with a ledger per rank (replicated route) or one local rank, a private
     one (this process's memory, see :func:`ledger_directory`).
@@ -78,7 +116,25 @@ def open_ledger(geometry: LedgerGeometry, num_params: int, weights: InitialWeigh
     From a checkpoint, every rank reads its share of the units into the mapped ledger
     (:meth:`InitialWeights.load`); otherwise local rank 0 copies (or initializes) them while it creates the file,
     and a private ledger receives rank 0's weights. Ranks that do not write their ledger give their own copy of the
-    weights back first."""
+    weights back first. The regions ``geometry.on_disk`` go to a state file in ``state_dir``, created first (a disk
+    too small is refused before any weight is copied) and attached as ``ledger.disk``."""
+    if geometry.on_disk and state_dir is None:
+        raise ValueError(f"the ledger keeps {geometry.on_disk} on disk: open_ledger needs their state_dir")
+    disk = open_disk_state(geometry, state_dir, topology) if state_dir is not None and geometry.on_disk else None
+    try:
+        ledger = _open_host_ledger(geometry, num_params, weights, topology)
+    except BaseException:
+        if disk is not None:
+            disk.close()
+        raise
+    ledger.disk = disk
+    return ledger
+
+
+def _open_host_ledger(
+    geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology
+) -> HostLedger:
+    """:func:`open_ledger`'s file in host memory."""
     copies = topology.ledger_copies
     weights.release_unwritten()
     by_rank0 = not weights.from_source

@@ -50,6 +50,16 @@ class LedgerState:
                 "host layout, and `python -m slidedp_lightning.export CHECKPOINT OUT` exports one offline."
             )
 
+    def require_moments_in_memory(self, what: str) -> None:
+        """Refuse ``what`` (reading or writing whole moments) while they live in the state file on disk."""
+        if self.ledger.geometry.on_disk:
+            raise UnsupportedLayoutError(
+                f"{what} gathers the Adam moments in memory, and this run keeps them in a state file on disk "
+                f"({self.ledger.disk.directory if self.ledger.disk else 'StateOnDisk'}): save distributed "
+                "checkpoints (checkpoint_format='distributed', the default), which read and write the state "
+                "file in place. The weights export as usual."
+            )
+
     # -- reading ------------------------------------------------------------------------------------------
     def slot_of(self, tensor: torch.Tensor) -> Slot | None:
         """The ledger slot of a parameter of the streamed model (None for buffers and other tensors)."""
@@ -85,6 +95,7 @@ class LedgerState:
     def moments(self, unit_index: int, slot_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The parameter's Adam moments in FP32: views of the ledger, or with int8 moments dequantized copies;
         None for a frozen parameter (it keeps none)."""
+        self.require_moments_in_memory("reading a parameter's moments")
         where = (unit_index, slot_index)
         if self.int8:
             if not self._covered(where, "exp_avg"):
@@ -132,7 +143,7 @@ class LedgerState:
         """Views for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>``
         (writing into them writes the ledger); a wholly frozen unit's parameters have no moments, and without a
         master their ``model/`` tensor is an FP32 copy of the BF16 copy: ``writing`` keeps it, to be written back
-        by :meth:`restored`. With host-sharded ledgers only this host's elements of each view
+        by :meth:`restored`. Moments kept on disk are not here: see :meth:`disk_moment_views`. With host-sharded ledgers only this host's elements of each view
         (:meth:`host_parts`) are valid."""
         slots = self.named_slots()
         out = {}
@@ -154,8 +165,8 @@ class LedgerState:
         unit = self.layout.units[unit_index]
         covered = self.ledger.extent("exp_avg", unit_index)
         ends = [s.end for s in unit.slots if s.end <= covered]
-        if not self.int8 or not ends:
-            return {}
+        if not self.int8 or not ends or self.ledger.disk is not None:
+            return {}  # (kept on disk: disk_scale_views)
         blocks = -(-max(ends) // QUANT_BLOCK)
         lo, hi = 0, blocks
         if self.topology.host_sharded:
@@ -167,6 +178,53 @@ class LedgerState:
             assert view is not None
             out[f"{region}_absmax/{unit.name}"] = (lo, hi, view[lo:hi])
         return out
+
+    def disk_moment_views(self, names: list[str]) -> list[tuple[str, int, int, torch.Tensor]]:
+        """Moments kept on disk: ``(key, start, stop, view)`` for the parameters ``names``, keyed as in
+        :meth:`ledger_tensors`, one entry per owner shard a parameter's elements ``[start, stop)`` lie in (views
+        of the state file mapped; writing them writes it; :meth:`release_disk_views` when done). Empty when the
+        moments are in memory."""
+        disk = self.ledger.disk
+        if disk is None:
+            return []
+        slots = self.named_slots()
+        out = []
+        for name in names:
+            where = slots[name]
+            if not self._covered(where, "exp_avg"):
+                continue  # a frozen parameter keeps no moments
+            slot = self.layout.units[where[0]].slots[where[1]]
+            for region in MOMENTS:
+                for first, view in disk.part_views(region, where[0]):
+                    lo, hi = max(first, slot.offset), min(first + view.numel(), slot.end)
+                    if lo < hi:
+                        out.append(
+                            (f"{region}/{name}", lo - slot.offset, hi - slot.offset, view[lo - first : hi - first])
+                        )
+        return out
+
+    def disk_scale_views(self, unit_index: int) -> list[tuple[str, int, int, torch.Tensor]]:
+        """int8 moments kept on disk: :meth:`scale_tensors` as ``(key, start, stop, view)`` per owner shard."""
+        disk = self.ledger.disk
+        if disk is None or not self.int8:
+            return []
+        unit = self.layout.units[unit_index]
+        ends = [s.end for s in unit.slots if s.end <= self.ledger.extent("exp_avg", unit_index)]
+        if not ends:
+            return []
+        blocks = -(-max(ends) // QUANT_BLOCK)
+        out = []
+        for region in MOMENTS:
+            for first, view in disk.part_views(f"{region}_absmax", unit_index):
+                hi = min(first + view.numel(), blocks)
+                if first < hi:
+                    out.append((f"{region}_absmax/{unit.name}", first, hi, view[: hi - first]))
+        return out
+
+    def release_disk_views(self) -> None:
+        """After a checkpoint read or wrote the views of the state file: its changes written, the mapping gone."""
+        if self.ledger.disk is not None:
+            self.ledger.disk.unmap()
 
     def host_parts(self, where: Slot) -> list[tuple[int, int]]:
         """Each host's elements ``[lo, hi)`` of a parameter, counted from its first element (``lo == hi``: none).
@@ -270,6 +328,7 @@ class LedgerState:
         """Restore moments, step count and group hyper-parameters saved by :meth:`optimizer_state_dict`; returns
         the step count."""
         self.require_whole_parameters("load_optimizer_state_dict")
+        self.require_moments_in_memory("load_optimizer_state_dict")
         params = [p for g in optimizer.param_groups for p in g["params"]]
         saved = state.get("state", {})
         steps = {int(s["step"]) for s in saved.values()} or {0}
@@ -295,6 +354,7 @@ class LedgerState:
         pending, self._pending = self._pending, []
         for scratch, bf16 in pending:  # weights of units without a master, read as FP32
             bf16.copy_(scratch.view(bf16.shape))
+        self.release_disk_views()  # the moments written into the state file's mapping: on the file
         self._barrier()
         if self.topology.writes_ledger:
             self.ledger.refresh_bf16(self._host_ranges)

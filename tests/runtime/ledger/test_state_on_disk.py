@@ -1,0 +1,159 @@
+"""The Adam moments in a state file on a local disk (``EngineConfig.state_dir``), one process, CPU: the same bits as
+the ledger in host memory for every knob of the update, and a ledger in memory smaller by the moments."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from slidedp_lightning.checkpoints import distributed as checkpoint
+from slidedp_lightning.options import SlideDPOptions, StateOnDisk
+from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.ledger.state import UnsupportedLayoutError
+from tests.helpers import tiny_model, token_batches
+
+CPU = torch.device("cpu")
+
+
+def run(
+    config: EngineConfig,
+    dtype: torch.dtype = torch.float32,
+    steps: int = 5,
+    inspect=None,
+    save: Path | None = None,
+    load: Path | None = None,
+):
+    """``steps`` steps of a tiny model (a checkpoint saved to ``save`` after half of them; or from ``load``, which
+    holds that half, the rest); returns (losses, state dict, ledger stats, bytes read and written on disk)."""
+    model = tiny_model(False, layers=3, seed=5 if load else 0)
+    engine = SlideDPEngine(model, config, device=CPU, compute_dtype=dtype)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        engine.attach_optimizer(opt)
+        losses = []
+        batches = token_batches(steps * config.accumulate, 2, 16)
+        if load is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # DCP without a process group
+                checkpoint.load(engine, load)
+            batches = batches[len(batches) // 2 :]
+        for i, x in enumerate(batches):
+            if save is not None and i == len(batches) // 2:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    checkpoint.save(engine, {"state_dict": {}}, save)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            if (i + 1) % config.accumulate == 0:
+                assert engine.end_step()
+            losses.append(loss.item())
+        engine.synchronize()
+        io = (0, 0)
+        if engine.ledger.disk is not None:
+            stream = engine.ledger.disk.stream(engine.topology.owner_rank)
+            io = (stream.read_bytes, stream.written_bytes)
+        if inspect is not None:
+            inspect(engine, opt)
+        return losses, engine.state_dict(), engine.ledger_stats(), io
+    finally:
+        engine.close(restore=False)
+
+
+def _assert_same(got, ref) -> None:
+    assert got[0] == ref[0], "losses differ"
+    assert got[1].keys() == ref[1].keys()
+    for k in ref[1]:
+        assert torch.equal(got[1][k], ref[1][k]), k
+
+
+KNOBS = [
+    {},
+    {"grad_route": "host_reduce"},
+    {"chunk_bytes": 4096},
+    {"update": "deferred"},
+    {"accumulate": 2},
+    {"param_route": "sharded", "prefetch_window": 1},
+    {"optimizer_state": "int8"},
+    {"optimizer_state": "int8", "chunk_bytes": 4096, "update": "deferred"},
+]
+
+
+@pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "default")
+def test_moments_on_disk_train_bit_identically(tmp_path: Path, knobs: dict) -> None:
+    ref = run(EngineConfig(**knobs))
+    got = run(EngineConfig(state_dir=str(tmp_path), **knobs))
+    _assert_same(got, ref)
+    read, written = got[3]
+    assert read > 0 and written > 0, "the update read and wrote its moments through the state file"
+    assert os.listdir(tmp_path) == [], "the state file is unnamed: nothing is left in the directory"
+
+
+def test_bf16_compute_with_moments_on_disk_is_bit_identical(tmp_path: Path) -> None:
+    _assert_same(run(EngineConfig(state_dir=str(tmp_path)), torch.bfloat16), run(EngineConfig(), torch.bfloat16))
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8"])
+def test_the_ledger_in_memory_holds_no_moments(tmp_path: Path, state: str) -> None:
+    ram = run(EngineConfig(optimizer_state=state), steps=1)[2]
+    disk = run(EngineConfig(optimizer_state=state, state_dir=str(tmp_path)), steps=1)[2]
+    per_param = 8 if state == "fp32" else 2 + 8 / 1024
+    saved = ram.nbytes - disk.nbytes
+    assert per_param * ram.padded_params <= saved <= per_param * ram.padded_params + 3 * 4096 * 2, (saved, ram)
+
+
+def test_reading_moments_on_disk_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    def inspect(engine, opt):
+        with pytest.raises(UnsupportedLayoutError, match="state file on disk"):
+            engine.optimizer_state_dict(opt)
+        assert engine.state_dict()  # the weights are in memory: they export as usual
+
+    run(EngineConfig(state_dir=str(tmp_path)), steps=1, inspect=inspect)
+
+
+def test_a_state_directory_that_does_not_exist_is_refused_before_any_state(tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="does not exist"):
+        SlideDPEngine(
+            tiny_model(False), EngineConfig(state_dir=str(tmp_path / "absent")), device=CPU, compute_dtype=torch.float32
+        )
+
+
+def test_replicated_ledgers_refuse_a_state_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="one file per host"):
+        EngineConfig(state_dir=str(tmp_path), param_route="replicated")
+
+
+@pytest.mark.parametrize("moments", ["fp32", "int8"])
+@pytest.mark.parametrize("where", ["disk-disk", "disk-memory", "memory-disk"])
+def test_a_checkpoint_resumes_bit_exact_wherever_the_moments_live(tmp_path: Path, moments: str, where: str) -> None:
+    """Saved with the moments on disk or in memory, resumed with them on disk or in memory: the same checkpoint
+    format, the same bits as the run that was not interrupted."""
+    state = tmp_path / "state"
+    state.mkdir()
+    saves, loads = where.split("-")
+    config = {place: EngineConfig(optimizer_state=moments, state_dir=str(state) if place == "disk" else None)
+              for place in ("disk", "memory")}  # fmt: skip
+    straight = run(config[saves], steps=6, save=tmp_path / "ck")
+    resumed = run(config[loads], steps=6, load=tmp_path / "ck")
+    assert resumed[0] == straight[0][3:]
+    assert all(torch.equal(resumed[1][k], straight[1][k]) for k in straight[1])
+    assert os.listdir(state) == []
+
+
+def test_the_strategy_option_sets_the_engine_config(tmp_path: Path) -> None:
+    options = SlideDPOptions(optimizer_state=StateOnDisk(str(tmp_path), moments="int8"))
+    config = options.base_engine_config()
+    assert config.optimizer_state == "int8" and config.state_dir == str(tmp_path)
+    assert SlideDPOptions().base_engine_config().state_dir is None
+    with pytest.raises(ValueError, match="checkpoint_format='distributed'"):
+        SlideDPOptions(optimizer_state=StateOnDisk(str(tmp_path)), checkpoint_format="full")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        StateOnDisk(str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="moments must be one of"):
+        StateOnDisk(str(tmp_path), moments="fp16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one file per host"):
+        SlideDPOptions(optimizer_state=StateOnDisk(str(tmp_path)), param_route="replicated")
