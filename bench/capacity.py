@@ -56,6 +56,8 @@ SYSTEMS: dict[str, tuple[str, dict, tuple[float, float]]] = {
     "slidedp": ("slidedp", {}, (14.0, 5.6)),
     "slidedp_int8": ("slidedp", {"optimizer_state": "int8"}, (8.01, 5.6)),
     "slidedp_int8_nocopy": ("slidedp", {"optimizer_state": "int8", "bf16_copy": False}, (6.01, 6.9)),
+    # FP32 moments in a state file on the disk of the output folder (8 B/param of them there, not in memory)
+    "slidedp_disk": ("slidedp", {"state_on_disk": True}, (6.0, 5.6)),
 }
 RANKS, SEQ, STEPS = 2, 32, 3
 

@@ -1,12 +1,14 @@
 """SlideDP (shared ledger) and its replicated SlideFormer-style mode (``param_route="replicated"``).
 
 ``spec.knobs`` are ``SlideDPStrategy`` arguments, except ``loss_chunk`` (tokens per chunk of the loss, applied to
-the model with :func:`slidedp_lightning.use_chunked_loss`) and ``lane_trace`` (true: record the lanes with
-:class:`slidedp_lightning.LaneTrace` into ``<out>/trace``).
+the model with :func:`slidedp_lightning.use_chunked_loss`), ``lane_trace`` (true: record the lanes with
+:class:`slidedp_lightning.LaneTrace` into ``<out>/trace``) and ``state_on_disk`` (true: the moments in a state file
+in ``<out>/state``, ``optimizer_state=StateOnDisk(...)`` with the ``optimizer_state`` knob as its moments).
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 from bench.baselines import lit
@@ -25,6 +27,11 @@ def run(spec: JobSpec, out: str) -> int:
     loss_chunk = knobs.pop("loss_chunk", None)
     trace = knobs.pop("lane_trace", False)
     activations = knobs.pop("activation_policy", "full" if spec.checkpointing else None)
+    if knobs.pop("state_on_disk", False):
+        from slidedp_lightning import StateOnDisk
+
+        os.makedirs(f"{out}/state", exist_ok=True)
+        knobs["optimizer_state"] = StateOnDisk(f"{out}/state", moments=knobs.get("optimizer_state", "fp32"))
     strategy = SlideDPStrategy(**knobs, activation_policy=activations, timeout=timedelta(seconds=spec.timeout_s))
     callbacks = []
     if trace:

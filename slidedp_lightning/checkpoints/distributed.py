@@ -354,7 +354,8 @@ def save(engine: EngineView, checkpoint: dict[str, Any], path: str | os.PathLike
     try:
         try:
             pieces = {piece_key(k, a, b): own_storage(v) for k, a, b, v in _pieces(_held(engine))}
-            dcp.save(pieces, checkpoint_id=tmp, process_group=_job_group(engine))
+            with engine.state.disk_paging():
+                dcp.save(pieces, checkpoint_id=tmp, process_group=_job_group(engine))
             # the files this rank wrote, and its pieces' digests (what a resume checks as it reads them)
             mine = sums(sorted(tmp.glob(f"__{rank}_*"))), {k: tensor_digest(v) for k, v in pieces.items()}
             del pieces
@@ -477,7 +478,8 @@ def load(engine: EngineView, path: str | os.PathLike) -> dict[str, Any]:
     engine.drop_resident()
     try:
         held = _held(engine, writing=True)
-        read_ranges(path, held, _job_group(engine), digests=digests, checks=checks, reader=reader)
+        with engine.state.disk_paging():
+            read_ranges(path, held, _job_group(engine), digests=digests, checks=checks, reader=reader)
         del held  # views of the state file's mapping, if any: let go before engine.restored unmaps it
     except BaseException as err:  # a damaged file DCP tripped over: name it (a signal: at once, unchecked)
         problem = None

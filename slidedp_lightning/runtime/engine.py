@@ -255,7 +255,7 @@ class SlideDPEngine:
         private = self.ledger.file.kind.startswith("private")  # one local rank: no other process maps it
         log.log(
             logging.INFO if self.topology.global_rank == 0 else logging.DEBUG,
-            "SlideDP %s: %d units, %s params (%s), ledger %s in %s memory (%.2f B/param), route %s/%s, "
+            "SlideDP %s: %d units, %s params (%s), ledger %s in %s memory (%.2f B/param)%s, route %s/%s, "
             "window %d, %s %s (%d of %d units computed in the ledger, unit copies %s), %d update thread(s), "
             "%d torch thread(s), kernels ready in %.2f s, setup %.2f s",
             self.topology.describe(),
@@ -265,6 +265,7 @@ class SlideDPEngine:
             format_bytes(geometry.nbytes),
             "private" if private else "shared",
             geometry.nbytes / layout.num_params,
+            self._disk_note(),
             config.param_route,
             config.grad_route,
             config.prefetch_window,
@@ -278,6 +279,13 @@ class SlideDPEngine:
             self.lane.jit_s,
             seconds,
         )
+
+    def _disk_note(self) -> str:
+        disk = self.ledger.disk
+        if disk is None:
+            return ""
+        io = "direct" if disk.state.direct else "buffered"
+        return f", {'+'.join(disk.layout.regions)} in a {format_bytes(disk.state.nbytes)} state file in {disk.directory} ({io} I/O)"
 
     def _lane_error(self) -> BaseException | None:
         """A failure of this rank's own update or D2H lane (ends every wait on the other ranks at once)."""

@@ -18,6 +18,7 @@ import mmap
 import os
 import queue
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -256,6 +257,7 @@ def measure_ceiling(directory: str, nbytes: int = 1 << 30, chunk_bytes: int = 8 
         state.close()
 
 
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21)  # Linux >= 5.4 (Python's mmap names it where its headers did)
 RECORD_ALIGN = 64  # bytes: each region inside a record starts on a cache line (a vector boundary for the kernels)
 DISK_STATE = {"moments": MOMENTS, "master_and_moments": ("master", *MOMENTS)}  # what state_on_disk puts on disk
 
@@ -512,6 +514,36 @@ class DiskState:
         if self._map is None:
             self._map = mmap.mmap(self.state.fd, self.state.nbytes)
         return torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @contextmanager
+    def paged(self, every_s: float = 0.2) -> Iterator[None]:
+        """While a checkpoint reads or writes the mapped views: every ``every_s`` the mapping's changes are written
+        to the file and its pages handed back (``MADV_PAGEOUT``), so the pages a checkpoint touched do not pile up
+        in this process's memory (they would, up to the whole file, until the kernel needed the memory)."""
+        stop = threading.Event()
+
+        def page_out() -> None:
+            while not stop.wait(every_s):
+                self._page_out()
+
+        pager = threading.Thread(target=page_out, name="slidedp-state-pager", daemon=True)
+        pager.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            pager.join()
+            self._page_out()
+
+    def _page_out(self) -> None:
+        m = self._map
+        if m is None:
+            return
+        try:
+            m.flush()
+            m.madvise(MADV_PAGEOUT)
+        except (OSError, ValueError):  # unmapped meanwhile, or a kernel without MADV_PAGEOUT (before 5.4)
+            pass
 
     def unmap(self) -> None:
         """Write what the mapping changed to the file and let go of it (a view still alive keeps it mapped)."""

@@ -7,6 +7,8 @@ calling a reader and evicts every resident unit before calling a writer.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -220,6 +222,11 @@ class LedgerState:
                 if first < hi:
                     out.append((f"{region}_absmax/{unit.name}", first, hi, view[: hi - first]))
         return out
+
+    def disk_paging(self) -> AbstractContextManager[None]:
+        """Around a checkpoint's reads or writes of :meth:`disk_moment_views`: their pages handed back as it goes
+        (``DiskState.paged``); nothing to do when the moments are in memory."""
+        return self.ledger.disk.paged() if self.ledger.disk is not None else nullcontext()
 
     def release_disk_views(self) -> None:
         """After a checkpoint read or wrote the views of the state file: its changes written, the mapping gone."""
