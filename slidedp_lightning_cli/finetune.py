@@ -66,6 +66,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _state_dir(value: str) -> str:
+    """--state-dir: an existing directory (on a local disk), as an absolute path."""
+    if not os.path.isdir(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an existing directory (create it on a local disk)")
+    return os.path.abspath(value)
+
+
 def _chunk_bytes(text: str) -> int | str:
     if text == "auto":
         return text
@@ -189,6 +196,14 @@ def build_parser() -> _Parser:
         choices=settings.OPTIMIZER_STATES,
         help="slidedp only: the Adam moments in the host ledger, exact (fp32) or block-wise 8-bit (int8: "
         "6 B/param less)",
+    )
+    add(
+        "--state-dir",
+        metavar="DIR",
+        type=_state_dir,
+        help="slidedp only: keep the Adam moments in a file on a local disk in DIR (an NVMe SSD for speed) instead of "
+        "host memory: 8 B/param less with fp32 moments, 2 with int8; the file is unnamed, gone when the job ends; "
+        "needs distributed checkpoints (the default)",
     )
     add(
         "--bf16-copy",

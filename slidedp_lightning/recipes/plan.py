@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from argparse import Namespace
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from slidedp_lightning.constants import ledger_bytes_per_param
+from slidedp_lightning.constants import ledger_bytes_per_param, moment_bytes
 from slidedp_lightning.recipes.settings import DEFAULT_CONFIG, DEFAULT_PRECISION, activation_policy, lora_settings
 from slidedp_lightning.runtime.host_os import mem_available
 
@@ -57,10 +58,12 @@ class Setup:
     param_route: str = "full"
     lora_r: int | None = None
     lora_targets: tuple[str, ...] | str = "all-linear"
+    state_dir: str | None = None  # the moments in a state file there (--state-dir)
 
     def flags(self) -> list[str]:
         """The flags that say how this setup differs from the default one."""
         out = ["--optimizer-state int8"] if self.optimizer_state == "int8" else []
+        out += [f"--state-dir {self.state_dir}"] if self.state_dir else []
         out += [] if self.bf16_copy else ["--no-bf16-copy"]
         out += [f"--lora-r {self.lora_r}"] if self.lora_r else []
         return out
@@ -84,6 +87,8 @@ class Plan:
     ledger_bytes: int  # every ledger of the host (one, or one per rank on the replicated route)
     rest_bytes: int  # the ranks' own memory beside it (an estimate)
     alternatives: list[tuple[str, Plan]] = field(default_factory=list)
+    disk_bytes: int = 0  # the state file (--state-dir): the trainable parameters' moments
+    disk_free: int = 0  # free space in --state-dir
 
     @property
     def need_bytes(self) -> int:
@@ -92,7 +97,7 @@ class Plan:
     @property
     def verdict(self) -> str:
         """``fits``; ``tight`` (the ledger fits, the ranks' estimated rest may not); ``does not fit``."""
-        if self.ledger_bytes > min(self.host.mem_available, self.host.shared_free):
+        if self.ledger_bytes > min(self.host.mem_available, self.host.shared_free) or self.disk_bytes > self.disk_free:
             return "does not fit"
         return "fits" if self.need_bytes <= self.host.mem_available else "tight"
 
@@ -113,6 +118,9 @@ class Plan:
             f"  host: MemAvailable {gib(h.mem_available)}, {h.shared_dir} free {gib(h.shared_free)}: "
             f"{self.verdict.upper()}",
         ]
+        if s.state_dir:
+            lines.insert(2, f"  state file in {s.state_dir}: {gib(self.disk_bytes)} (the Adam moments), "
+                            f"free there {gib(self.disk_free)}")  # fmt: skip
         if self.verdict != "fits":
             fits = [f"{flags} ({gib(plan.need_bytes)})" for flags, plan in self.alternatives if plan.verdict == "fits"]
             lines.append("  fits with: " + ("; ".join(fits) if fits else "none of --optimizer-state int8, "
@@ -131,8 +139,10 @@ class Plan:
         return (
             f"plan: {count(self.model.params)} parameters, ledger {gib(self.ledger_bytes)} "
             f"({self.ledger_bytes / max(self.model.params, 1):.2f} B/param) + the ranks' own, at most "
-            f"{gib(self.rest_bytes)}; MemAvailable {gib(h.mem_available)}, {h.shared_dir} free {gib(h.shared_free)}: "
-            f"{self.verdict}" + (f" (fits with {fix})" if fix else "")
+            f"{gib(self.rest_bytes)}; MemAvailable {gib(h.mem_available)}, {h.shared_dir} free {gib(h.shared_free)}"
+            + (f"; state file {gib(self.disk_bytes)}, {gib(self.disk_free)} free there" if self.setup.state_dir else "")
+            + f": {self.verdict}"
+            + (f" (fits with {fix})" if fix else "")
         )
 
     def as_dict(self) -> dict[str, object]:
@@ -144,6 +154,8 @@ class Plan:
             "rest_bytes_estimate": self.rest_bytes,
             "mem_available_bytes": self.host.mem_available,
             "shared_free_bytes": self.host.shared_free,
+            "state_file_bytes": self.disk_bytes,
+            "state_dir_free_bytes": self.disk_free,
             "verdict": self.verdict,
             "fix": self.fix() if self.verdict != "fits" else None,
         }
@@ -238,6 +250,8 @@ def _lora_params(model: Model, r: int, targets: tuple[str, ...] | str) -> int:
 def plan(model: Model, setup: Setup, host: Host, alternatives: bool = True) -> Plan:
     """The job's memory on this host, and (``alternatives``) the same job with each flag that shrinks it."""
     per_param = ledger_bytes_per_param(setup.optimizer_state, setup.bf16_copy)
+    on_disk = 2 * moment_bytes(setup.optimizer_state) if setup.state_dir else 0.0  # per trainable parameter
+    per_param -= on_disk
     if setup.lora_r:
         trainable = _lora_params(model, setup.lora_r, setup.lora_targets)
         frozen_copy = 2 if setup.precision == "bf16-mixed" and setup.bf16_copy else 4
@@ -246,7 +260,8 @@ def plan(model: Model, setup: Setup, host: Host, alternatives: bool = True) -> P
         trainable, ledger = model.params, model.params * per_param
     copies = setup.ranks if setup.param_route == "replicated" else 1
     rest = REST_PER_RANK_BYTES[setup.optimizer_state] * setup.ranks
-    result = Plan(model, setup, host, trainable, int(ledger * copies), rest)
+    disk = (int(trainable * on_disk), shutil.disk_usage(setup.state_dir).free) if setup.state_dir else (0, 0)
+    result = Plan(model, setup, host, trainable, int(ledger * copies), rest, [], *disk)
     if alternatives:
         options: list[Setup] = []
         if setup.optimizer_state == "fp32":
@@ -282,6 +297,7 @@ def of_flags(args: Namespace) -> Plan:
         param_route=args.param_route,
         lora_r=args.lora_r,
         lora_targets=targets if isinstance(targets, str) else tuple(cast("list[str]", targets)),
+        state_dir=getattr(args, "state_dir", None),
     )
     return plan(read_model(model), setup, read_host())
 

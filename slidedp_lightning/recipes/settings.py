@@ -184,6 +184,7 @@ STRATEGY_FLAG_DEFAULTS: dict[str, object] = {
     "grad_route": "gpu_reduce",
     "chunk_bytes": None,
     "optimizer_state": "fp32",
+    "state_dir": None,
     "bf16_copy": True,
     "activation_policy": None,
     "update_threads": None,
@@ -197,6 +198,11 @@ def strategy_options(args: Namespace) -> dict[str, object]:
     the whole model)."""
     chosen = {k: getattr(args, k) for k in STRATEGY_FLAG_DEFAULTS} | {"activation_policy": activation_policy(args)}
     options = {k: v for k, v in chosen.items() if v != STRATEGY_FLAG_DEFAULTS[k]}
+    state_dir = options.pop("state_dir", None)
+    if state_dir is not None:  # --state-dir: the moments (of --optimizer-state's form) in a file on that disk
+        from slidedp_lightning.options import StateOnDisk
+
+        options["optimizer_state"] = StateOnDisk(str(state_dir), moments=args.optimizer_state)
     return options | ({"meta_init": True} if args.model is None and args.meta_init else {})
 
 

@@ -33,6 +33,7 @@ LIMITS = {
     "d2h": "PCIe-bound (d2h)",
     "link": "GPU-link-bound",
     "cores": "CPU-cores-bound",
+    "disk": "disk-bound",
 }
 SCALING_GPUS = (16, 32, 64, 128)
 
@@ -212,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--optimizer-state", default="fp32", choices=OPTIMIZER_STATES, help="Adam moments: exact or 8-bit")
     pr.add_argument("--no-bf16-copy", action="store_true", help="the ledger keeps no BF16 transfer copy")
     pr.add_argument(
+        "--state-on-disk",
+        action="store_true",
+        help="the moments live in a state file on disk (StateOnDisk); the profile needs disk_gbps (calibrate --state-dir)",
+    )
+    pr.add_argument(
         "--loss-sync",
         action="store_true",
         help="the training step all-reduces its loss over every rank (Lightning's sync_dist logging)",
@@ -248,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="also probe the loopback network between this many "
         "co-located hosts of --ranks ranks (default 1: no network)",
+    )
+    ca.add_argument(
+        "--state-dir",
+        help="also measure the disk of a state file in this directory (StateOnDisk), reads and writes at once",
     )
     lo = sub.add_parser("loop", help="add the training loop's time per step, measured from a traced run, to a profile")
     lo.add_argument("--profile", required=True, help="profile JSON from calibrate (rewritten unless --out)")
@@ -287,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.loss_sync,
                 optimizer_state=args.optimizer_state,
                 bf16_copy=not args.no_bf16_copy,
+                state_on_disk=args.state_on_disk,
             )
             print(predict_table(cfg, args.hardware, args.network))
         elif args.cmd == "scaling":
@@ -312,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 loss_sync=args.loss_sync,
                 optimizer_state=args.optimizer_state,
                 bf16_copy=not args.no_bf16_copy,
+                state_on_disk=args.state_on_disk,
             )
             print(scaling_table(base, profile, totals))
         elif args.cmd == "loop":
@@ -325,13 +337,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{out}: loop_overhead_s = {profile.loop_overhead * 1e3:.1f} ms ({profile.sources['loop_overhead_s']})"
             )
         else:
-            from slidedp_lightning.steptime.calibrate import build_profile, measure, measure_network
+            from slidedp_lightning.steptime.calibrate import build_profile, measure, measure_disk, measure_network
 
             if args.hosts < 1:
                 raise ValueError(f"--hosts must be >= 1, got {args.hosts}")
             raw = measure(args.ranks, args.model, args.seq)
             net = measure_network(args.hosts, args.ranks) if args.hosts > 1 else None
-            profile = build_profile(raw, args.ranks, args.model, args.seq, net)
+            disk = measure_disk(args.state_dir) if args.state_dir else None
+            profile = build_profile(raw, args.ranks, args.model, args.seq, net, disk)
             with open(args.out, "w") as f:
                 json.dump(profile.to_json(), f, indent=1)
             print(f"wrote {args.out}")

@@ -383,9 +383,31 @@ def measure(world: int = 2, model: str = "qwen3-tiny", seq: int = 26) -> dict[st
         return json.loads(Path(out).read_text())
 
 
-def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: dict | None = None) -> Profile:
+def measure_disk(directory: str, nbytes: int = 1 << 30) -> tuple[float, str]:
+    """The state file's disk in ``directory``: GB/s of reads and writes at once with the update lane's direct
+    I/O, and where that number comes from."""
+    from slidedp_lightning.runtime.ledger.disk import measure_ceiling
+
+    ceiling = measure_ceiling(directory, nbytes)
+    io = "direct" if ceiling.direct else "buffered"
+    return ceiling.mixed_gbps, (
+        f"probe: calibrate --state-dir {directory}: {nbytes >> 20} MiB in {ceiling.chunk_bytes >> 20} MiB pieces, "
+        f"{ceiling.depth} in flight, {io} I/O, half written and half read at once (write alone "
+        f"{ceiling.write_gbps:.2f}, read alone {ceiling.read_gbps:.2f} GB/s)"
+    )
+
+
+def build_profile(
+    raw: dict[str, float],
+    world: int,
+    model: str,
+    seq: int,
+    net: dict | None = None,
+    disk: tuple[float, str] | None = None,
+) -> Profile:
     """The measurements as a profile of this machine (R CPU ranks sharing the cores); with ``net`` (from
-    :func:`measure_network`) also its loopback "network" between co-located hosts."""
+    :func:`measure_network`) also its loopback "network" between co-located hosts, with ``disk`` (from
+    :func:`measure_disk`) the disk of a state file."""
     src = f"probe: calibrate with {world} gloo ranks on {cpu_ops.physical_cores()} cores ({model}, seq {seq})"
     cores = cpu_ops.physical_cores()
     rate_gb = raw["copy_rate"] / 1e9
@@ -440,6 +462,8 @@ def build_profile(raw: dict[str, float], world: int, model: str, seq: int, net: 
             f"the CPUs they may run on",
         )
         desc += f"; {n} co-located hosts (loopback network)"
+    if disk is not None:
+        values["disk_gbps"], sources["disk_gbps"] = disk
     return Profile("this-machine", values, sources, desc)
 
 

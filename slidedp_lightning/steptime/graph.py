@@ -28,6 +28,7 @@ from slidedp_lightning.constants import (
     OPTIMIZER_STATES,
     h2d_bytes_per_param,
     ledger_bytes_per_param,
+    moment_bytes,
     update_bytes_per_param,
 )
 from slidedp_lightning.steptime.profiles import Profile
@@ -69,6 +70,9 @@ class StepConfig:
     optimizer_state: str = "fp32"
     bf16_copy: bool = True
     h2d_convert: str = "host"
+    # the moments in a state file on a local disk (StateOnDisk): every update reads and writes them there too,
+    # through the profile's ``disk`` resource (``disk_gbps``: reads and writes at once, ``bench.disk_ceiling``)
+    state_on_disk: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_state not in OPTIMIZER_STATES:
@@ -137,7 +141,21 @@ def host_ledger_bytes(cfg: StepConfig) -> float:
     divided by N when host-sharded."""
     default = cfg.optimizer_state == "fp32" and cfg.bf16_copy
     per = LEDGER_BYTES_PER_PARAM if default else ledger_bytes_per_param(cfg.optimizer_state, cfg.bf16_copy)
+    per -= disk_bytes_per_param(cfg) / 2  # the moments kept on disk
     return per * cfg.model.total_params * cfg.state_share
+
+
+def disk_bytes_per_param(cfg: StepConfig) -> float:
+    """Bytes the update reads from and writes to the state file per parameter: both moments each way (0 without
+    the state on disk)."""
+    return 2 * 2 * moment_bytes(cfg.optimizer_state) if cfg.state_on_disk else 0.0
+
+
+def _update_demand(cfg: StepConfig, params: float, nbytes: float) -> dict[str, float]:
+    """An update op's demand: its kernel's bytes on the cores and DRAM, and with the state on disk the moments
+    read and written there (and DMA'd through DRAM)."""
+    disk = params * disk_bytes_per_param(cfg)
+    return {"cpu": nbytes, "dram": nbytes + disk, **({"disk": disk} if disk else {})}
 
 
 def _bf16_out(cfg: StepConfig) -> bool:
@@ -379,7 +397,7 @@ def _gradient(
         nbytes = (
             p / r * update_bytes_per_param(pb, rows=r, bf16_out=_bf16_out(cfg), optimizer_state=cfg.optimizer_state)
         )
-        return [b.add(Op("update", "update", step, u, {"cpu": nbytes, "dram": nbytes}, 0.0, [d2h]))]
+        return [b.add(Op("update", "update", step, u, _update_demand(cfg, p / r, nbytes), 0.0, [d2h]))]
     replicated = cfg.param_route == "replicated"
     reduced = p if replicated else p / r  # parameters this rank holds after the in-host reduction
     share = reduced * cfg.state_share  # parameters this rank receives and updates
@@ -422,5 +440,5 @@ def _gradient(
             )
         )
         upd = share * frac * per_upd
-        out.append(b.add(Op("update", "update", step, u, {"cpu": upd, "dram": upd}, 0.0, [d2h], k)))
+        out.append(b.add(Op("update", "update", step, u, _update_demand(cfg, share * frac, upd), 0.0, [d2h], k)))
     return out

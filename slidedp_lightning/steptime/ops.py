@@ -12,6 +12,11 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
     """The ops of ``steps`` consecutive steps of one rank, in lane order (list order = order within a lane)."""
     profile.check_gpus(cfg.gpus)
     profile.check_hosts(cfg.hosts)
+    if cfg.state_on_disk and "disk_gbps" not in profile.values:
+        raise ValueError(
+            f"profile {profile.name!r} has no disk_gbps, the state file's disk: calibrate with --state-dir DIR "
+            "(or add the mixed read/write rate of `python -m bench.disk_ceiling --dir DIR`) to model state on disk"
+        )
     if cfg.param_route == "slideformer":
         return slideformer_ops(cfg, profile, steps)
     return slidedp_ops(cfg, profile, steps)

@@ -165,6 +165,8 @@ class Profile:
             cap["fresh"] = self.fresh_gbps * GB
         if hosts > 1:
             cap["net"] = self.net_gbps * GB / r
+        if "disk_gbps" in self.values:  # the state file's disk, shared by the host's ranks (co-located: all)
+            cap["disk"] = self.disk_gbps * GB / (r * hosts if colocated else r)
         return cap
 
     def with_network(self, name_or_path: str | Path) -> Profile:

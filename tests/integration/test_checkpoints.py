@@ -74,3 +74,24 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(job_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and "old" in p.name]
     resumed = _ok(job_runner("ckpt_after_kill", devices=2, steps=STEPS, ckpt_path=str(ck), **COMMON))
     assert resumed.losses(0) == straight.losses(0)[SAVE_AT:], "the surviving checkpoint is not the step-5 one"
+
+
+@pytest.mark.integration
+def test_moments_on_disk_a_rank_killed_in_an_update_leaves_its_checkpoint_exact(job_runner, straight):
+    """The moments in a state file on disk: rank 1 SIGKILLed inside an update after the step-5 save; the job ends,
+    nothing is left in the state directory or shared memory, and the checkpoint resumes (moments on disk again)
+    to the same bits as training straight through in memory."""
+    disk = dict(COMMON, state_on_disk=True)
+    killed = job_runner(
+        "ckpt_disk_killed", devices=2, steps=STEPS, save_at=SAVE_AT, kill_at_step=7, kill_in="update", pg_timeout=20,
+        **disk,
+    )  # fmt: skip
+    assert killed.returncode != 0
+    assert not shm_files(), "a shared-memory ledger file was left behind"
+    assert list((killed.out / "state").iterdir()) == [], "the state file outlived the job"
+    resumed = _ok(job_runner("ckpt_disk_resumed", devices=2, steps=STEPS, ckpt_path=str(killed.out / "ck"), **disk))
+    for rank in range(2):
+        assert resumed.losses(rank) == straight.losses(rank)[SAVE_AT:], f"rank {rank}: losses after resume differ"
+    a, b = straight.state(), resumed.state()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"

@@ -67,6 +67,14 @@ def test_the_training_flags_give_ddps_run_and_the_compact_ledger_trains(tmp_path
     assert math.isclose(ours["train_loss"], ddp["train_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
     assert math.isclose(ours["after"]["val_loss"], ddp["after"]["val_loss"], rel_tol=0, abs_tol=1e-4), (ours, ddp)
 
+    # the moments in a state file on disk: the same run to the bit, a ledger in memory without them
+    (tmp_path / "state").mkdir()
+    disk, log = _run(tmp_path, "disk", ["--config", str(tmp_path / "job.yaml"), "--state-dir", str(tmp_path / "state")])
+    assert (disk["train_loss"], disk["after"]["val_loss"]) == (ours["train_loss"], ours["after"]["val_loss"])
+    assert 6 <= disk["ledger_bytes_per_param"] < 8 and "state file in" in log, log[-3000:]
+    assert disk["plan"]["verdict"] == "fits" and disk["plan"]["ledger_bytes"] <= disk["ledger_bytes"], disk
+    assert list((tmp_path / "state").iterdir()) == []
+
     compact, log = _run(tmp_path, "int8", ["--model", model, "--max-steps", "6", "--optimizer-state", "int8",
                                            "--no-bf16-copy", "--lr", "3e-3", "--trace-dir",
                                            str(tmp_path / "trace")])  # fmt: skip

@@ -13,6 +13,7 @@ import sys
 import time
 from argparse import Namespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,6 +72,18 @@ def test_the_ledger_of_each_optimizer_state_and_the_verdict():
     # the ledger fits, the ranks' estimated rest does not: tight, not refused
     tight = plan.plan(plan.Model(params=GB, counted="test"), plan.Setup(ranks=2), plan.Host(15 * GB, 16 * GB, "x"))
     assert tight.verdict == "tight"
+
+
+def test_moments_on_disk_leave_the_ledger_and_need_their_space_there(tmp_path, monkeypatch):
+    model = plan.Model(params=GB, counted="test")
+    disk = plan.plan(model, plan.Setup(ranks=2, state_dir=str(tmp_path)), HOST)
+    assert disk.ledger_bytes == 6 * GB and disk.disk_bytes == 8 * GB  # FP32 master + BF16 copy; both moments
+    int8 = plan.plan(model, plan.Setup(ranks=2, optimizer_state="int8", state_dir=str(tmp_path)), HOST)
+    assert int8.ledger_bytes == 6 * GB and int8.disk_bytes == int(GB * (ledger_bytes_per_param("int8") - 6))
+    assert "--state-dir" in " ".join(disk.setup.flags()) and any("state file in" in line for line in disk.lines())
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: SimpleNamespace(free=7 * GB))  # 8 GB needed
+    small = plan.plan(model, plan.Setup(ranks=2, state_dir=str(tmp_path)), HOST)
+    assert small.verdict == "does not fit" and "state file" in small.summary(), small.summary()
 
 
 def test_a_job_that_does_not_fit_names_the_smallest_change_that_does():

@@ -240,3 +240,30 @@ def test_the_model_knows_each_ledger_mode():
     assert h2d(replace(lean, h2d_convert="device")) == pytest.approx(2 * h2d(base))  # FP32 over the link
     with pytest.raises(ValueError, match="optimizer_state"):
         replace(base, optimizer_state="int4")
+
+
+def test_the_state_on_disk_is_a_resource_of_the_update():
+    """With the moments on disk every update also reads and writes them there: the ledger loses them, the disk's
+    bound is those bytes over its rate, a slow enough disk bounds the step, and a profile without one is refused."""
+    from dataclasses import replace
+
+    from slidedp_lightning.steptime import analyze
+    from slidedp_lightning.steptime.__main__ import limit
+    from slidedp_lightning.steptime.profiles import Profile
+
+    base = StepConfig(load_config("qwen3-tiny"), 8, 256, 1, "full", activation="full")
+    disk = replace(base, state_on_disk=True)
+    n = base.model.total_params
+    assert host_ledger_bytes(base) - host_ledger_bytes(disk) == pytest.approx(8 * n)
+    profile = load_profile("h200x1")
+    with pytest.raises(ValueError, match="disk_gbps"):
+        simulate(disk, profile)
+    for gbps, bound_by_disk in ((1e4, False), (1e-3, True)):
+        with_disk = Profile(profile.name, {**profile.values, "disk_gbps": gbps}, profile.sources)
+        ana = analyze(disk, with_disk)
+        assert ana.bounds["disk"] == pytest.approx(16 * n / (gbps * 1e9), rel=1e-3)  # both moments, both ways
+        assert (limit(ana) == "disk-bound") == bound_by_disk
+        sim = simulate(disk, with_disk)
+        assert sim.step_time >= ana.bounds["disk"] * (1 - 1e-9)
+        if not bound_by_disk:  # a fast disk costs (almost) nothing
+            assert sim.step_time == pytest.approx(simulate(base, with_disk).step_time, rel=0.02)
