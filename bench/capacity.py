@@ -99,7 +99,9 @@ class Search:
         return grown / GB / ((b.params - a.params) / 1e9)
 
 
-def spec_for(label: str, shape: ModelShape, layers: int, checkpoint: Path, timeout_s: float) -> JobSpec:
+def spec_for(
+    label: str, shape: ModelShape, layers: int, checkpoint: Path, timeout_s: float, save: bool = True
+) -> JobSpec:
     system, knobs, _ = SYSTEMS[label]
     return JobSpec(
         system=system,
@@ -114,7 +116,7 @@ def spec_for(label: str, shape: ModelShape, layers: int, checkpoint: Path, timeo
         knobs=dict(knobs),
         timeout_s=timeout_s,
         checkpoint_dir=str(checkpoint),
-        save=True,
+        save=save,
         export=system == "slidedp",
     )
 
@@ -139,9 +141,11 @@ def reload_check(export: Path, timeout_s: float) -> str:
     return "" if proc.returncode == 0 and last == "ok" else f"reload failed: {last[-300:]}"
 
 
-def attempt(label: str, shape: ModelShape, layers: int, ckpts: ShardedCheckpoints, out: Path, limit: int) -> Attempt:
+def attempt(
+    label: str, shape: ModelShape, layers: int, ckpts: ShardedCheckpoints, out: Path, limit: int, save: bool = True
+) -> Attempt:
     t0 = time.perf_counter()
-    spec = spec_for(label, shape, layers, ckpts.directory(layers), timeout_s=1800.0)
+    spec = spec_for(label, shape, layers, ckpts.directory(layers), timeout_s=1800.0, save=save)
     folder = out / label / f"L{layers}"
     (res,) = run_job([(label, spec)], folder, mem_limit=limit, preflight=False)
     summary = res.summary()
@@ -180,7 +184,9 @@ def first_guess(label: str, shape: ModelShape, limit: int) -> int:
     return max(1, int((limit / GB - besides - slope * embed) / (slope * per_layer)))
 
 
-def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, limit: int, budget_s: float) -> Search:
+def search(
+    label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, limit: int, budget_s: float, save: bool = True
+) -> Search:
     """The deepest fitting model: gallop from the first guess, then bisect, within ``budget_s``."""
     found = Search(label)
     t0 = time.perf_counter()
@@ -188,7 +194,7 @@ def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, 
     layers = first_guess(label, shape, limit)
     step = max(1, round(layers * 0.05))  # the guess is close: small steps first, doubling
     while not found.attempts or time.perf_counter() - t0 < budget_s:  # one attempt at least, however late
-        a = attempt(label, shape, layers, ckpts, out, limit)
+        a = attempt(label, shape, layers, ckpts, out, limit, save)
         found.attempts.append(a)
         log.info("capacity %s: %d layers (%.2f B params): %s", label, layers, a.params / 1e9, a.status)
         if a.fits:
@@ -206,13 +212,15 @@ def search(label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, 
         else:
             layers = (lo + hi) // 2
     if lo > 1 and not any(a.fits and a.layers <= lo // 2 for a in found.attempts):
-        found.attempts.append(attempt(label, shape, lo // 2, ckpts, out, limit))  # a second size for the slope
+        found.attempts.append(attempt(label, shape, lo // 2, ckpts, out, limit, save))  # a second size for the slope
     return found
 
 
-def table(searches: list[Search], shape: ModelShape, limit: int) -> str:
+def table(searches: list[Search], shape: ModelShape, limit: int, save: bool = True, searched: bool = True) -> str:
+    job = f"load + {STEPS} steps{' + save' if save else ' (no checkpoint save)'}"
     rows = [
-        f"Largest model of {shape.name} (layers searched) that completes load + {STEPS} steps + save (+ export and "
+        f"{'Largest model' if searched else 'Models'} of {shape.name} ({'layers searched' if searched else 'layers as given'}) "
+        f"that {'completes' if searched else 'were tried:'} {job} (+ export and "
         f"reload) on {RANKS} CPU ranks in {PRECISION} (every system), under a {limit / GB:.1f} GB host-memory "
         "watchdog (PSS of the whole job).",
         "",
@@ -292,6 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--checkpoints", type=Path, default=None, help="where the sharded checkpoints go")
     parser.add_argument("--tiny", action="store_true", help="a tiny shape and a 1.5 GB limit: the procedure, fast")
+    parser.add_argument(
+        "--layers", type=int, nargs="+", default=None, help="try these depths (each system), instead of a search"
+    )
+    parser.add_argument(
+        "--no-save",
+        action="store_true",
+        help="leave the checkpoint save out of the job (a disk too small for the state file and a checkpoint)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     shape = TINY if args.tiny else QWEN3_1_7B
@@ -306,12 +322,19 @@ def main(argv: list[str] | None = None) -> int:
     for i, label in enumerate(args.systems):
         left = args.minutes * 60 - (time.perf_counter() - t0)
         share = weight[label] / sum(weight[x] for x in args.systems[i:])
-        searches.append(search(label, shape, ckpts, out, limit, left * share))
-        text = table(searches, shape, limit) + "\n\n" + extrapolate(searches)  # after every system: rows kept
+        if args.layers:
+            found = Search(label)
+            for layers in args.layers:
+                found.attempts.append(attempt(label, shape, layers, ckpts, out, limit, save=not args.no_save))
+                log.info("capacity %s: %d layers: %s", label, layers, found.attempts[-1].status)
+            searches.append(found)
+        else:
+            searches.append(search(label, shape, ckpts, out, limit, left * share, not args.no_save))
+        text = table(searches, shape, limit, not args.no_save, not args.layers) + "\n\n" + extrapolate(searches)
         (out / "capacity.md").write_text(text + "\n")
         data = [{"label": s.label, "attempts": [a.__dict__ for a in s.attempts]} for s in searches]
         (out / "capacity.json").write_text(json.dumps(data, indent=1, default=str))
-    print(table(searches, shape, limit) + "\n\n" + extrapolate(searches))
+    print(table(searches, shape, limit, not args.no_save, not args.layers) + "\n\n" + extrapolate(searches))
     print(f"\n{time.perf_counter() - t0:.0f} s; results in {out}")
     return 0
 

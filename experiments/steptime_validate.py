@@ -11,7 +11,10 @@ untied vocabulary and one small block, written with ``save_pretrained`` into the
 downloaded): 17 M parameters, almost all in the embedding and head, against 26 tokens per rank, so the host
 lanes (copies, gloo collectives, the update) outweigh the compute.
 
-    python experiments/steptime_validate.py [--profile this_machine.json] [--steps 14] [--out DIR]
+    python experiments/steptime_validate.py [--profile this_machine.json] [--steps 14] [--out DIR] [--state-on-disk]
+
+``--state-on-disk``: the ``wide`` model's configurations with the Adam moments in a state file in ``<out>/state``
+(``slidedp-finetune --state-dir``; calibrated with ``calibrate --state-dir``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from slidedp_lightning.steptime.calibrate import with_loop
@@ -40,6 +44,13 @@ CONFIGS = [  # (model, per-rank batch, param_route, grad_route)
     ("wide", 1, "full", "gpu_reduce"),
     ("wide", 1, "replicated", "gpu_reduce"),
     ("wide", 1, "full", "host_reduce"),
+]
+# the same host-bound model with the Adam moments in a state file on disk (--state-dir; the profile's disk_gbps
+# from calibrate --state-dir): its updates also read and write them there
+DISK_CONFIGS = [
+    ("wide", 1, "full", "gpu_reduce"),
+    ("wide", 1, "full", "host_reduce"),
+    ("wide", 2, "sharded", "gpu_reduce"),
 ]
 # per model, the reference job that measures the training loop (batch, param_route, grad_route): none of CONFIGS
 REFERENCE = {"tiny": (24, "full", "gpu_reduce"), "wide": (2, "sharded", "gpu_reduce")}
@@ -73,7 +84,14 @@ def write_wide_model(path: Path) -> Path:
 
 
 def run_job(
-    model_dir: str | None, batch: int, param: str, grad: str, steps: int, trace_dir: str, timeout: float
+    model_dir: str | None,
+    batch: int,
+    param: str,
+    grad: str,
+    steps: int,
+    trace_dir: str,
+    timeout: float,
+    state_dir: str | None = None,
 ) -> None:
     exe = Path(sys.executable).with_name("slidedp-finetune")
     cmd = [
@@ -97,6 +115,8 @@ def run_job(
     ]
     if model_dir:
         cmd += ["--model", model_dir]
+    if state_dir:
+        cmd += ["--state-dir", state_dir]
     done = subprocess.run(cmd, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -109,9 +129,19 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for the traces (default: a temporary one)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per job")
     ap.add_argument("--only", default=None, choices=("tiny", "wide"), help="run the configurations of one model only")
+    ap.add_argument(
+        "--state-on-disk",
+        action="store_true",
+        help="run the configurations with the moments on disk (DISK_CONFIGS, in <out>/state) instead",
+    )
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="steptime-validate-"))
     out.mkdir(parents=True, exist_ok=True)
+    state_dir = None
+    if args.state_on_disk:
+        args.only = "wide"
+        state_dir = out / "state"
+        state_dir.mkdir(exist_ok=True)
     wide_dir = write_wide_model(out / "wide_model")
     models = {"tiny": (None, load_config("qwen3-tiny")), "wide": (str(wide_dir), load_config(wide_dir))}
     profiles = {}
@@ -131,6 +161,7 @@ def main() -> int:
                     profile_path,
                     "--model",
                     models[name][0] or "qwen3-tiny",
+                    *(["--state-dir", str(state_dir)] if state_dir else []),
                 ],
                 check=True,
                 timeout=args.timeout,
@@ -142,19 +173,17 @@ def main() -> int:
         (out / f"profile_{name}.json").write_text(json.dumps(profiles[name].to_json(), indent=1))
         print(f"{name}: training loop {profiles[name].loop_overhead * 1e3:.1f} ms per step ({trace})", flush=True)
     rows = []
-    for name, batch, param, grad in CONFIGS:
+    for name, batch, param, grad in DISK_CONFIGS if state_dir else CONFIGS:
         if args.only and name != args.only:
             continue
         model_dir, shape = models[name]
         profile = profiles[name]
-        trace = str(out / f"{name}_b{batch}_{param}_{grad}")
-        run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout)
+        trace = str(out / f"{name}_b{batch}_{param}_{grad}{'_disk' if state_dir else ''}")
+        run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout, str(state_dir) if state_dir else None)
         meas = measured(trace)
         # the jobs run with the engine's backpressure (2 units) and the recipe logs its loss with sync_dist=True
-        sim = simulate(
-            StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true", max_units_in_flight=2, loss_sync=True),
-            profile,
-        )
+        step = StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true", max_units_in_flight=2, loss_sync=True)
+        sim = simulate(replace(step, state_on_disk=state_dir is not None), profile)
         err = (sim.step_time / meas["step_time"] - 1) * 100
         rows.append(
             dict(
