@@ -49,7 +49,7 @@ def analyze(cfg: StepConfig, profile: Profile) -> Analytic:
         for res, v in op.demand.items():
             if res in cap:
                 bounds[res] += v / cap[res]
-        if "cores" in cap:
+        if "cores" in cap and op.lane != "disk":
             bounds["cores"] += t / cap["cores"]
     tail = [op for op in ops if op.unit == 0 and op.lane in ("reduce", "net", "d2h", "update")]
     chunks = sorted({op.chunk for op in tail})

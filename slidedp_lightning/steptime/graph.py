@@ -39,7 +39,7 @@ from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, unit
 PARAM_ROUTES: tuple[str, ...] = (*constants.PARAM_ROUTES, "slideformer")
 # the precisions the model has rates for: a subset of ``constants.PRECISIONS`` (no 16-mixed)
 PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true")
-LANES = ("h2d", "offload", "compute", "reduce", "net", "d2h", "update")
+LANES = ("h2d", "offload", "compute", "reduce", "net", "d2h", "update", "disk")
 
 
 @dataclass
@@ -151,11 +151,11 @@ def disk_bytes_per_param(cfg: StepConfig) -> float:
     return 2 * 2 * moment_bytes(cfg.optimizer_state) if cfg.state_on_disk else 0.0
 
 
-def _update_demand(cfg: StepConfig, params: float, nbytes: float) -> dict[str, float]:
-    """An update op's demand: its kernel's bytes on the cores and DRAM, and with the state on disk the moments
-    read and written there (and DMA'd through DRAM)."""
-    disk = params * disk_bytes_per_param(cfg)
-    return {"cpu": nbytes, "dram": nbytes + disk, **({"disk": disk} if disk else {})}
+def _state_io(b: _Builder, cfg: StepConfig, what: str, step: int, u: int, params: float, deps: list[int]) -> int:
+    """One rank's read (or write) of a unit's shard record of the state on disk, on the ``disk`` lane (the I/O
+    threads: no core is busy while the disk works), through DRAM by DMA."""
+    nbytes = params * disk_bytes_per_param(cfg) / 2
+    return b.add(Op(f"state {what}", "disk", step, u, {"disk": nbytes, "dram": nbytes}, 0.0, deps))
 
 
 def _bf16_out(cfg: StepConfig) -> bool:
@@ -318,6 +318,9 @@ def slidedp_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         compute_seq.append(i)
         return i
 
+    if cfg.state_on_disk:  # the steady state: the first step's reads queue behind the step before's writes
+        for v in reversed(range(n_units)):
+            _state_io(b, cfg, "write", 0, v, _shard_params(cfg, us[v].params), [])
     for step in range(steps):
         offloaded: dict[int, int] = {}
         for u, unit in enumerate(us):  # forward
@@ -333,6 +336,8 @@ def slidedp_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             b.ops[compute_seq[-1]].fixed += loss_sync_latency(cfg.gpus, cfg.hosts, profile)
         updates: dict[int, list[int]] = {}
         dispatched: list[list[int]] = []  # update ops of the units reduced so far in this backward, in order
+        order = list(reversed(range(n_units)))  # the order the units are updated in (backward's)
+        reads: dict[int, int] = {}  # state on disk: each unit's record read
         for u in reversed(range(n_units)):  # backward
             unit = us[u]
             ready = [i for v in (u, *unit.borrows) for i in fetch(v, step, backward=True)[-1:]]
@@ -357,10 +362,28 @@ def slidedp_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
             start = [done, *gate]
             if profile.host_is_device and cfg.grad_route != "host_reduce":
                 start = [_issue(b, cfg, profile, unit.params, pb, u, step, start, gpu_rate)]
-            updates[u] = _gradient(b, cfg, profile, kind, unit.params, pb, u, step, start)
+            if cfg.state_on_disk and not dispatched:  # the first two records of the step, read ahead
+                for v in order[:2]:
+                    reads[v] = _state_io(b, cfg, "read", step, v, _shard_params(cfg, us[v].params), [])
+            read = (reads[u],) if cfg.state_on_disk else ()
+            updates[u] = _gradient(b, cfg, profile, kind, unit.params, pb, u, step, start, read)
             dispatched.append(updates[u])
+            if cfg.state_on_disk:  # written behind, the record two ahead read meanwhile (RecordStream, 4 buffers)
+                _state_io(b, cfg, "write", step, u, _shard_params(cfg, unit.params), updates[u][-1:])
+                k = order.index(u) + 2
+                if k < len(order):
+                    reads[order[k]] = _state_io(
+                        b, cfg, "read", step, order[k], _shard_params(cfg, us[order[k]].params), []
+                    )
         last_update = updates
     return b.ops
+
+
+def _shard_params(cfg: StepConfig, p: int) -> float:
+    """Parameters of a unit's shard one rank updates (its share of the host's, host-sharded or not)."""
+    if cfg.param_route == "replicated":
+        return float(p)
+    return p / cfg.gpus * cfg.state_share
 
 
 def _fresh(demand: dict[str, float], profile: Profile, alloc_bytes: float) -> dict[str, float]:
@@ -387,17 +410,28 @@ def _issue(
 
 
 def _gradient(
-    b: _Builder, cfg: StepConfig, profile: Profile, kind: str, p: int, pb: int, u: int, step: int, start: list[int]
+    b: _Builder,
+    cfg: StepConfig,
+    profile: Profile,
+    kind: str,
+    p: int,
+    pb: int,
+    u: int,
+    step: int,
+    start: list[int],
+    reads: tuple[int, ...] = (),
 ) -> list[int]:
     """Reduce, D2H and update ops of one unit's gradient, issued once ``start`` is done (its backward, the
-    backpressure and, on a CPU device, the compute thread's issue); returns the update ops."""
+    backpressure and, on a CPU device, the compute thread's issue), the update also once ``reads`` (its state
+    record's read) is; returns the update ops."""
     r, lat = cfg.gpus, profile.link_latency_s
     if cfg.grad_route == "host_reduce":
         d2h = b.add(Op("d2h", "d2h", step, u, {"d2h": p * pb, "dram": p * pb}, profile.copy_latency_s, list(start)))
         nbytes = (
             p / r * update_bytes_per_param(pb, rows=r, bf16_out=_bf16_out(cfg), optimizer_state=cfg.optimizer_state)
         )
-        return [b.add(Op("update", "update", step, u, _update_demand(cfg, p / r, nbytes), 0.0, [d2h]))]
+        deps = [d2h, *reads]
+        return [b.add(Op("update", "update", step, u, {"cpu": nbytes, "dram": nbytes}, 0.0, deps))]
     replicated = cfg.param_route == "replicated"
     reduced = p if replicated else p / r  # parameters this rank holds after the in-host reduction
     share = reduced * cfg.state_share  # parameters this rank receives and updates
@@ -440,5 +474,6 @@ def _gradient(
             )
         )
         upd = share * frac * per_upd
-        out.append(b.add(Op("update", "update", step, u, _update_demand(cfg, share * frac, upd), 0.0, [d2h], k)))
+        deps = [d2h, *reads] if k == 0 else [d2h]
+        out.append(b.add(Op("update", "update", step, u, {"cpu": upd, "dram": upd}, 0.0, deps, k)))
     return out

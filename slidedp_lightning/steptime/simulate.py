@@ -78,7 +78,7 @@ def run(ops: list[Op], cap: dict[str, float]) -> list[tuple[float, float]]:
     usage = {}
     for i, op in enumerate(ops):
         use = {k: v / dur[i] for k, v in op.demand.items() if k in cap and v and dur[i] > 0}
-        if host_cores and dur[i] > 0:
+        if host_cores and dur[i] > 0 and op.lane != "disk":  # the disk's I/O threads wait, they do not compute
             use["cores"] = 1.0  # one core-second per second of stand-alone work
         usage[i] = use
     queues: dict[str, list[int]] = {}

@@ -351,11 +351,10 @@ class UpdateLane:
 
     def _next_units(self, unit: int, ahead: int = 2) -> list[int]:
         """The units whose records to read ahead of ``unit``'s update: those after it in the previous step's
-        order (the first step: backward's order, the units before it)."""
-        if unit in self._last_order:
-            i = self._last_order.index(unit)
-            return self._last_order[i + 1 : i + 1 + ahead]
-        return list(range(unit - 1, max(unit - 1 - ahead, -1), -1))
+        order (the first step: backward's order), going round to the next step's first units at the end."""
+        order = self._last_order if unit in self._last_order else list(reversed(range(len(self.layout.units))))
+        i = order.index(unit)
+        return [order[(i + k) % len(order)] for k in range(1, min(ahead, len(order) - 1) + 1)]
 
     def _release(self, unit: int) -> None:
         del self._held[unit]

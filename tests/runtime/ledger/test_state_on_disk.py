@@ -157,3 +157,40 @@ def test_the_strategy_option_sets_the_engine_config(tmp_path: Path) -> None:
         StateOnDisk(str(tmp_path), moments="fp16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="one file per host"):
         SlideDPOptions(optimizer_state=StateOnDisk(str(tmp_path)), param_route="replicated")
+
+
+def test_an_io_error_in_a_step_stops_training_naming_the_state_directory(tmp_path: Path, monkeypatch) -> None:
+    """A write of the state file that fails (EIO) fails training (at the latest when the record is read again or
+    the state is flushed), with the directory, the operation and the size in the error."""
+    import errno
+
+    from slidedp_lightning.runtime.ledger import disk
+
+    writes = {"n": 0}
+    real = disk.StateFile.write_from
+
+    def failing(self, offset, buf):
+        writes["n"] += 1
+        if writes["n"] == 12:  # past the setup's clearing pass (none for FP32 moments): a write of step 2 or 3
+            raise self._error("write", offset, buf.nbytes, OSError(errno.EIO, "Input/output error"))
+        return real(self, offset, buf)
+
+    monkeypatch.setattr(disk.StateFile, "write_from", failing)
+    model = tiny_model(False, layers=3)
+    engine = SlideDPEngine(model, EngineConfig(state_dir=str(tmp_path)), device=CPU, compute_dtype=torch.float32)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        engine.attach_optimizer(opt)
+        with pytest.raises(RuntimeError, match="CPU update failed") as caught:
+            for x in token_batches(8, 2, 16):
+                model(input_ids=x, labels=x).loss.backward()
+                engine.end_step()
+            engine.synchronize()
+        chain, err = [], caught.value
+        while err is not None:
+            chain.append(str(err))
+            err = err.__cause__
+        assert any(str(tmp_path) in m and "write of" in m and "Input/output error" in m for m in chain), chain
+    finally:
+        engine.abort()
+        engine.close(restore=False)
