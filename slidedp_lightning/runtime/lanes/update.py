@@ -18,6 +18,7 @@ from cpu_ops import accumulate, adamw8_update, adamw_update, adamw_update_sum, s
 from cpu_ops.adamw8 import QUANT_BLOCK
 from slidedp_lightning.runtime.lanes.liveness import lane_delay
 from slidedp_lightning.runtime.layout import Layout, Unit
+from slidedp_lightning.runtime.ledger.disk import Record
 from slidedp_lightning.runtime.ledger.geometry import ALL_REGIONS
 from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
 from slidedp_lightning.runtime.topology import Topology
@@ -158,9 +159,10 @@ class UpdateLane:
         # regions on disk (ledger.disk): this rank's shard record of a unit is acquired at the unit's first update
         # chunk and written back after its last, the next unit's read ahead meanwhile (in the previous step's order)
         self._records = ledger.disk.stream(owner) if ledger.disk is not None else None
-        self._held: dict[int, dict[str, np.ndarray]] = {}
-        self._order: list[int] = []  # units in the order this step acquired their records
-        self._last_order: list[int] = []  # ... and the previous step's
+        self._disk = ledger.disk.layout if ledger.disk is not None else None
+        self._held: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (unit, piece) -> its record's views
+        self._order: list[tuple[int, int]] = []  # records in the order this step acquired them
+        self._last_order: list[tuple[int, int]] = []  # ... and the previous step's
         self._records_step = 0
         self._queue: queue.Queue[UpdateTask | _Call | None] = queue.Queue()
         self._idle = threading.Condition()
@@ -325,41 +327,56 @@ class UpdateLane:
         if task.grad is not None and task.action is UpdateAction.UPDATE:
             task.grad.release()
         if task.last:
-            if task.unit in self._held:
-                self._release(task.unit)
+            if self._records is not None:
+                self._release_unit(task.unit)  # a record the update did not reach to its end (frozen elements)
             self.ledger.version[task.unit, self.owner] = task.step
 
     # -- the shard records of the regions on disk (update-lane thread only) --------------------------------
-    def _shard_state(self, task: UpdateTask, s0: int) -> dict[str, tuple[np.ndarray | None, int]]:
-        """The unit's arrays, each with the unit-relative element its index 0 stands for: its ranges of the
-        regions in memory (0) and of the regions on disk, this rank's shard record (``s0``), acquired here at the
-        unit's first chunk."""
+    def _record_state(self, task: UpdateTask, piece: int) -> dict[str, tuple[np.ndarray | None, int]]:
+        """The unit's arrays for the elements of one of its records, each with the unit-relative element its index
+        0 stands for: its ranges of the regions in memory (0) and the record's views of the regions on disk (the
+        record's first element), acquired here when the update first reaches it."""
+        assert self._records is not None
         out: dict[str, tuple[np.ndarray | None, int]] = {r: (a, 0) for r, a in self._arrays[task.unit].items()}
-        if self._records is None:
-            return out
-        views = self._held.get(task.unit)
+        key = (task.unit, piece)
+        views = self._held.get(key)
         if views is None:
             if task.step != self._records_step:  # a new step: the last one's order guides the reads ahead
                 self._records.check()
                 self._last_order, self._order, self._records_step = self._order or self._last_order, [], task.step
-            views = self._held[task.unit] = self._records.acquire(task.unit)
-            self._order.append(task.unit)
-            for unit in self._next_units(task.unit):
-                self._records.prefetch(unit)
-        out.update({r: (a, s0) for r, a in views.items()})
+            views = self._held[key] = self._records.acquire(*key)
+            self._order.append(key)
+            for ahead in self._next_records(key):
+                self._records.prefetch(*ahead)
+        start = self._pieces(task.unit)[piece].start
+        out.update({r: (a, start) for r, a in views.items()})
         return out
 
-    def _next_units(self, unit: int, ahead: int = 2) -> list[int]:
-        """The units whose records to read ahead of ``unit``'s update: those after it in the previous step's
-        order (the first step: backward's order), going round to the next step's first units at the end."""
-        order = self._last_order if unit in self._last_order else list(reversed(range(len(self.layout.units))))
-        i = order.index(unit)
+    def _next_records(self, key: tuple[int, int], ahead: int = 2) -> list[tuple[int, int]]:
+        """The records to read ahead of ``key``'s update: those after it in the previous step's order (the first
+        step: the unit's next pieces, then backward's order), going round to the next step's first at the end."""
+        order = self._last_order
+        if key not in order:
+            order = [(u, p) for u in reversed(range(len(self.layout.units))) for p in range(self._piece_count(u))]
+        i = order.index(key)
         return [order[(i + k) % len(order)] for k in range(1, min(ahead, len(order) - 1) + 1)]
 
-    def _release(self, unit: int) -> None:
-        del self._held[unit]
+    def _pieces(self, unit: int) -> list[Record]:
+        """This rank's records of ``unit`` (state on disk)."""
+        assert self._disk is not None
+        return self._disk.pieces(unit, self.owner)
+
+    def _piece_count(self, unit: int) -> int:
+        return len(self._pieces(unit))
+
+    def _release(self, key: tuple[int, int]) -> None:
+        del self._held[key]
         assert self._records is not None
-        self._records.release(unit)
+        self._records.release(*key)
+
+    def _release_unit(self, unit: int) -> None:
+        for key in [k for k in self._held if k[0] == unit]:
+            self._release(key)
 
     def flush_state(self, liveness=None) -> None:
         """After the updates submitted so far: every record written back (the state file holds them all)."""
@@ -369,15 +386,30 @@ class UpdateLane:
 
     def _flush_records(self) -> None:
         assert self._records is not None
-        for unit in list(self._held):
-            self._release(unit)
+        for key in list(self._held):
+            self._release(key)
         self._records.flush()
 
     def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
-        """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0), one param-group run at a time."""
+        """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0): in memory at once; with state on
+        disk record by record, each written back as soon as the update has passed its last element."""
         if not any(g >= 0 and sa < c1 and sb > c0 for sa, sb, g in self.segments[task.unit]):
             return  # frozen parameters only: their weights and moments stay bit-identical
-        arrays = self._shard_state(task, unit.shard(self.owner)[0])
+        if self._records is None:
+            self._update_range(task, {r: (a, 0) for r, a in self._arrays[task.unit].items()}, grad, c0, c1, scale)
+            return
+        for piece, rec in enumerate(self._pieces(task.unit)):
+            lo, hi = max(rec.start, c0), min(rec.start + rec.elems, c1)
+            if lo >= hi or not rec.nbytes:
+                continue
+            arrays = self._record_state(task, piece)
+            self._update_range(task, arrays, grad[..., lo - c0 : hi - c0], lo, hi, scale)
+            if hi == rec.start + rec.elems:  # the record's last element: written back now
+                self._release((task.unit, piece))
+
+    def _update_range(self, task: UpdateTask, arrays: dict, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
+        """The kernels on unit-relative [c0, c1), one param-group run at a time (int8: one fused call);
+        ``arrays``: (array, the unit-relative element of its index 0) per region."""
         if self.int8:
             self._kernels8(task, arrays, grad, c0, c1, scale)
             return
@@ -413,7 +445,7 @@ class UpdateLane:
         """int8 moments: one fused call over unit-relative [c0, c1) (c0 on a QUANT_BLOCK boundary) with its
         param-group runs as segments; frozen runs are left out (their weights stay, their zero moments too), and so
         is a frozen tail that keeps no moments (``Unit.trainable_extent``). ``arrays``: (array, the unit-relative
-        element of its index 0) per region (see :meth:`_shard_state`)."""
+        element of its index 0) per region (see :meth:`_record_state`)."""
         codes, base = arrays["exp_avg"]
         covered = base + codes.shape[0] if codes is not None else 0
         if c1 > covered:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slidedp_lightning.constants import QUANT_BLOCK
 from slidedp_lightning.runtime.host_os import format_bytes
 from slidedp_lightning.runtime.ledger.geometry import MOMENTS, LedgerGeometry
 from slidedp_lightning.runtime.ledger.memory import NO_TMPFILE, LedgerFile, LedgerHandle
@@ -262,56 +263,74 @@ RECORD_ALIGN = 64  # bytes: each region inside a record starts on a cache line (
 DISK_STATE = {"moments": MOMENTS, "master_and_moments": ("master", *MOMENTS)}  # what state_on_disk puts on disk
 
 
+PIECE_BYTES = 64 << 20  # a record's most bytes: a unit's shard state is read and written in pieces of this size
+
+
 @dataclass(frozen=True)
 class Record:
-    """One rank's shard of one unit in the state file: ``nbytes`` from ``offset`` (both page multiples), holding
-    each region's range of the shard at ``parts[name] = (byte offset in the record, elements)``."""
+    """One piece of one rank's shard of one unit in the state file: ``nbytes`` from ``offset`` (both page
+    multiples), the unit-relative elements ``[start, start + elems)``, each region's range of them at
+    ``parts[name] = (byte offset in the record, region elements)``."""
 
     offset: int
     nbytes: int
     parts: dict[str, tuple[int, int]]
+    start: int = 0
+    elems: int = 0
 
 
 class DiskLayout:
-    """Where the state file keeps each (unit, owner) shard's ranges of the regions on disk: one contiguous,
-    page-aligned record per shard, so the rank that updates a shard reads and writes all its state in one request
-    each way, and no two ranks ever write the same page.
+    """Where the state file keeps each (unit, owner) shard's ranges of the regions on disk: contiguous,
+    page-aligned records of at most ``piece_bytes`` each (a shard in one record when it fits), so the rank that
+    updates a shard reads and writes its state in large direct-I/O requests, holds a bounded amount of it in
+    memory at once however large a unit is, and no two ranks ever write the same page.
 
     ``regions``: the ledger regions kept on disk (see :data:`DISK_STATE`; the int8 moments bring their block scales
-    along). A shard covers the unit-relative elements ``[r * n, (r + 1) * n)``, ``n = unit size / owners``; a region
-    that covers only a unit's trainable prefix (:meth:`LedgerGeometry.unit_elems`) has the shard's part of it."""
+    along). A shard covers the unit-relative elements ``[r * n, (r + 1) * n)``, ``n = unit size / owners``, cut into
+    pieces of whole QUANT_BLOCKs; a region that covers only a unit's trainable prefix
+    (:meth:`LedgerGeometry.unit_elems`) has the piece's part of it."""
 
-    def __init__(self, geometry: LedgerGeometry, regions: tuple[str, ...]) -> None:
+    def __init__(self, geometry: LedgerGeometry, regions: tuple[str, ...], piece_bytes: int = PIECE_BYTES) -> None:
         if geometry.optimizer_state == "int8" and any(m in regions for m in MOMENTS):
             regions = (*regions, "exp_avg_absmax", "exp_avg_sq_absmax")
         self.regions = tuple(r for r in geometry.specs if r in regions)
         self.geometry = geometry
         self.owners = geometry.world_size
-        self.records: list[list[Record]] = []
+        per_elem = sum(geometry.itemsize(r) / geometry.specs[r][1] for r in self.regions) or 1.0
+        self.piece_elems = max(QUANT_BLOCK, int(piece_bytes / per_elem) // QUANT_BLOCK * QUANT_BLOCK)
+        self.records: list[list[list[Record]]] = []  # [unit][owner][piece]
         pos = 0
         for u, size in enumerate(geometry.unit_sizes):
             n = size // self.owners
             row = []
             for r in range(self.owners):
-                parts, used = {}, 0
-                for name in self.regions:
-                    covered = geometry.unit_elems(name, u)
-                    elems = max(0, min((r + 1) * n, covered) - r * n) // geometry.specs[name][1]
-                    if elems:
-                        parts[name] = (used, elems)
-                        used = -(-(used + elems * geometry.itemsize(name)) // RECORD_ALIGN) * RECORD_ALIGN
-                nbytes = aligned_up(used)
-                row.append(Record(pos, nbytes, parts))
-                pos += nbytes
+                pieces = []
+                for start in range(r * n, (r + 1) * n, self.piece_elems):
+                    stop = min(start + self.piece_elems, (r + 1) * n)
+                    parts, used = {}, 0
+                    for name in self.regions:
+                        covered = geometry.unit_elems(name, u)
+                        elems = max(0, min(stop, covered) - start) // geometry.specs[name][1]
+                        if elems:
+                            parts[name] = (used, elems)
+                            used = -(-(used + elems * geometry.itemsize(name)) // RECORD_ALIGN) * RECORD_ALIGN
+                    nbytes = aligned_up(used)
+                    pieces.append(Record(pos, nbytes, parts, start, stop - start))
+                    pos += nbytes
+                row.append(pieces)
             self.records.append(row)
         self.nbytes = pos
 
-    def record(self, unit: int, owner: int) -> Record:
+    def record(self, unit: int, owner: int, piece: int = 0) -> Record:
+        return self.records[unit][owner][piece]
+
+    def pieces(self, unit: int, owner: int) -> list[Record]:
+        """The records of ``owner``'s shard of ``unit``, in element order."""
         return self.records[unit][owner]
 
     @property
     def max_record_bytes(self) -> int:
-        return max((rec.nbytes for row in self.records for rec in row), default=0)
+        return max((rec.nbytes for row in self.records for pieces in row for rec in pieces), default=0)
 
     def views(self, buf: np.ndarray, record: Record) -> dict[str, np.ndarray]:
         """The region arrays of ``record`` inside ``buf`` (a uint8 buffer holding that record from its byte 0)."""
@@ -322,14 +341,19 @@ class DiskLayout:
         return out
 
 
+Key = tuple[int, int]  # (unit, piece) of one owner's records
+
+
 class RecordStream:
     """One rank's shard records of the state file, read ahead into an :class:`AlignedPool` and written back behind
-    on ``threads`` I/O threads, so the update of one unit overlaps the reads of the next and the writes of the last.
+    on ``threads`` I/O threads, so the update of one record overlaps the reads of the next and the writes of the last.
 
-    :meth:`prefetch` starts a record's read when a buffer is free (never blocks); :meth:`acquire` returns its region
-    views (waiting for its read, or reading it now); :meth:`release` starts its write and gives the buffer back when
-    that is done; :meth:`flush` waits for every write. A record is read only after its last write finished, so a unit
-    updated again reads what was written. An I/O error of a background read or write is raised by the next call."""
+    Records are named by unit and piece (:meth:`DiskLayout.pieces`; a unit whose shard fits in one record has piece
+    0 only). :meth:`prefetch` starts a record's read when a buffer is free (never blocks); :meth:`acquire` returns
+    its region views (waiting for its read, or reading it now); :meth:`release` starts its write and gives the
+    buffer back when that is done; :meth:`flush` waits for every write. A record is read only after its last write
+    finished, so a record updated again reads what was written. An I/O error of a background read or write is raised
+    by the next call."""
 
     def __init__(self, state: StateFile, layout: DiskLayout, owner: int, buffers: int = 4, threads: int = 2) -> None:
         if buffers < 2:
@@ -337,17 +361,14 @@ class RecordStream:
         self.state, self.layout, self.owner = state, layout, owner
         self._pool = AlignedPool(buffers, max(layout.max_record_bytes, ALIGN))
         self._io = ThreadPoolExecutor(threads, thread_name_prefix=f"slidedp-state-r{owner}")
-        self._reads: dict[int, tuple[np.ndarray, Future[None]]] = {}  # unit -> (buffer, its read)
-        self._writes: dict[int, Future[None]] = {}  # unit -> its last write
-        self._held: dict[int, np.ndarray] = {}
+        self._reads: dict[Key, tuple[np.ndarray, Future[None]]] = {}  # record -> (buffer, its read)
+        self._writes: dict[Key, Future[None]] = {}  # record -> its last write
+        self._held: dict[Key, np.ndarray] = {}
         self.read_bytes = self.written_bytes = 0
 
-    def _record_buffer(self, unit: int, buf: np.ndarray) -> np.ndarray:
-        return buf[: self.layout.record(unit, self.owner).nbytes]
-
-    def _read(self, unit: int, buf: np.ndarray) -> Future[None]:
-        rec = self.layout.record(unit, self.owner)
-        after = self._writes.get(unit)
+    def _read(self, key: Key, buf: np.ndarray) -> Future[None]:
+        rec = self.layout.record(key[0], self.owner, key[1])
+        after = self._writes.get(key)
 
         def read() -> None:
             if after is not None:
@@ -357,28 +378,30 @@ class RecordStream:
         self.read_bytes += rec.nbytes
         return self._io.submit(read)
 
-    def prefetch(self, unit: int) -> None:
-        """Start reading ``unit``'s record if a buffer is free and it is not read or held already."""
-        if unit in self._reads or unit in self._held or not self.layout.record(unit, self.owner).nbytes:
+    def prefetch(self, unit: int, piece: int = 0) -> None:
+        """Start reading a record if a buffer is free and it is not read or held already."""
+        key = (unit, piece)
+        if key in self._reads or key in self._held or not self.layout.record(unit, self.owner, piece).nbytes:
             return
         buf = self._pool.get(block=False)
         if buf is not None:
-            self._reads[unit] = (buf, self._read(unit, buf))
+            self._reads[key] = (buf, self._read(key, buf))
 
-    def acquire(self, unit: int) -> dict[str, np.ndarray]:
-        """The region views of ``unit``'s record, read (each region a contiguous array of its shard range)."""
-        if unit in self._held:
-            raise RuntimeError(f"unit {unit}'s state record is acquired already")
-        if unit not in self._reads:
-            self._reads[unit] = ((buf := self._take()), self._read(unit, buf))
-        buf, read = self._reads.pop(unit)
+    def acquire(self, unit: int, piece: int = 0) -> dict[str, np.ndarray]:
+        """The region views of a record, read (each region a contiguous array of the record's range)."""
+        key = (unit, piece)
+        if key in self._held:
+            raise RuntimeError(f"the state record of unit {unit}, piece {piece} is acquired already")
+        if key not in self._reads:
+            self._reads[key] = ((buf := self._take()), self._read(key, buf))
+        buf, read = self._reads.pop(key)
         try:
             read.result()
         except BaseException:
             self._pool.put(buf)
             raise
-        self._held[unit] = buf
-        return self.layout.views(buf, self.layout.record(unit, self.owner))
+        self._held[key] = buf
+        return self.layout.views(buf, self.layout.record(unit, self.owner, piece))
 
     def _take(self) -> np.ndarray:
         """A free buffer; when none is free, the one of the oldest read ahead (a guess the update did not follow)."""
@@ -386,8 +409,8 @@ class RecordStream:
         if buf is not None:
             return buf
         if self._reads:
-            unit = next(iter(self._reads))
-            buf, read = self._reads.pop(unit)
+            key = next(iter(self._reads))
+            buf, read = self._reads.pop(key)
             try:
                 read.result()
             except OSError:
@@ -397,11 +420,12 @@ class RecordStream:
         assert buf is not None
         return buf
 
-    def release(self, unit: int) -> None:
-        """Write ``unit``'s record back (in the background); its buffer is free again once written."""
-        buf = self._held.pop(unit)
-        rec = self.layout.record(unit, self.owner)
-        previous = self._writes.get(unit)
+    def release(self, unit: int, piece: int = 0) -> None:
+        """Write a record back (in the background); its buffer is free again once written."""
+        key = (unit, piece)
+        buf = self._held.pop(key)
+        rec = self.layout.record(unit, self.owner, piece)
+        previous = self._writes.get(key)
 
         def write() -> None:
             try:
@@ -412,7 +436,7 @@ class RecordStream:
                 self._pool.put(buf)
 
         self.written_bytes += rec.nbytes
-        self._writes[unit] = self._io.submit(write)
+        self._writes[key] = self._io.submit(write)
 
     def flush(self) -> None:
         """Wait for every write; raise the first I/O error."""
@@ -441,7 +465,7 @@ class DiskState:
 
     def __init__(self, state: StateFile, geometry: LedgerGeometry) -> None:
         self.state = state
-        self.layout = DiskLayout(geometry, geometry.on_disk)
+        self.layout = DiskLayout(geometry, geometry.on_disk, PIECE_BYTES)
         self.directory = state.directory
         self._stream: RecordStream | None = None
         self._map: mmap.mmap | None = None
@@ -450,7 +474,7 @@ class DiskState:
     def create(cls, directory: str, geometry: LedgerGeometry, *, share: bool) -> DiskState:
         """A new state file for ``geometry``'s regions on disk in ``directory`` (refused with the numbers when the
         disk cannot hold it; see :meth:`StateFile.create`)."""
-        nbytes = DiskLayout(geometry, geometry.on_disk).nbytes
+        nbytes = DiskLayout(geometry, geometry.on_disk, PIECE_BYTES).nbytes
         return cls(StateFile.create(directory, nbytes, share=share), geometry)
 
     @classmethod
@@ -483,31 +507,30 @@ class DiskState:
         zero = int(quantize_blockwise(np.zeros(1, np.float32), signed=True)[0][0])
         stream = self.stream(owner)
         for unit in range(len(self.layout.records)):
-            if self.layout.record(unit, owner).nbytes:
-                views = stream.acquire(unit)
-                for name, view in views.items():
-                    view.fill(zero if name == "exp_avg" else 0)
-                stream.release(unit)
+            for piece, rec in enumerate(self.layout.pieces(unit, owner)):
+                if rec.nbytes:
+                    for name, view in stream.acquire(unit, piece).items():
+                        view.fill(zero if name == "exp_avg" else 0)
+                    stream.release(unit, piece)
         stream.flush()
 
     # -- whole-file access for checkpoints: the file mapped, while the update lane is idle and flushed ----------
     def part_views(self, region: str, unit: int) -> list[tuple[int, torch.Tensor]]:
-        """``unit``'s range of ``region`` as it lies in the records: one ``(first element, view)`` per owner shard
-        holding part of it (elements of the region: a scale region counts blocks), views of the file mapped shared
+        """``unit``'s range of ``region`` as it lies in the records: one ``(first element, view)`` per record (a
+        piece of an owner's shard) holding part of it (elements of the region: a scale region counts blocks), views of the file mapped shared
         (reading them reads the disk through the page cache, writing them writes the file). Only while no record
         is read or written (after the update lane's flush); :meth:`unmap` when done."""
         geometry = self.layout.geometry
         dtype = geometry.dtype(region)
         per = geometry.specs[region][1]
-        n = geometry.unit_sizes[unit] // self.layout.owners
         out = []
         for owner in range(self.layout.owners):
-            rec = self.layout.record(unit, owner)
-            if region in rec.parts:
-                start, elems = rec.parts[region]
-                lo = rec.offset + start
-                raw = self._mapped()[lo : lo + elems * geometry.itemsize(region)]
-                out.append((owner * n // per, raw.view(dtype)))
+            for rec in self.layout.pieces(unit, owner):
+                if region in rec.parts:
+                    start, elems = rec.parts[region]
+                    lo = rec.offset + start
+                    raw = self._mapped()[lo : lo + elems * geometry.itemsize(region)]
+                    out.append((rec.start // per, raw.view(dtype)))
         return out
 
     def _mapped(self) -> torch.Tensor:

@@ -345,7 +345,9 @@ def test_mapped_views_hand_their_pages_back_and_write_the_file(tmp_path) -> None
         with state.paged(every_s=0.05):
             for region in ("exp_avg", "exp_avg_sq"):
                 parts = state.part_views(region, 0)
-                assert [first for first, _ in parts] == [0, n // 2]
+                firsts = [first for first, _ in parts]  # records of at most 64 MiB: 8 a shard, back to back
+                assert len(parts) == 2 * 256 // 64 and firsts == sorted(firsts) and firsts[len(parts) // 2] == n // 2
+                assert all(a + v.numel() == b for (a, v), b in zip(parts, [*firsts[1:], n]))
                 for first, view in parts:
                     view.copy_(torch.arange(first, first + view.numel(), dtype=torch.float32))
                 del parts, view
@@ -353,9 +355,10 @@ def test_mapped_views_hand_their_pages_back_and_write_the_file(tmp_path) -> None
         assert grown < 64 << 20, f"{grown >> 20} MiB of the 512 MiB touched are still mapped in"
         state.unmap()
         stream = state.stream(owner=1)
-        got = stream.acquire(0)
-        assert torch.equal(torch.from_numpy(got["exp_avg_sq"].copy()), torch.arange(n // 2, n, dtype=torch.float32))
-        stream.release(0)
+        for piece, rec in enumerate(state.layout.pieces(0, 1)):
+            got = stream.acquire(0, piece)["exp_avg_sq"]
+            assert torch.equal(torch.from_numpy(got.copy()), torch.arange(rec.start, rec.start + rec.elems).float())
+            stream.release(0, piece)
         stream.flush()
     finally:
         state.close()

@@ -13,6 +13,7 @@ import torch
 from slidedp_lightning.checkpoints import distributed as checkpoint
 from slidedp_lightning.options import SlideDPOptions, StateOnDisk
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
+from slidedp_lightning.runtime.ledger import disk
 from slidedp_lightning.runtime.ledger.state import UnsupportedLayoutError
 from tests.helpers import tiny_model, token_batches
 
@@ -28,7 +29,7 @@ def run(
     load: Path | None = None,
 ):
     """``steps`` steps of a tiny model (a checkpoint saved to ``save`` after half of them; or from ``load``, which
-    holds that half, the rest); returns (losses, state dict, ledger stats, bytes read and written on disk)."""
+    holds that half, the rest); returns (losses, state dict, ledger stats, (bytes read and written on disk, most records of a shard))."""
     model = tiny_model(False, layers=3, seed=5 if load else 0)
     engine = SlideDPEngine(model, config, device=CPU, compute_dtype=dtype)
     try:
@@ -53,10 +54,11 @@ def run(
                 assert engine.end_step()
             losses.append(loss.item())
         engine.synchronize()
-        io = (0, 0)
+        io = (0, 0, 0)
         if engine.ledger.disk is not None:
             stream = engine.ledger.disk.stream(engine.topology.owner_rank)
-            io = (stream.read_bytes, stream.written_bytes)
+            most = max(len(engine.ledger.disk.layout.pieces(u, 0)) for u in range(len(engine.layout.units)))
+            io = (stream.read_bytes, stream.written_bytes, most)
         if inspect is not None:
             inspect(engine, opt)
         return losses, engine.state_dict(), engine.ledger_stats(), io
@@ -83,13 +85,19 @@ KNOBS = [
 ]
 
 
+@pytest.mark.parametrize("pieces", ["whole", "16KiB"])
 @pytest.mark.parametrize("knobs", KNOBS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "default")
-def test_moments_on_disk_train_bit_identically(tmp_path: Path, knobs: dict) -> None:
+def test_moments_on_disk_train_bit_identically(tmp_path: Path, knobs: dict, pieces: str, monkeypatch) -> None:
+    """Each shard in one record, or in records of 16 KiB (2048 FP32 moment pairs, 2 blocks: the units' shards in
+    several, updated and written back record by record, also across the chunks of a unit)."""
+    if pieces != "whole":
+        monkeypatch.setattr(disk, "PIECE_BYTES", 16 << 10)
     ref = run(EngineConfig(**knobs))
     got = run(EngineConfig(state_dir=str(tmp_path), **knobs))
     _assert_same(got, ref)
-    read, written = got[3]
+    read, written, most = got[3]
     assert read > 0 and written > 0, "the update read and wrote its moments through the state file"
+    assert (most > 2) == (pieces != "whole"), most
     assert os.listdir(tmp_path) == [], "the state file is unnamed: nothing is left in the directory"
 
 
