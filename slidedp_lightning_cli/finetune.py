@@ -202,8 +202,8 @@ def build_parser() -> _Parser:
         metavar="DIR",
         type=_state_dir,
         help="slidedp only: keep the Adam moments in a file on a local disk in DIR (an NVMe SSD for speed) instead of "
-        "host memory: 8 B/param less with fp32 moments, 2 with int8; the file is unnamed, gone when the job ends; "
-        "needs distributed checkpoints (the default)",
+        "host memory: 8 B/param less with fp32 moments, 2 with int8; the file is unnamed, gone when the job ends "
+        "(default: in host memory)",
     )
     add(
         "--bf16-copy",

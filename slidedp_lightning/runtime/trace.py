@@ -2,7 +2,8 @@
 
 Lanes (arXiv 2609.34162, §3.3): ``h2d`` parameter preparation + host->device, ``offload`` activation offload /
 reload, ``compute`` forward/backward of a unit, ``reduce`` gradient reduction, ``d2h`` gradient return,
-``update`` CPU optimizer. Two rows are not lanes: ``stall``, the compute thread waiting on another lane (exposed
+``update`` CPU optimizer, ``disk`` the reads and writes of the optimizer state on a local disk (its I/O threads,
+with ``StateOnDisk``). Two rows are not lanes: ``stall``, the compute thread waiting on another lane (exposed
 work), and ``loop``, the compute thread outside the units (model code between them, the loss and the training
 step, the training loop between steps; ``docs/step.md``, "Lane traces"). A span's ends are ``time.perf_counter``
 seconds, or on CUDA timing events recorded on the lane's stream, turned into the same clock when the step is
@@ -26,7 +27,7 @@ from slidedp_lightning.intervals import merge_intervals
 
 log = logging.getLogger(__name__)
 
-LANES = ("h2d", "offload", "compute", "reduce", "d2h", "update")
+LANES = ("h2d", "offload", "compute", "reduce", "d2h", "update", "disk")
 ROWS = LANES + ("stall", "loop")
 NOT_HOST = ("compute", "stall", "loop")  # rows that are the compute thread's own time, not host lanes
 STEP_ROW = len(ROWS)  # the Chrome trace's row of step windows

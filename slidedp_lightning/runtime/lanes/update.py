@@ -158,7 +158,9 @@ class UpdateLane:
         self.int8 = ledger.geometry.optimizer_state == "int8"
         # regions on disk (ledger.disk): this rank's shard record of a unit is acquired at the unit's first update
         # chunk and written back after its last, the next unit's read ahead meanwhile (in the previous step's order)
-        self._records = ledger.disk.stream(owner) if ledger.disk is not None else None
+        self._records = None
+        if ledger.disk is not None:  # its I/O traced on the "disk" lane, in the step the update lane is in
+            self._records = ledger.disk.stream(owner, on_io=self._trace_io if self.tracer.enabled else None)
         self._disk = ledger.disk.layout if ledger.disk is not None else None
         self._held: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (unit, piece) -> its record's views
         self._order: list[tuple[int, int]] = []  # records in the order this step acquired them
@@ -332,6 +334,10 @@ class UpdateLane:
             self.ledger.version[task.unit, self.owner] = task.step
 
     # -- the shard records of the regions on disk (update-lane thread only) --------------------------------
+    def _trace_io(self, op: str, unit: int, start: float, end: float) -> None:
+        if self._records_step > 0:  # not the setup's clearing pass
+            self.tracer.record("disk", op, self._records_step - 1, start, end, unit)
+
     def _record_state(self, task: UpdateTask, piece: int) -> dict[str, tuple[np.ndarray | None, int]]:
         """The unit's arrays for the elements of one of its records, each with the unit-relative element its index
         0 stands for: its ranges of the regions in memory (0) and the record's views of the regions on disk (the

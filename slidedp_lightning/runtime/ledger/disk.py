@@ -20,7 +20,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -355,7 +355,17 @@ class RecordStream:
     finished, so a record updated again reads what was written. An I/O error of a background read or write is raised
     by the next call."""
 
-    def __init__(self, state: StateFile, layout: DiskLayout, owner: int, buffers: int = 4, threads: int = 2) -> None:
+    def __init__(
+        self,
+        state: StateFile,
+        layout: DiskLayout,
+        owner: int,
+        buffers: int = 4,
+        threads: int = 2,
+        on_io: Callable[[str, int, float, float], None] | None = None,
+    ) -> None:
+        """``on_io(op, unit, start, end)``: called on the I/O thread after each read or write ("read", "write";
+        ``time.perf_counter`` seconds), for lane traces."""
         if buffers < 2:
             raise ValueError(f"a record stream needs at least 2 buffers (one updated, one read ahead), got {buffers}")
         self.state, self.layout, self.owner = state, layout, owner
@@ -365,6 +375,13 @@ class RecordStream:
         self._writes: dict[Key, Future[None]] = {}  # record -> its last write
         self._held: dict[Key, np.ndarray] = {}
         self.read_bytes = self.written_bytes = 0
+        self._on_io = on_io
+
+    def _timed(self, op: str, unit: int, io: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        io()
+        if self._on_io is not None:
+            self._on_io(op, unit, start, time.perf_counter())
 
     def _read(self, key: Key, buf: np.ndarray) -> Future[None]:
         rec = self.layout.record(key[0], self.owner, key[1])
@@ -373,7 +390,7 @@ class RecordStream:
         def read() -> None:
             if after is not None:
                 after.result()  # the record's last write first
-            self.state.read_into(rec.offset, buf[: rec.nbytes])
+            self._timed("read", key[0], lambda: self.state.read_into(rec.offset, buf[: rec.nbytes]))
 
         self.read_bytes += rec.nbytes
         return self._io.submit(read)
@@ -431,7 +448,7 @@ class RecordStream:
             try:
                 if previous is not None:
                     previous.result()
-                self.state.write_from(rec.offset, buf[: rec.nbytes])
+                self._timed("write", key[0], lambda: self.state.write_from(rec.offset, buf[: rec.nbytes]))
             finally:
                 self._pool.put(buf)
 
@@ -489,10 +506,16 @@ class DiskState:
     def stop_sharing(self) -> None:
         self.state.file.stop_sharing()
 
-    def stream(self, owner: int, buffers: int = 4, threads: int = 2) -> RecordStream:
+    def stream(
+        self,
+        owner: int,
+        buffers: int = 4,
+        threads: int = 2,
+        on_io: Callable[[str, int, float, float], None] | None = None,
+    ) -> RecordStream:
         """This process's record stream of ``owner``'s shards (one per process, made on first use)."""
         if self._stream is None:
-            self._stream = RecordStream(self.state, self.layout, owner, buffers, threads)
+            self._stream = RecordStream(self.state, self.layout, owner, buffers, threads, on_io)
         elif self._stream.owner != owner:
             raise RuntimeError(f"this process streams owner {self._stream.owner}'s records, not {owner}'s")
         return self._stream

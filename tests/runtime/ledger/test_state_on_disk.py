@@ -202,3 +202,14 @@ def test_an_io_error_in_a_step_stops_training_naming_the_state_directory(tmp_pat
     finally:
         engine.abort()
         engine.close(restore=False)
+
+
+def test_the_state_files_io_is_traced_on_the_disk_lane(tmp_path: Path) -> None:
+    def inspect(engine, opt):
+        disk_spans = [s for s in engine.tracer.spans if s.lane == "disk"]
+        assert {s.name for s in disk_spans} == {"read", "write"}
+        assert all(s.end >= s.start and s.step >= 0 for s in disk_spans)
+
+    (tmp_path / "state").mkdir()
+    config = EngineConfig(state_dir=str(tmp_path / "state"), trace_dir=str(tmp_path / "trace"))
+    run(config, steps=3, inspect=inspect)
