@@ -354,10 +354,11 @@ def save(engine: EngineView, checkpoint: dict[str, Any], path: str | os.PathLike
     try:
         try:
             pieces = {piece_key(k, a, b): own_storage(v) for k, a, b, v in _pieces(_held(engine))}
-            with engine.state.disk_paging():
+            with engine.state.disk_paging():  # (moments on disk: their pages handed back as DCP and the digests go)
                 dcp.save(pieces, checkpoint_id=tmp, process_group=_job_group(engine))
+                digests = {k: tensor_digest(v) for k, v in pieces.items()}
             # the files this rank wrote, and its pieces' digests (what a resume checks as it reads them)
-            mine = sums(sorted(tmp.glob(f"__{rank}_*"))), {k: tensor_digest(v) for k, v in pieces.items()}
+            mine = sums(sorted(tmp.glob(f"__{rank}_*"))), digests
             del pieces
             engine.state.release_disk_views()
             written = _gather(engine, mine)

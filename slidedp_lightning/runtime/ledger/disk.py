@@ -486,6 +486,7 @@ class DiskState:
         self.directory = state.directory
         self._stream: RecordStream | None = None
         self._map: mmap.mmap | None = None
+        self.paging = False  # inside paged()
 
     @classmethod
     def create(cls, directory: str, geometry: LedgerGeometry, *, share: bool) -> DiskState:
@@ -562,7 +563,7 @@ class DiskState:
         return torch.frombuffer(self._map, dtype=torch.uint8)
 
     @contextmanager
-    def paged(self, every_s: float = 0.2) -> Iterator[None]:
+    def paged(self, every_s: float = 0.05) -> Iterator[None]:
         """While a checkpoint reads or writes the mapped views: every ``every_s`` the mapping's changes are written
         to the file and its pages handed back (``MADV_PAGEOUT``), so the pages a checkpoint touched do not pile up
         in this process's memory (they would, up to the whole file, until the kernel needed the memory)."""
@@ -574,9 +575,11 @@ class DiskState:
 
         pager = threading.Thread(target=page_out, name="slidedp-state-pager", daemon=True)
         pager.start()
+        self.paging = True
         try:
             yield
         finally:
+            self.paging = False
             stop.set()
             pager.join()
             self._page_out()

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import Qwen3ForCausalLM
 
 from slidedp_lightning.checkpoints import distributed as checkpoint
 from slidedp_lightning.options import SlideDPOptions, StateOnDisk
 from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 from slidedp_lightning.runtime.ledger import disk
 from slidedp_lightning.runtime.ledger.state import UnsupportedLayoutError
-from tests.helpers import tiny_model, token_batches
+from tests.helpers import tiny_config, tiny_model, token_batches
 
 CPU = torch.device("cpu")
 
@@ -213,3 +214,52 @@ def test_the_state_files_io_is_traced_on_the_disk_lane(tmp_path: Path) -> None:
     (tmp_path / "state").mkdir()
     config = EngineConfig(state_dir=str(tmp_path / "state"), trace_dir=str(tmp_path / "trace"))
     run(config, steps=3, inspect=inspect)
+
+
+def test_a_checkpoint_save_reads_the_state_file_with_its_pages_handed_back(tmp_path: Path, monkeypatch) -> None:
+    """Saving moments kept on disk: DCP and the piece digests read the mapped state file only while its pages are
+    handed back as they go (``DiskState.paged``), and after the save the mapping is gone: the process's
+    file-backed memory is back where it was."""
+
+    def rss_file() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tiny_config(False, 1, vocab=1 << 18))  # 33.6 M parameters, 268 MB of moments
+    (tmp_path / "state").mkdir()
+    engine = SlideDPEngine(
+        model, EngineConfig(state_dir=str(tmp_path / "state")), device=CPU, compute_dtype=torch.float32
+    )
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine.attach_optimizer(opt)
+        x = torch.randint(0, 1 << 18, (1, 8))
+        model(input_ids=x, labels=x).loss.backward()
+        assert engine.end_step()
+        engine.synchronize()
+        state = engine.ledger.disk
+        assert state is not None
+        outside: list[str] = []
+        real_digest, real_save = checkpoint.tensor_digest, checkpoint.dcp.save
+
+        def digest(tensor):
+            if not state.paging:
+                outside.append("a digest")
+            return real_digest(tensor)
+
+        def save(*args, **kwargs):
+            if not state.paging:
+                outside.append("DCP's save")
+            return real_save(*args, **kwargs)
+
+        monkeypatch.setattr(checkpoint, "tensor_digest", digest)
+        monkeypatch.setattr(checkpoint.dcp, "save", save)
+        base = rss_file()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            checkpoint.save(engine, {"state_dict": {}}, tmp_path / "ck")
+        assert outside == [], f"{outside[0]} read the mapped state file without its pages handed back"
+        assert rss_file() - base < 32 << 20, "the state file's mapping outlived the save"
+    finally:
+        engine.close(restore=False)
