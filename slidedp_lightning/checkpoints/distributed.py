@@ -201,7 +201,7 @@ def _held(engine: EngineView, writing: bool = False) -> list[tuple[str, int, int
         lo, hi = parts[engine.topology.host] if engine.topology.host_sharded else parts[0]
         if hi > lo:
             out.append((key, lo, hi, view.view(-1)[lo:hi]))
-    out += engine.state.disk_moment_views(mine)  # moments in a state file on disk: a piece per owner shard
+    out += engine.state.disk_moment_views(mine)  # moments in a state file on disk: a piece per record
     index, count = engine.topology.checkpoint_share
     for unit in engine.layout.units[index::count]:  # int8 moments: their per-block scales, one rank per unit
         for key, (lo, hi, view) in engine.state.scale_tensors(unit.index).items():

@@ -156,8 +156,8 @@ class UpdateLane:
         # the int8 scales under fp32, the BF16 copy when it is not kept)
         self._arrays = [dict((r, ledger.region_np(r, u.index)) for r in ALL_REGIONS) for u in layout.units]
         self.int8 = ledger.geometry.optimizer_state == "int8"
-        # regions on disk (ledger.disk): this rank's shard record of a unit is acquired at the unit's first update
-        # chunk and written back after its last, the next unit's read ahead meanwhile (in the previous step's order)
+        # regions on disk (ledger.disk): this rank's records of a unit's shard (at most 64 MiB each) are acquired as
+        # the update reaches them and written back as it passes them, the next two read ahead meanwhile
         self._records = None
         if ledger.disk is not None:  # its I/O traced on the "disk" lane, in the step the update lane is in
             self._records = ledger.disk.stream(owner, on_io=self._trace_io if self.tracer.enabled else None)
@@ -338,7 +338,7 @@ class UpdateLane:
         if self._records_step > 0:  # not the setup's clearing pass
             self.tracer.record("disk", op, self._records_step - 1, start, end, unit)
 
-    def _record_state(self, task: UpdateTask, piece: int) -> dict[str, tuple[np.ndarray | None, int]]:
+    def _record_state(self, task: UpdateTask, piece: int, rec: Record) -> dict[str, tuple[np.ndarray | None, int]]:
         """The unit's arrays for the elements of one of its records, each with the unit-relative element its index
         0 stands for: its ranges of the regions in memory (0) and the record's views of the regions on disk (the
         record's first element), acquired here when the update first reaches it."""
@@ -354,8 +354,7 @@ class UpdateLane:
             self._order.append(key)
             for ahead in self._next_records(key):
                 self._records.prefetch(*ahead)
-        start = self._pieces(task.unit)[piece].start
-        out.update({r: (a, start) for r, a in views.items()})
+        out.update({r: (a, rec.start) for r, a in views.items()})
         return out
 
     def _next_records(self, key: tuple[int, int], ahead: int = 2) -> list[tuple[int, int]]:
@@ -363,7 +362,7 @@ class UpdateLane:
         step: the unit's next pieces, then backward's order), going round to the next step's first at the end."""
         order = self._last_order
         if key not in order:
-            order = [(u, p) for u in reversed(range(len(self.layout.units))) for p in range(self._piece_count(u))]
+            order = [(u, p) for u in reversed(range(len(self.layout.units))) for p in range(len(self._pieces(u)))]
         i = order.index(key)
         return [order[(i + k) % len(order)] for k in range(1, min(ahead, len(order) - 1) + 1)]
 
@@ -371,9 +370,6 @@ class UpdateLane:
         """This rank's records of ``unit`` (state on disk)."""
         assert self._disk is not None
         return self._disk.pieces(unit, self.owner)
-
-    def _piece_count(self, unit: int) -> int:
-        return len(self._pieces(unit))
 
     def _release(self, key: tuple[int, int]) -> None:
         del self._held[key]
@@ -408,7 +404,7 @@ class UpdateLane:
             lo, hi = max(rec.start, c0), min(rec.start + rec.elems, c1)
             if lo >= hi or not rec.nbytes:
                 continue
-            arrays = self._record_state(task, piece)
+            arrays = self._record_state(task, piece, rec)
             self._update_range(task, arrays, grad[..., lo - c0 : hi - c0], lo, hi, scale)
             if hi == rec.start + rec.elems:  # the record's last element: written back now
                 self._release((task.unit, piece))
@@ -470,7 +466,7 @@ class UpdateLane:
             array, base = arrays[name]
             if array is None:
                 return None  # type: ignore[return-value]  # (the BF16 copy, when not kept)
-            if name.endswith("_absmax"):  # one scale per block (bases are shard starts: block multiples)
+            if name.endswith("_absmax"):  # one scale per block (bases are shard or record starts: block multiples)
                 return array[(c0 - base) // QUANT_BLOCK : -(-(c1 - base) // QUANT_BLOCK)]
             return array[c0 - base : c1 - base]
 

@@ -145,8 +145,8 @@ class LedgerState:
         """Views for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>``
         (writing into them writes the ledger); a wholly frozen unit's parameters have no moments, and without a
         master their ``model/`` tensor is an FP32 copy of the BF16 copy: ``writing`` keeps it, to be written back
-        by :meth:`restored`. Moments kept on disk are not here: see :meth:`disk_moment_views`. With host-sharded ledgers only this host's elements of each view
-        (:meth:`host_parts`) are valid."""
+        by :meth:`restored`. Moments kept on disk are not here (:meth:`disk_moment_views`). With host-sharded
+        ledgers only this host's elements of each view (:meth:`host_parts`) are valid."""
         slots = self.named_slots()
         out = {}
         for name in names:
@@ -183,7 +183,7 @@ class LedgerState:
 
     def disk_moment_views(self, names: list[str]) -> list[tuple[str, int, int, torch.Tensor]]:
         """Moments kept on disk: ``(key, start, stop, view)`` for the parameters ``names``, keyed as in
-        :meth:`ledger_tensors`, one entry per owner shard a parameter's elements ``[start, stop)`` lie in (views
+        :meth:`ledger_tensors`, one entry per record a parameter's elements ``[start, stop)`` lie in (views
         of the state file mapped; writing them writes it; :meth:`release_disk_views` when done). Empty when the
         moments are in memory."""
         disk = self.ledger.disk
@@ -206,7 +206,7 @@ class LedgerState:
         return out
 
     def disk_scale_views(self, unit_index: int) -> list[tuple[str, int, int, torch.Tensor]]:
-        """int8 moments kept on disk: :meth:`scale_tensors` as ``(key, start, stop, view)`` per owner shard."""
+        """int8 moments kept on disk: :meth:`scale_tensors` as ``(key, start, stop, view)`` per record."""
         disk = self.ledger.disk
         if disk is None or not self.int8:
             return []
