@@ -161,7 +161,6 @@ class UpdateLane:
         self._records = None
         if ledger.disk is not None:  # its I/O traced on the "disk" lane, in the step the update lane is in
             self._records = ledger.disk.stream(owner, on_io=self._trace_io if self.tracer.enabled else None)
-        self._disk = ledger.disk.layout if ledger.disk is not None else None
         self._held: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (unit, piece) -> its record's views
         self._order: list[tuple[int, int]] = []  # records in the order this step acquired them
         self._last_order: list[tuple[int, int]] = []  # ... and the previous step's
@@ -368,8 +367,8 @@ class UpdateLane:
 
     def _pieces(self, unit: int) -> list[Record]:
         """This rank's records of ``unit`` (state on disk)."""
-        assert self._disk is not None
-        return self._disk.pieces(unit, self.owner)
+        assert self._records is not None
+        return self._records.layout.pieces(unit, self.owner)
 
     def _release(self, key: tuple[int, int]) -> None:
         del self._held[key]

@@ -480,9 +480,9 @@ class DiskState:
     local rank 0 and opened by every local rank from its :attr:`handle` (as the ledger is), its
     :class:`DiskLayout`, and this process's :class:`RecordStream` of the shards it updates."""
 
-    def __init__(self, state: StateFile, geometry: LedgerGeometry) -> None:
+    def __init__(self, state: StateFile, layout: DiskLayout) -> None:
         self.state = state
-        self.layout = DiskLayout(geometry, geometry.on_disk, PIECE_BYTES)
+        self.layout = layout
         self.directory = state.directory
         self._stream: RecordStream | None = None
         self._map: mmap.mmap | None = None
@@ -492,13 +492,13 @@ class DiskState:
     def create(cls, directory: str, geometry: LedgerGeometry, *, share: bool) -> DiskState:
         """A new state file for ``geometry``'s regions on disk in ``directory`` (refused with the numbers when the
         disk cannot hold it; see :meth:`StateFile.create`)."""
-        nbytes = DiskLayout(geometry, geometry.on_disk, PIECE_BYTES).nbytes
-        return cls(StateFile.create(directory, nbytes, share=share), geometry)
+        layout = DiskLayout(geometry, geometry.on_disk, PIECE_BYTES)
+        return cls(StateFile.create(directory, layout.nbytes, share=share), layout)
 
     @classmethod
     def open(cls, handle: LedgerHandle, directory: str, geometry: LedgerGeometry) -> DiskState:
         """The state file local rank 0 created, from its handle."""
-        return cls(StateFile(LedgerFile.open(handle), directory), geometry)
+        return cls(StateFile(LedgerFile.open(handle), directory), DiskLayout(geometry, geometry.on_disk, PIECE_BYTES))
 
     @property
     def handle(self) -> LedgerHandle:
@@ -541,19 +541,21 @@ class DiskState:
     # -- whole-file access for checkpoints: the file mapped, while the update lane is idle and flushed ----------
     def part_views(self, region: str, unit: int) -> list[tuple[int, torch.Tensor]]:
         """``unit``'s range of ``region`` as it lies in the records: one ``(first element, view)`` per record (a
-        piece of an owner's shard) holding part of it (elements of the region: a scale region counts blocks), views of the file mapped shared
-        (reading them reads the disk through the page cache, writing them writes the file). Only while no record
-        is read or written (after the update lane's flush); :meth:`unmap` when done."""
+        piece of an owner's shard) holding part of it (elements of the region: a scale region counts blocks),
+        views of the file mapped shared (reading them reads the disk through the page cache, writing them writes
+        the file). Only while no record is read or written (after the update lane's flush); :meth:`unmap` when
+        done."""
         geometry = self.layout.geometry
         dtype = geometry.dtype(region)
         per = geometry.specs[region][1]
+        whole = self._mapped()
         out = []
         for owner in range(self.layout.owners):
             for rec in self.layout.pieces(unit, owner):
                 if region in rec.parts:
                     start, elems = rec.parts[region]
                     lo = rec.offset + start
-                    raw = self._mapped()[lo : lo + elems * geometry.itemsize(region)]
+                    raw = whole[lo : lo + elems * geometry.itemsize(region)]
                     out.append((rec.start // per, raw.view(dtype)))
         return out
 
