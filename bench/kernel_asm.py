@@ -114,10 +114,14 @@ def summary(loops: dict[str, list[Loop]]) -> list[str]:
     """The two ratios of instructions per element that stand in for speed where a target cannot be timed: the 8-bit
     update (its update loop, the one with the square root and the division, plus its encode loop, the one with the
     float16 conversion) against the FP32 update with the bf16 copy, and that against the FP32 update without the
-    copy. A kernel has one such loop per flag combination (weight decay, lerp branch): their mean counts."""
+    copy. A kernel has one such loop per flag combination (weight decay, lerp branch): their mean counts, over the
+    main vector bodies only (the widest of those loops: LLVM may add narrower epilogue loops for the last elements of
+    a range, which run a few iterations per block at most)."""
 
     def mean(name: str, *markers: str) -> float:
-        values = [x.per_element for x in loops.get(name, []) if all(x.markers[k] for k in markers)]
+        found = [x for x in loops.get(name, []) if all(x.markers[k] for k in markers)]
+        widest = max((x.elements for x in found), default=0)
+        values = [x.per_element for x in found if x.elements == widest]
         return sum(values) / len(values) if values else float("nan")
 
     eight = mean("8-bit moments", "vsqrtps", "vdivps") + mean("8-bit moments", "vcvtps2ph")

@@ -17,8 +17,9 @@ Layout: the arrays are cut into blocks of ``block`` elements (the last one may b
 float32 scale per moment. The parallel loop runs over chunks of whole blocks; each chunk owns two float32 scratch
 rows of one block (L1-resident). Per block, one pass decodes, updates and writes the parameter, its bf16 copy and
 the new ``exp_avg`` and ``exp_avg_sq`` to the scratch rows while taking their absmax; a second pass encodes both
-rows with the new scales. Around them the next block's master and gradient are prefetched (see
-:func:`adamw8_kernel`).
+rows with the new scales, LANES elements at a time as explicit LLVM vectors (:func:`_encode_lanes_intrinsic`; the
+last ``len % LANES`` elements of a block by the scalar functions, bit for bit the same). Around them the next block's
+master and gradient are prefetched (see :func:`adamw8_kernel`).
 """
 
 from __future__ import annotations
@@ -91,10 +92,72 @@ def _prefetch_intrinsic(typingctx, arr, index):
     return types.none(arr, index), codegen
 
 
+LANES = 16  # elements of one explicit vector step of the encode pass: two AVX2 registers, one AVX-512 register
+
+
+def _lanes(ty: ir.Type) -> ir.VectorType:
+    return ir.VectorType(ty, LANES)
+
+
+def _splat(ty: ir.Type, value: float | int) -> ir.Constant:
+    return ir.Constant(_lanes(ty), [ir.Constant(ty, value)] * LANES)
+
+
+@intrinsic
+def _encode_lanes_intrinsic(typingctx, m, r, mq, vq, i, j, inv_m, inv_v):
+    """``mq[i:i+LANES]``, ``vq[i:i+LANES]`` = the codes of scratch rows ``m[j:j+LANES]``, ``r[j:j+LANES]``: LANES
+    elements of :func:`encode_signed` and :func:`encode_unsigned`, bit for bit, as one LLVM vector each.
+
+    Written as vectors, not left to the loop vectorizer, for the narrowing: each code leaves its 32-bit (exp_avg)
+    or 16-bit (exp_avg_sq) lane masked to its low byte, so LLVM narrows 16 of them with saturating packs (AVX2: four
+    instructions for exp_avg's, two for exp_avg_sq's; AVX-512: one ``vpmovdb``/``vpmovwb``) where the vectorizer's
+    8-lane truncation took five per 8. The sign of exp_avg's code is OR-ed into its non-negative square root (no ``copysign``
+    select); exp_avg_sq's rounding runs on 16-bit lanes straight from the float16 conversion."""
+    if not all(isinstance(a, types.Array) for a in (m, r, mq, vq)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        m, r, mq, vq, i, j, inv_m, inv_v = args
+        f32, i32, i16, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(16), ir.IntType(8)
+        vf, vi32, vi16 = _lanes(f32), _lanes(i32), _lanes(i16)
+
+        def lanes_at(arg: int, array, index, elem: ir.Type):
+            data = context.make_array(signature.args[arg])(context, builder, array).data
+            return builder.bitcast(builder.gep(data, [index]), _lanes(elem).as_pointer())
+
+        def broadcast(x):
+            first = builder.insert_element(ir.Constant(vf, ir.Undefined), x, ir.Constant(i32, 0))
+            return builder.shuffle_vector(first, ir.Constant(vf, ir.Undefined), ir.Constant(vi32, [0] * LANES))
+
+        def narrow_store(code, pointer):
+            builder.store(builder.trunc(code, _lanes(i8)), pointer, align=1)
+
+        sqrt = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]), f"llvm.sqrt.v{LANES}f32")
+        # exp_avg: low byte of (sqrt(|x| * inv) with x's sign) + 1.5 * 2**23
+        x = builder.bitcast(builder.load(lanes_at(0, m, j, f32), align=4), vi32)
+        magnitude = builder.bitcast(builder.and_(x, _splat(i32, int(_ABS))), vf)
+        root = builder.bitcast(builder.call(sqrt, [builder.fmul(magnitude, broadcast(inv_m))]), vi32)
+        signed = builder.or_(root, builder.and_(x, _splat(i32, 0x80000000)))  # root's sign bit is 0, NaN too
+        code = builder.bitcast(builder.fadd(builder.bitcast(signed, vf), _splat(f32, float(_MAGIC))), vi32)
+        narrow_store(builder.and_(code, _splat(i32, 0xFF)), lanes_at(2, mq, i, i8))
+        # exp_avg_sq: bits 7..14 of the float16 of v * inv truncated to float16's precision, rounded; >= 1 for v > 0
+        v = builder.load(lanes_at(1, r, j, f32), align=4)
+        y = builder.and_(builder.bitcast(builder.fmul(v, broadcast(inv_v)), vi32), _splat(i32, int(_TO_F16)))
+        h = builder.bitcast(builder.fptrunc(builder.bitcast(y, vf), _lanes(ir.HalfType())), vi16)
+        magnitude16 = builder.lshr(builder.add(h, _splat(i16, int(_HALF7))), _splat(i16, int(_U7)))
+        positive = builder.zext(builder.fcmp_ordered(">", v, _splat(f32, 0.0)), vi16)
+        code16 = builder.select(builder.icmp_unsigned(">", magnitude16, positive), magnitude16, positive)
+        narrow_store(builder.and_(code16, _splat(i16, 0xFF)), lanes_at(3, vq, i, i8))
+        return context.get_dummy_value()
+
+    return types.none(m, r, mq, vq, i, j, inv_m, inv_v), codegen
+
+
 # As called from compiled code (Numba supplies ``typingctx``; see ``cpu_ops._kernels._fma``).
 _f32_to_f16_bits = cast("Callable[[np.float32], np.uint16]", _f32_to_f16_bits_intrinsic)
 _f16_bits_to_f32 = cast("Callable[[np.uint16], np.float32]", _f16_bits_to_f32_intrinsic)
 _prefetch = cast("Callable[[np.ndarray, int], None]", _prefetch_intrinsic)
+_encode_lanes = cast("Callable[..., None]", _encode_lanes_intrinsic)
 _LINE = 64  # bytes per cache line
 
 
@@ -394,7 +457,10 @@ def adamw8_kernel(
             m_scale[b] = new_m
             v_scale[b] = new_v
             _prefetch_inputs(param, grads, half, ahead)
-            for t in range(e - s):
+            full = (e - s) // LANES * LANES
+            for t in range(0, full, LANES):
+                _encode_lanes(m, r, mq, vq, np.uint64(s + t), np.uint64(t), inv_m, inv_v)
+            for t in range(full, e - s):
                 i = np.uint64(s + t)
                 j = np.uint64(t)
                 mq[i] = encode_signed(m[j], inv_m)
