@@ -8,6 +8,7 @@ A LitGPT-style Fabric loop (the optimizer and an LR schedule made before ``fabri
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -103,3 +104,4 @@ def run(path: str) -> None:
 
 if __name__ == "__main__":
     run(sys.argv[1])
+    gc.freeze()  # exit without collecting the heap again (see slidedp_lightning_cli.finetune.cli)

@@ -7,6 +7,7 @@ CONFIG.json holds a ``JobConfig`` (tests/integration/job_config.py). Writes ``lo
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -359,3 +360,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    gc.freeze()  # exit without collecting the heap again (see slidedp_lightning_cli.finetune.cli)

@@ -20,6 +20,7 @@ statement.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -164,3 +165,4 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    gc.freeze()  # exit without collecting the heap again (see slidedp_lightning_cli.finetune.cli)

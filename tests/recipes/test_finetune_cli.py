@@ -89,3 +89,23 @@ def test_the_random_init_model_is_built_on_the_meta_device_unless_no_meta_init()
     assert strategy_for(build_parser().parse_args(["--no-meta-init"])) == "slidedp"
     s = strategy_for(build_parser().parse_args(["--no-meta-init", "--optimizer-state", "int8"]))
     assert isinstance(s, SlideDPStrategy) and not s.options.meta_init and s.options.optimizer_state == "int8"
+
+
+def test_the_command_exits_with_the_jobs_status_and_its_heap_left_out_of_the_exit_collections(monkeypatch):
+    """``slidedp-finetune`` (each rank runs it) is :func:`cli`: the status of :func:`main`, the heap frozen first
+    so that the interpreter's exit does not collect it again (2-3 s a rank with torch, Lightning and transformers)."""
+    import gc
+    from importlib.metadata import entry_points
+
+    from slidedp_lightning_cli import finetune
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "slidedp-finetune"]
+    assert script.value == "slidedp_lightning_cli.finetune:cli"
+    monkeypatch.setattr(finetune, "main", lambda: 3)
+    gc.unfreeze()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            finetune.cli()
+        assert exited.value.code == 3 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
