@@ -111,9 +111,15 @@ def _encode_lanes_intrinsic(typingctx, m, r, mq, vq, i, j, inv_m, inv_v):
     Written as vectors, not left to the loop vectorizer, for the narrowing: each code leaves its 32-bit (exp_avg)
     or 16-bit (exp_avg_sq) lane masked to its low byte, so LLVM narrows 16 of them with saturating packs (AVX2: four
     instructions for exp_avg's, two for exp_avg_sq's; AVX-512: one ``vpmovdb``/``vpmovwb``) where the vectorizer's
-    8-lane truncation took five per 8. The sign of exp_avg's code is OR-ed into its non-negative square root (no ``copysign``
-    select); exp_avg_sq's rounding runs on 16-bit lanes straight from the float16 conversion."""
-    if not all(isinstance(a, types.Array) for a in (m, r, mq, vq)):
+    8-lane truncation took five per 8. The sign of exp_avg's code is OR-ed into its non-negative square root (no
+    ``copysign`` select); exp_avg_sq's rounding runs on 16-bit lanes straight from the float16 conversion."""
+    rows, codes = (m, r), (mq, vq)
+    if not (
+        all(isinstance(a, types.Array) and a.dtype == types.float32 for a in rows)
+        and all(isinstance(a, types.Array) and a.dtype == types.uint8 for a in codes)
+        and all(isinstance(k, types.Integer) for k in (i, j))
+        and inv_m == inv_v == types.float32
+    ):
         return None
 
     def codegen(context, builder, signature, args):

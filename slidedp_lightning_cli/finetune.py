@@ -39,8 +39,8 @@ __all__ = [
     "build_parser",
     "check_args",
     "check_outputs",
-    "config_vocab_size",
     "cli",
+    "config_vocab_size",
     "main",
 ]
 
