@@ -1,6 +1,7 @@
 """The job's plain-Python modules, read without the library's ``__init__`` (which imports Lightning and torch to
-register the strategy): :mod:`slidedp_lightning.recipes.settings` (the flags' defaults and checks) and
-:mod:`slidedp_lightning.recipes.plan` (the job's memory before anything loads), with the modules they import.
+register the strategy): :mod:`slidedp_lightning.recipes.settings` (the flags' defaults and checks),
+:mod:`slidedp_lightning.recipes.plan` (the job's memory before anything loads) and the step-time simulator that
+``--dry-run --hardware`` runs, with the modules they import.
 
 Each is loaded from its file under its own name and kept in ``sys.modules``, so the library, imported once the flags
 are checked, finds it there (one module, one ``TaskSpec`` class).
@@ -18,8 +19,14 @@ from typing import TYPE_CHECKING
 # in the order they import each other; each imports nothing but the standard library and those before it
 PLAIN = (
     "slidedp_lightning.constants",
+    "slidedp_lightning.intervals",
     "slidedp_lightning.runtime.host_os",
     "slidedp_lightning.steptime.workload",
+    "slidedp_lightning.steptime.profiles",
+    "slidedp_lightning.steptime.graph",
+    "slidedp_lightning.steptime.slideformer",
+    "slidedp_lightning.steptime.ops",
+    "slidedp_lightning.steptime.simulate",
     "slidedp_lightning.recipes.settings",
     "slidedp_lightning.recipes.plan",
 )

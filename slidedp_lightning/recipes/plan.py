@@ -304,9 +304,12 @@ def of_flags(args: Namespace) -> Plan:
 
 def predicted_step(args: Namespace, hardware: str) -> str:
     """One line: the step-time model's prediction (simulator) of the job ``args`` describes on the ``hardware``
-    profile (a shipped name or a calibrated profile file): step time, tokens/s, and what bounds the step. Imports the
-    library (and torch): asked for with ``--hardware`` only."""
-    from slidedp_lightning.steptime import StepConfig, load_config, load_profile, simulate
+    profile (a shipped name or a calibrated profile file): step time, tokens/s, and what bounds the step. Plain Python
+    (the simulator's modules by name, not the package: the command line loads them by file)."""
+    from slidedp_lightning.steptime.graph import StepConfig
+    from slidedp_lightning.steptime.profiles import load_profile
+    from slidedp_lightning.steptime.simulate import simulate
+    from slidedp_lightning.steptime.workload import load_config
 
     model = model_path(args)
     policy = activation_policy(args) or "none"

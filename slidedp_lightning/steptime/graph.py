@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from slidedp_lightning import constants
 from slidedp_lightning.constants import (
     GRAD_ROUTES,
     HOST_LAYOUTS,
@@ -31,12 +30,13 @@ from slidedp_lightning.constants import (
     moment_bytes,
     update_bytes_per_param,
 )
+from slidedp_lightning.constants import PARAM_ROUTES as LIBRARY_PARAM_ROUTES
 from slidedp_lightning.steptime.profiles import Profile
 from slidedp_lightning.steptime.workload import ModelShape, UnitActivation, units
 
 # "slideformer" is not a route of this runtime: it models the paper's replicated baseline (SlideFormer's multi-GPU
 # form, as its public code runs it), see :mod:`slidedp_lightning.steptime.slideformer`.
-PARAM_ROUTES: tuple[str, ...] = (*constants.PARAM_ROUTES, "slideformer")
+PARAM_ROUTES: tuple[str, ...] = (*LIBRARY_PARAM_ROUTES, "slideformer")
 # the precisions the model has rates for: a subset of ``constants.PRECISIONS`` (no 16-mixed)
 PRECISIONS: tuple[str, ...] = ("bf16-mixed", "32-true")
 LANES = ("h2d", "offload", "compute", "reduce", "net", "d2h", "update", "disk")

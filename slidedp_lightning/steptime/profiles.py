@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -231,17 +230,21 @@ class Profile:
         return cls(str(data.get("name", where)), values, sources, str(data.get("description", "")))
 
 
+# beside this file (not ``importlib.resources``, which would import the package and so the library: the command
+# line loads this module by file, see slidedp_lightning_cli/task.py)
+SHIPPED_PROFILES = Path(__file__).with_name("profiles")
+
+
 def shipped_profiles() -> list[str]:
     """Names of the profiles shipped with the package."""
-    root = resources.files("slidedp_lightning.steptime").joinpath("profiles")
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+    return sorted(p.name[:-5] for p in SHIPPED_PROFILES.iterdir() if p.name.endswith(".json"))
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
     """A shipped profile by name (see :func:`shipped_profiles`) or a profile JSON file (from ``calibrate``)."""
     key = str(name_or_path)
     if key in shipped_profiles():
-        text = resources.files("slidedp_lightning.steptime").joinpath("profiles", key + ".json").read_text()
+        text = (SHIPPED_PROFILES / f"{key}.json").read_text()
         return Profile.from_json(json.loads(text), key)
     path = Path(key)
     if path.suffix == ".json" and path.is_file():

@@ -254,6 +254,26 @@ def test_the_command_line_modules_import_nothing_heavy(tmp_path):
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
+def test_a_dry_run_with_a_hardware_profile_imports_nothing_heavy(tmp_path):
+    """``--dry-run --hardware`` runs the step-time simulator as plain Python (a fresh interpreter): the prediction
+    line, and neither the library's package nor torch, Lightning or transformers loaded."""
+    model = tmp_path / "m"
+    model.mkdir()
+    config = ROOT / "slidedp_lightning" / "recipes" / "configs" / "qwen3_tiny.json"
+    (model / "config.json").write_text(config.read_text())
+    script = (
+        "import sys\n"
+        "from slidedp_lightning_cli.finetune import main\n"
+        f"assert main(['--model', {str(model)!r}, '--devices', '1', '--dry-run', '--hardware', 'h200x1']) == 0\n"
+        f"print(sorted(m for m in {(*HEAVY, 'slidedp_lightning', 'slidedp_lightning.steptime')!r} if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    *report, loaded = proc.stdout.strip().splitlines()
+    assert report[-1].startswith("  predicted on h200x1 (1 GPU, batch "), proc.stdout
+    assert loaded == "[]", proc.stdout
+
+
 def test_the_command_line_refuses_what_the_strategy_refuses():
     """The values the CLI lets through are the strategy's: the smallest gradient chunk, the routes that combine."""
     from slidedp_lightning import SlideDPStrategy
