@@ -33,7 +33,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from slidedp_lightning_cli.task import plan, settings
+from slidedp_lightning_cli.task import load_simulator, plan, settings
 
 __all__ = [
     "build_parser",
@@ -747,6 +747,7 @@ def dry_run(args: argparse.Namespace) -> int:
         build_parser().error(f"--model {args.model}: the plan cannot read it: {' '.join(str(err).split())}")
     lines = job.lines()
     if args.hardware:
+        load_simulator()
         try:
             lines.append(plan.predicted_step(args, args.hardware))
         except (OSError, ValueError) as err:

@@ -1,7 +1,7 @@
 """The job's plain-Python modules, read without the library's ``__init__`` (which imports Lightning and torch to
 register the strategy): :mod:`slidedp_lightning.recipes.settings` (the flags' defaults and checks),
-:mod:`slidedp_lightning.recipes.plan` (the job's memory before anything loads) and the step-time simulator that
-``--dry-run --hardware`` runs, with the modules they import.
+:mod:`slidedp_lightning.recipes.plan` (the job's memory before anything loads), with the modules they import; and,
+for ``--dry-run --hardware`` only, the step-time simulator (:func:`load_simulator`).
 
 Each is loaded from its file under its own name and kept in ``sys.modules``, so the library, imported once the flags
 are checked, finds it there (one module, one ``TaskSpec`` class).
@@ -19,16 +19,19 @@ from typing import TYPE_CHECKING
 # in the order they import each other; each imports nothing but the standard library and those before it
 PLAIN = (
     "slidedp_lightning.constants",
-    "slidedp_lightning.intervals",
     "slidedp_lightning.runtime.host_os",
     "slidedp_lightning.steptime.workload",
+    "slidedp_lightning.recipes.settings",
+    "slidedp_lightning.recipes.plan",
+)
+# what plan.predicted_step imports (after PLAIN, in the same order rule): read only for ``--hardware``
+SIMULATOR = (
+    "slidedp_lightning.intervals",
     "slidedp_lightning.steptime.profiles",
     "slidedp_lightning.steptime.graph",
     "slidedp_lightning.steptime.slideformer",
     "slidedp_lightning.steptime.ops",
     "slidedp_lightning.steptime.simulate",
-    "slidedp_lightning.recipes.settings",
-    "slidedp_lightning.recipes.plan",
 )
 
 
@@ -54,6 +57,13 @@ def _load(name: str) -> ModuleType:
     return module
 
 
+def load_simulator() -> None:
+    """Read the step-time simulator's modules (:data:`SIMULATOR`) the same way, so that
+    :func:`slidedp_lightning.recipes.plan.predicted_step` imports them without the library."""
+    for name in SIMULATOR:
+        _load(name)
+
+
 if TYPE_CHECKING:
     from slidedp_lightning.recipes import plan, settings
 else:
@@ -61,4 +71,5 @@ else:
         _load(_name)
     settings, plan = sys.modules["slidedp_lightning.recipes.settings"], sys.modules["slidedp_lightning.recipes.plan"]
 
-__all__ = ["plan", "settings"]
+
+__all__ = ["load_simulator", "plan", "settings"]
