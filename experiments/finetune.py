@@ -1,12 +1,10 @@
 """Fine-tuning job: ``python experiments/finetune.py [--strategy ddp] [--help]``.
 
-Thin wrapper around :func:`slidedp_lightning_cli.finetune.main` (also
+Thin wrapper around :func:`slidedp_lightning_cli.finetune.cli` (also
 installed as the ``slidedp-finetune`` command).
 """
 
-import sys
-
-from slidedp_lightning_cli.finetune import main
+from slidedp_lightning_cli.finetune import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

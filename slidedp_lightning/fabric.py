@@ -22,7 +22,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
@@ -35,6 +34,7 @@ from slidedp_lightning.checkpoints import fabric as fabric_checkpoints
 from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
 from slidedp_lightning.options import SlideDPOptions
 from slidedp_lightning.precision import SlideDPFabricPrecision, slidedp_precision
+from slidedp_lightning.process.launcher import FabricScriptLauncher
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class SlideDPFabricStrategy(SlideDPLifecycle, ParallelStrategy):
     until :meth:`teardown` (called at the process's exit if the script does not).
     """
 
-    script_launcher = _SubprocessScriptLauncher
+    script_launcher = FabricScriptLauncher
 
     def __init__(
         self,
@@ -94,7 +94,7 @@ class SlideDPFabricStrategy(SlideDPLifecycle, ParallelStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             if self._name_launcher():
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+                self._launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _ClosingLauncher(self, start_method=self._start_method)
 

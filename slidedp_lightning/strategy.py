@@ -13,7 +13,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -30,6 +30,7 @@ from slidedp_lightning.lifecycle import SlideDPLifecycle, StartMethod
 from slidedp_lightning.options import ActivationOption, SlideDPOptions, StateOnDisk
 from slidedp_lightning.precision import SlideDPPrecision, slidedp_precision
 from slidedp_lightning.process import requeue
+from slidedp_lightning.process.launcher import TrainerScriptLauncher
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -73,7 +74,7 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
     :func:`~slidedp_lightning.use_chunked_loss`."""
 
     strategy_name = constants.STRATEGY_NAME
-    script_launcher = _SubprocessScriptLauncher
+    script_launcher = TrainerScriptLauncher
 
     def __init__(
         self,
@@ -136,7 +137,7 @@ class SlideDPStrategy(SlideDPLifecycle, ParallelStrategy):
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             if self._name_launcher():
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+                self._launcher = self.script_launcher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 

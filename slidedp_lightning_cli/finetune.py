@@ -33,7 +33,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from slidedp_lightning_cli.task import load_simulator, plan, settings
+from slidedp_lightning_cli.task import early_ranks, load_simulator, plan, settings
 
 __all__ = [
     "build_parser",
@@ -773,9 +773,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = resolve_model(args) or check_args(args)
     if problem is not None:  # before any process starts or any step trains
         build_parser().error(problem)
-
+    early_ranks.begin(args.devices)  # the other ranks import while this one does
     from slidedp_lightning.recipes.job import run
 
+    early_ranks.wait_for_launch()  # in those: until this one's launcher hands them over
     return run(args)
 
 

@@ -1,6 +1,7 @@
 """The job's plain-Python modules, read without the library's ``__init__`` (which imports Lightning and torch to
 register the strategy): :mod:`slidedp_lightning.recipes.settings` (the flags' defaults and checks),
-:mod:`slidedp_lightning.recipes.plan` (the job's memory before anything loads), with the modules they import; and,
+:mod:`slidedp_lightning.recipes.plan` (the job's memory before anything loads), with the modules they import;
+:mod:`slidedp_lightning.process.early_ranks` (the job's other ranks, started before the imports); and,
 for ``--dry-run --hardware`` only, the step-time simulator (:func:`load_simulator`).
 
 Each is loaded from its file under its own name and kept in ``sys.modules``, so the library, imported once the flags
@@ -23,6 +24,7 @@ PLAIN = (
     "slidedp_lightning.steptime.workload",
     "slidedp_lightning.recipes.settings",
     "slidedp_lightning.recipes.plan",
+    "slidedp_lightning.process.early_ranks",
 )
 # what plan.predicted_step imports (after PLAIN, in the same order rule): read only for ``--hardware``
 SIMULATOR = (
@@ -65,11 +67,13 @@ def load_simulator() -> None:
 
 
 if TYPE_CHECKING:
+    from slidedp_lightning.process import early_ranks
     from slidedp_lightning.recipes import plan, settings
 else:
     for _name in PLAIN:
         _load(_name)
     settings, plan = sys.modules["slidedp_lightning.recipes.settings"], sys.modules["slidedp_lightning.recipes.plan"]
+    early_ranks = sys.modules["slidedp_lightning.process.early_ranks"]
 
 
-__all__ = ["load_simulator", "plan", "settings"]
+__all__ = ["early_ranks", "load_simulator", "plan", "settings"]

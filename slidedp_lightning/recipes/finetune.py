@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import argparse
 
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
 from slidedp_lightning import SlideDPStrategy
+from slidedp_lightning.process.launcher import TrainerScriptLauncher
 from slidedp_lightning.recipes.module import FinetuneModule, checkpoint_vocab_size, load_tiny_config
 from slidedp_lightning.recipes.settings import (
     ACCELERATORS,
@@ -58,6 +62,7 @@ __all__ = [
     "STRATEGIES",
     "TASK",
     "TRAIN_SIZE",
+    "ComparisonDDP",
     "FinetuneModule",
     "check_vocab",
     "checkpoint_vocab_size",
@@ -67,9 +72,22 @@ __all__ = [
 ]
 
 
-def strategy_for(args: argparse.Namespace) -> SlideDPStrategy | str:
-    """The strategy the parsed flags ask for: the registered name, or a SlideDPStrategy with the options they set
-    (:func:`~slidedp_lightning.recipes.settings.strategy_options`; the strategy checks them as it is made)."""
+class ComparisonDDP(DDPStrategy):
+    """Lightning's ``strategy="ddp"`` (script launcher), whose launcher takes over the ranks the command started
+    early (:mod:`slidedp_lightning.process.early_ranks`), as SlideDP's does."""
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = TrainerScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+
+def strategy_for(args: argparse.Namespace) -> SlideDPStrategy | DDPStrategy | str:
+    """The strategy the parsed flags ask for: DDP (:class:`ComparisonDDP`), the registered name, or a SlideDPStrategy
+    with the options they set (:func:`~slidedp_lightning.recipes.settings.strategy_options`; the strategy checks
+    them as it is made)."""
+    if args.strategy == "ddp":
+        return ComparisonDDP()
     if args.strategy != "slidedp":
         return args.strategy
     options = strategy_options(args)

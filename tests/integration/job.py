@@ -1,7 +1,8 @@
 """One Lightning training job for the multi-process tests: ``python job.py CONFIG.json``.
 
 CONFIG.json holds a ``JobConfig`` (tests/integration/job_config.py). Writes ``losses_rank{r}.json`` per rank and
-``final_state.pt`` (rank 0) into the config's ``out`` folder.
+``final_state.pt`` (rank 0) into the config's ``out`` folder. A SlideDP job's other ranks start with the script, before
+its imports, as ``slidedp-finetune``'s do (``slidedp_lightning.process.early_ranks``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,33 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import lightning as L
-import torch
-from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from slidedp_lightning_cli.task import early_ranks
 
-import slidedp_lightning  # registers the strategy
-from slidedp_lightning import SlideDPStrategy
+
+def _slidedp_ranks(path: str) -> int:
+    """The local ranks of a SlideDP job of this configuration (1 for DDP's and the single-device references)."""
+    cfg = json.loads(Path(path).read_text())
+    variants = (cfg.get("variants") or {}).values()
+    strategies = {cfg["strategy"], *(knobs.get("strategy", cfg["strategy"]) for knobs in variants)}
+    return cfg["devices"] if strategies == {"slidedp"} else 1
+
+
+if __name__ == "__main__":  # as slidedp-finetune does: the other ranks start now and import while this one does
+    early_ranks.begin(_slidedp_ranks(sys.argv[1]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+import slidedp_lightning  # noqa: E402  (registers the strategy)
+from slidedp_lightning import SlideDPStrategy  # noqa: E402
 
 # run as a script: the repository root makes the tests package importable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -359,5 +380,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    early_ranks.wait_for_launch()
     main(sys.argv[1])
     gc.freeze()  # exit without collecting the heap again (see slidedp_lightning_cli.finetune.cli)

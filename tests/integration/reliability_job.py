@@ -9,7 +9,8 @@ processes), ``last_collective`` (an all-reduce and a barrier in ``on_train_end``
 comparison, experiments/soak_exit.py), ``slurm_requeue`` (``SLURMEnvironment(auto_requeue=True)``: the ranks are
 started by the caller with SLURM's variables, as srun would), ``constant_data`` (every sample the same: a resume
 mid-epoch sees the same batches), ``save_every`` (a checkpoint ``ckpt/step-<n>`` every n steps), ``step_sleep`` (s,
-in every training step: a wider window for a signal).
+in every training step: a wider window for a signal). The other rank starts with the script, before its imports, as
+``slidedp-finetune``'s do (``slidedp_lightning.process.early_ranks``).
 
 Per rank it writes ``threads_rank{r}.json`` (the native thread names before the first Trainer and after each
 Trainer call), ``pid_rank{r}`` at the start of training, ``step_rank{r}`` (the step being trained), ``shm_rank{r}``
@@ -29,10 +30,15 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import lightning as L
-import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
-from torch.utils.data import DataLoader
+from slidedp_lightning_cli.task import early_ranks
+
+# as slidedp-finetune does: the other rank starts now and imports while this one does
+early_ranks.begin(json.loads(Path(sys.argv[1]).read_text()).get("devices", 2) if __name__ == "__main__" else 1)
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from slidedp_lightning import SlideDPStrategy  # noqa: E402
@@ -164,5 +170,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    early_ranks.wait_for_launch()
     main(sys.argv[1])
     gc.freeze()  # exit without collecting the heap again (see slidedp_lightning_cli.finetune.cli)

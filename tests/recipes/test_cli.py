@@ -221,6 +221,31 @@ def test_help_is_fast(paths, record_property):
     assert min(times) < 2.0, times
 
 
+EARLY_RUNNER = """
+import sys
+from slidedp_lightning_cli import finetune
+def begin(local_ranks):
+    heavy = sorted(m for m in ("torch", "lightning", "transformers", "slidedp_lightning") if m in sys.modules)
+    print("BEGIN", local_ranks, ",".join(heavy) or "-", flush=True)
+    raise SystemExit(0)
+finetune.early_ranks.begin = begin
+finetune.main(sys.argv[1:])
+"""
+
+
+def test_the_job_starts_its_other_ranks_once_the_flags_are_checked_before_any_heavy_import(tmp_path):
+    """The command hands ``--devices`` to :func:`slidedp_lightning.process.early_ranks.begin` (which starts the other
+    ranks, tested in tests/process/test_early_ranks.py) before it imports torch, Lightning or the library; a refused
+    flag starts nothing."""
+    runner = tmp_path / "early.py"
+    runner.write_text(EARLY_RUNNER)
+    argv = [sys.executable, str(runner), "--devices", "3", "--max-steps", "2", "--results", str(tmp_path / "r.json")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "BEGIN 3 -", (proc.stdout, proc.stderr)
+    refused = subprocess.run([*argv, "--lr", "-1"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert refused.returncode == 2 and "BEGIN" not in refused.stdout, (refused.stdout, refused.stderr)
+
+
 @pytest.mark.slow  # a subprocess of its own: out of the fast tier
 def test_the_package_import_still_registers_the_strategy(tmp_path):
     """The console script avoids ``import slidedp_lightning``; that import itself still registers

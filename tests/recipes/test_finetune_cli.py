@@ -1,9 +1,11 @@
 """The fine-tune CLI's SlideDP route flags reach the strategy."""
 
 import pytest
+from lightning.fabric.plugins.environments import LightningEnvironment
 
 from slidedp_lightning import SlideDPStrategy
-from slidedp_lightning.recipes.finetune import chunked_loss, strategy_for
+from slidedp_lightning.process.launcher import TrainerScriptLauncher
+from slidedp_lightning.recipes.finetune import ComparisonDDP, chunked_loss, strategy_for
 from slidedp_lightning.recipes.settings import MODEL_CHUNKED_LOSS
 from slidedp_lightning_cli.finetune import build_parser
 
@@ -20,8 +22,12 @@ def test_route_flags_configure_the_strategy():
 def test_defaults_keep_the_registered_strategy(tmp_path):
     argv = ["--model", str(tmp_path), "--activation-policy", "none"]
     assert strategy_for(build_parser().parse_args(argv)) == "slidedp"
-    assert strategy_for(build_parser().parse_args(["--strategy", "ddp"])) == "ddp"
-    assert strategy_for(build_parser().parse_args(["--strategy", "ddp", "--model", str(tmp_path)])) == "ddp"
+    for argv in (["--strategy", "ddp"], ["--strategy", "ddp", "--model", str(tmp_path)]):
+        ddp = strategy_for(build_parser().parse_args(argv))  # Lightning's "ddp", its launcher taking over early ranks
+        assert type(ddp) is ComparisonDDP and ddp._start_method == "popen"
+        ddp.cluster_environment = LightningEnvironment()
+        ddp._configure_launcher()
+        assert type(ddp.launcher) is TrainerScriptLauncher
 
 
 def test_a_real_model_gets_full_recomputation_and_the_chunked_loss_unless_turned_off(tmp_path):
