@@ -71,7 +71,6 @@ def test_a_launcher_with_another_command_starts_its_own_ranks_and_the_early_ones
     assert proc.stdout == "" and "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exit", "killed"])
 def test_ranks_started_early_end_with_a_launcher_that_ends_without_them(tmp_path, mode):
     proc, starts, reports = _run(tmp_path, 2, mode)
