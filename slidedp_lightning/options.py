@@ -35,15 +35,21 @@ class StateOnDisk:
     """``optimizer_state=StateOnDisk(directory)``: the Adam moments (``moments``: ``"fp32"`` or ``"int8"``) live in
     one file on a local disk in ``directory``, shared by the host's ranks, instead of host memory (8 B/param less
     with FP32 moments); each rank's CPU update reads its shard of the next units ahead and writes them back behind
-    (direct I/O where the filesystem allows). The file is unnamed: it is gone when the job ends, however it ends.
-    The directory's free space is checked at setup. See docs/ledger.md, "State on a local disk"."""
+    (direct I/O where the filesystem allows). With ``master=True`` the FP32 master weights live there too (4 B/param
+    less again): host memory keeps only the BF16 copy the devices read, so this needs bf16 compute
+    (``precision="bf16-mixed"`` or ``"bf16-true"``) with ``bf16_copy=True``. The file is unnamed: it is gone when the
+    job ends, however it ends. The directory's free space is checked at setup. See docs/ledger.md, "State on a local
+    disk"."""
 
     directory: str
     moments: OptimizerState = "fp32"
+    master: bool = False
 
     def __post_init__(self) -> None:
         if self.moments not in OPTIMIZER_STATES:
             raise ValueError(f"StateOnDisk moments must be one of {OPTIMIZER_STATES}, got {self.moments!r}.")
+        if not isinstance(self.master, bool):
+            raise ValueError(f"StateOnDisk master must be True or False, got {self.master!r}.")
         if not isinstance(self.directory, (str, os.PathLike)) or not str(self.directory):
             raise ValueError(f"StateOnDisk needs a directory on a local disk, got {self.directory!r}.")
         if not os.path.isdir(self.directory):
@@ -98,7 +104,7 @@ class SlideDPOptions:
             ``torch.distributed.checkpoint`` (FP32 weights and moments per parameter, loadable on any number of
             ranks, swapped into place atomically); ``"full"``: one ``torch.save`` file from rank 0.
         optimizer_state: the ledger's Adam moments, ``"fp32"`` (exact) or ``"int8"`` (block-wise 8-bit, 8 B/param
-            ledger), in host memory; or :class:`StateOnDisk` for moments in a file on a local disk; bf16_copy: keep the BF16 transfer copy (False: converted from the master on the way, -2 B/param).
+            ledger), in host memory; or :class:`StateOnDisk` for moments (and the master) in a file on a local disk; bf16_copy: keep the BF16 transfer copy (False: converted from the master on the way, -2 B/param).
     """
 
     param_route: ParamRoute | Literal["auto"] = "full"
@@ -126,6 +132,11 @@ class SlideDPOptions:
         """The directory of the state file on disk (None: the moments are in host memory)."""
         return self.optimizer_state.directory if isinstance(self.optimizer_state, StateOnDisk) else None
 
+    @property
+    def master_on_disk(self) -> bool:
+        """Whether the FP32 master weights live in the state file on disk too."""
+        return isinstance(self.optimizer_state, StateOnDisk) and self.optimizer_state.master
+
     def __post_init__(self) -> None:
         if isinstance(self.optimizer_state, StateOnDisk):
             if self.checkpoint_format == "full":
@@ -140,6 +151,12 @@ class SlideDPOptions:
             )
         if not isinstance(self.bf16_copy, bool):
             raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
+        if self.master_on_disk and not self.bf16_copy:
+            raise ValueError(
+                "StateOnDisk(master=True) keeps the FP32 master on disk and only the BF16 copy in host memory for the "
+                "devices to read; bf16_copy=False would have them read the master: keep bf16_copy=True, or keep the "
+                "master in memory (StateOnDisk(master=False))."
+            )
         if self.moments == "int8" and self.checkpoint_format == "full":
             raise ValueError(
                 "checkpoint_format='full' stores torch AdamW's FP32 moments, and optimizer_state='int8' keeps 8-bit "
@@ -198,6 +215,7 @@ class SlideDPOptions:
             max_units_in_flight=self.max_units_in_flight,
             optimizer_state=self.moments,
             state_dir=self.state_dir,
+            master_on_disk=self.master_on_disk,
             bf16_copy=self.bf16_copy,
         )
 

@@ -208,6 +208,12 @@ def build_parser() -> _Parser:
         "(default: in host memory)",
     )
     add(
+        "--master-on-disk",
+        action="store_true",
+        help="slidedp only, with --state-dir and --precision bf16-mixed: the FP32 master weights in the state file "
+        "too, 4 B/param less host memory; the BF16 copy the devices read stays, 2 B/param (default: in memory)",
+    )
+    add(
         "--bf16-copy",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -703,6 +709,14 @@ def check_args(args: argparse.Namespace) -> str | None:
         return (
             "--param-route replicated (a ledger per rank) reduces gradients with an all-reduce on the devices: "
             "use --grad-route gpu_reduce or auto"
+        )
+    if args.master_on_disk and args.state_dir is None:
+        return "--master-on-disk keeps the master in the state file of --state-dir: add --state-dir DIR"
+    if args.master_on_disk and (args.precision != "bf16-mixed" or not args.bf16_copy):
+        return (
+            "--master-on-disk leaves only the BF16 copy in host memory for the devices to read: it needs "
+            f"--precision bf16-mixed and the BF16 copy (got --precision {args.precision}"
+            f"{'' if args.bf16_copy else ', --no-bf16-copy'})"
         )
     if settings.slidedp_flags(args) and args.strategy != "slidedp":
         return f"{', '.join(settings.slidedp_flags(args))} configure SlideDP: use them with --strategy slidedp"

@@ -201,7 +201,7 @@ def _held(engine: EngineView, writing: bool = False) -> list[tuple[str, int, int
         lo, hi = parts[engine.topology.host] if engine.topology.host_sharded else parts[0]
         if hi > lo:
             out.append((key, lo, hi, view.view(-1)[lo:hi]))
-    out += engine.state.disk_moment_views(mine)  # moments in a state file on disk: a piece per record
+    out += engine.state.disk_state_views(mine)  # state in a file on disk: a piece per record
     index, count = engine.topology.checkpoint_share
     for unit in engine.layout.units[index::count]:  # int8 moments: their per-block scales, one rank per unit
         for key, (lo, hi, view) in engine.state.scale_tensors(unit.index).items():
@@ -401,7 +401,7 @@ def refuse_storage_options(storage_options: Any | None) -> None:
 def _checkpoint_bytes(engine: EngineView) -> int:
     """About what a checkpoint of ``engine`` takes on disk: every ledger tensor it stores."""
     names = list(engine.state.named_slots())
-    views = list(engine.state.ledger_tensors(names).values()) + [v for *_, v in engine.state.disk_moment_views(names)]
+    views = list(engine.state.ledger_tensors(names).values()) + [v for *_, v in engine.state.disk_state_views(names)]
     nbytes = sum(v.numel() * v.element_size() for v in views)
     del views
     engine.state.release_disk_views()
@@ -425,7 +425,7 @@ def _check_moments(path: Path, engine: EngineView, reader: CheckedFileSystemRead
     stored = stored_pieces(path, dcp_metadata(path, reader))
     saved = {k.split("/", 1)[1] for k in stored if k.startswith("exp_avg/")}
     names = list(engine.state.named_slots())
-    keys = list(engine.state.ledger_tensors(names)) + [k for k, *_ in engine.state.disk_moment_views(names)]
+    keys = list(engine.state.ledger_tensors(names)) + [k for k, *_ in engine.state.disk_state_views(names)]
     engine.state.release_disk_views()
     mine = {k.split("/", 1)[1] for k in keys if k.startswith("exp_avg/")}
     if mine - saved:

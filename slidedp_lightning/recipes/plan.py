@@ -27,7 +27,7 @@ from argparse import Namespace
 from dataclasses import dataclass, field, replace
 from typing import cast
 
-from slidedp_lightning.constants import ledger_bytes_per_param, moment_bytes
+from slidedp_lightning.constants import MASTER_BYTES, ledger_bytes_per_param, moment_bytes
 from slidedp_lightning.recipes.settings import DEFAULT_CONFIG, DEFAULT_PRECISION, activation_policy, lora_settings
 from slidedp_lightning.runtime.host_os import mem_available
 
@@ -59,11 +59,13 @@ class Setup:
     lora_r: int | None = None
     lora_targets: tuple[str, ...] | str = "all-linear"
     state_dir: str | None = None  # the moments in a state file there (--state-dir)
+    master_on_disk: bool = False  # the FP32 master there too (--master-on-disk)
 
     def flags(self) -> list[str]:
         """The flags that say how this setup differs from the default one."""
         out = ["--optimizer-state int8"] if self.optimizer_state == "int8" else []
         out += [f"--state-dir {self.state_dir}"] if self.state_dir else []
+        out += ["--master-on-disk"] if self.master_on_disk else []
         out += [] if self.bf16_copy else ["--no-bf16-copy"]
         out += [f"--lora-r {self.lora_r}"] if self.lora_r else []
         return out
@@ -119,7 +121,8 @@ class Plan:
             f"{self.verdict.upper()}",
         ]
         if s.state_dir:
-            lines.insert(2, f"  state file in {s.state_dir}: {gib(self.disk_bytes)} (the Adam moments), "
+            held = "the FP32 master and the Adam moments" if s.master_on_disk else "the Adam moments"
+            lines.insert(2, f"  state file in {s.state_dir}: {gib(self.disk_bytes)} ({held}), "
                             f"free there {gib(self.disk_free)}")  # fmt: skip
         if self.verdict != "fits":
             fits = [f"{flags} ({gib(plan.need_bytes)})" for flags, plan in self.alternatives if plan.verdict == "fits"]
@@ -251,6 +254,7 @@ def plan(model: Model, setup: Setup, host: Host, alternatives: bool = True) -> P
     """The job's memory on this host, and (``alternatives``) the same job with each flag that shrinks it."""
     per_param = ledger_bytes_per_param(setup.optimizer_state, setup.bf16_copy)
     on_disk = 2 * moment_bytes(setup.optimizer_state) if setup.state_dir else 0.0  # per trainable parameter
+    on_disk += MASTER_BYTES if setup.state_dir and setup.master_on_disk else 0  # (it covers trainable parameters)
     per_param -= on_disk
     if setup.lora_r:
         trainable = _lora_params(model, setup.lora_r, setup.lora_targets)
@@ -298,6 +302,7 @@ def of_flags(args: Namespace) -> Plan:
         lora_r=args.lora_r,
         lora_targets=targets if isinstance(targets, str) else tuple(cast("list[str]", targets)),
         state_dir=getattr(args, "state_dir", None),
+        master_on_disk=getattr(args, "master_on_disk", False),
     )
     return plan(read_model(model), setup, read_host())
 

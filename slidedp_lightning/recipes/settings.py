@@ -185,6 +185,7 @@ STRATEGY_FLAG_DEFAULTS: dict[str, object] = {
     "chunk_bytes": None,
     "optimizer_state": "fp32",
     "state_dir": None,
+    "master_on_disk": False,
     "bf16_copy": True,
     "activation_policy": None,
     "update_threads": None,
@@ -199,10 +200,11 @@ def strategy_options(args: Namespace) -> dict[str, object]:
     chosen = {k: getattr(args, k) for k in STRATEGY_FLAG_DEFAULTS} | {"activation_policy": activation_policy(args)}
     options = {k: v for k, v in chosen.items() if v != STRATEGY_FLAG_DEFAULTS[k]}
     state_dir = options.pop("state_dir", None)
-    if state_dir is not None:  # --state-dir: the moments (of --optimizer-state's form) in a file on that disk
+    master = options.pop("master_on_disk", False)
+    if state_dir is not None:  # --state-dir: the moments (of --optimizer-state's form), --master-on-disk: the master
         from slidedp_lightning.options import StateOnDisk
 
-        options["optimizer_state"] = StateOnDisk(str(state_dir), moments=args.optimizer_state)
+        options["optimizer_state"] = StateOnDisk(str(state_dir), moments=args.optimizer_state, master=master)
     return options | ({"meta_init": True} if args.model is None and args.meta_init else {})
 
 

@@ -41,6 +41,9 @@ class EngineConfig:
     # a directory on a local disk: the moments live in a state file there instead of host memory, read ahead and
     # written behind by the update lane (runtime.ledger.disk); None: everything in host memory
     state_dir: str | None = None
+    # with state_dir: the FP32 master weights in the state file too (bf16 compute with the BF16 copy only: the
+    # devices read the copy, the update lane alone reads and writes the master)
+    master_on_disk: bool = False
     # keep the BF16 transfer copy in the ledger (False: units are converted from the FP32 master on the way)
     bf16_copy: bool = True
     # bf16_copy=False under bf16 compute: "host" converts into a reused (pinned) staging buffer and copies BF16,
@@ -94,6 +97,11 @@ class EngineConfig:
             raise ValueError(f"bf16_copy must be True or False, got {self.bf16_copy!r}.")
         if self.state_dir is not None and (not isinstance(self.state_dir, str) or not self.state_dir):
             raise ValueError(f"state_dir must be None or a directory path, got {self.state_dir!r}.")
+        if self.master_on_disk and (self.state_dir is None or not self.bf16_copy):
+            raise ValueError(
+                "master_on_disk keeps the FP32 master in the state file (state_dir) and the BF16 copy the devices "
+                f"read in memory: it needs a state_dir and bf16_copy=True (got {self.state_dir!r}, {self.bf16_copy})."
+            )
         if self.state_dir is not None and self.param_route == "replicated":
             raise ValueError(
                 "param_route='replicated' keeps a whole ledger per rank; the state on disk is one file per host "

@@ -285,7 +285,7 @@ def fit(cfg: JobConfig) -> int:
 
             state_dir = os.path.join(cfg.out, "state")
             os.makedirs(state_dir, exist_ok=True)
-            options["optimizer_state"] = StateOnDisk(state_dir, moments=cfg.optimizer_state)
+            options["optimizer_state"] = StateOnDisk(state_dir, moments=cfg.optimizer_state, master=cfg.master_on_disk)
         if cfg.memory_budget is not None:
             options["activation_policy"] = AutoPolicy(memory_budget=cfg.memory_budget)
         strategy = SlideDPStrategy(**options, timeout=timeout)

@@ -98,6 +98,7 @@ class JobConfig:
     optimizer_state: str = "fp32"
     bf16_copy: bool = True
     state_on_disk: bool = False  # optimizer_state becomes StateOnDisk(out/state, moments=optimizer_state)
+    master_on_disk: bool = False  # with state_on_disk: StateOnDisk(..., master=True)
     memory_budget: int | None = None  # activation_policy becomes AutoPolicy(memory_budget=...)
     # outputs
     trace_dir: str | None = None  # a LaneTrace callback writes here (slidedp only)

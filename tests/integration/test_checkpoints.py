@@ -95,3 +95,30 @@ def test_moments_on_disk_a_rank_killed_in_an_update_leaves_its_checkpoint_exact(
     a, b = straight.state(), resumed.state()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("route", [{"grad_route": "host_reduce"}, {"param_route": "sharded", "chunk_bytes": 4096}],
+                         ids=["host_reduce", "sharded-chunk4KiB"])  # fmt: skip
+def test_the_master_on_disk_trains_and_resumes_as_the_master_in_memory(job_runner, route):
+    """bf16-mixed on 2 ranks sharing one state file that holds the FP32 master and the moments (local rank 0 fills
+    it, both update their shards through it): the same losses and final weights as the ledger in memory, a
+    checkpoint saved from the file, and a resume into the file (and into memory) that ends where the run ends."""
+    common = dict(strategy="slidedp", tied=True, batch=BATCH, constant_data=True, precision="bf16-mixed", **route)
+    name = "-".join(f"{k}{v}" for k, v in route.items())
+    memory = _ok(job_runner(f"master_mem_{name}", devices=2, steps=STEPS, save_at=SAVE_AT, **common))
+    disk = dict(common, state_on_disk=True, master_on_disk=True)
+    got = _ok(job_runner(f"master_disk_{name}", devices=2, steps=STEPS, save_at=SAVE_AT, **disk))
+    assert list((got.out / "state").iterdir()) == [], "the state file outlived the job"
+    assert "master+exp_avg+exp_avg_sq in a" in got.output and "torch.bfloat16" in got.output, got.output[-3000:]
+    for rank in range(2):
+        assert got.losses(rank) == memory.losses(rank), f"rank {rank}: losses differ"
+    a, b = memory.state(), got.state()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for source, into in ((got, disk), (memory, disk), (got, common)):
+        resumed = _ok(job_runner(f"master_resumed_{name}_{source is got}_{into is disk}", devices=2, steps=STEPS,
+                                 ckpt_path=str(source.out / "ck"), **into))  # fmt: skip
+        for rank in range(2):
+            assert resumed.losses(rank) == memory.losses(rank)[SAVE_AT:], f"rank {rank}: losses after resume differ"
+        c = resumed.state()
+        assert all(torch.equal(a[k], c[k]) for k in a)

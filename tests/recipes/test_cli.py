@@ -145,6 +145,15 @@ BAD = {
         ["--strategy", "ddp", "--optimizer-state", "int8", "--no-bf16-copy"],
         "--optimizer-state, --no-bf16-copy configure SlideDP: use them with --strategy slidedp",
     ),
+    "master on disk without a state dir": (["--master-on-disk"], "keeps the master in the state file of --state-dir"),
+    "master on disk under 32-true": (
+        ["--state-dir", "{tmp}", "--master-on-disk", "--precision", "32-true"],
+        "it needs --precision bf16-mixed and the BF16 copy (got --precision 32-true)",
+    ),
+    "master on disk without the copy": (
+        ["--state-dir", "{tmp}", "--master-on-disk", "--precision", "bf16-mixed", "--no-bf16-copy"],
+        "(got --precision bf16-mixed, --no-bf16-copy)",
+    ),
 }
 
 

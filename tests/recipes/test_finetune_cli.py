@@ -115,3 +115,14 @@ def test_the_command_exits_with_the_jobs_status_and_its_heap_left_out_of_the_exi
         assert exited.value.code == 3 and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_the_state_flags_put_the_moments_and_the_master_on_disk(tmp_path):
+    from slidedp_lightning import StateOnDisk
+
+    args = build_parser().parse_args(["--state-dir", str(tmp_path), "--optimizer-state", "int8", "--master-on-disk"])
+    s = strategy_for(args)
+    assert isinstance(s, SlideDPStrategy)
+    assert s.options.optimizer_state == StateOnDisk(str(tmp_path), moments="int8", master=True)
+    moments_only = strategy_for(build_parser().parse_args(["--state-dir", str(tmp_path)]))
+    assert moments_only.options.optimizer_state == StateOnDisk(str(tmp_path))  # type: ignore[union-attr]

@@ -121,3 +121,19 @@ def test_a_lora_job_exports_the_merged_model_or_its_adapters(tmp_path):
     assert config["r"] == 8 and config["lora_alpha"] == 16 and sorted(config["target_modules"]) == ["q_proj", "v_proj"]
     tensors = load_file(tmp_path / "adapters" / "adapter_model.safetensors")
     assert tensors and all("lora_" in n for n in tensors)
+
+
+@pytest.mark.slow
+def test_the_master_on_disk_trains_as_the_ledger_in_memory(tmp_path):
+    """bf16-mixed with --state-dir --master-on-disk: the same losses as the ledger in memory, 2 B/param of ledger (the
+    BF16 copy), the state file named in the log and gone after."""
+    model = _checkpoint(tmp_path / "ckpt")
+    job = ["--model", model, "--precision", "bf16-mixed", "--max-steps", "4", "--batch-size", "4", "--val-every", "2",
+           "--optimizer-state", "int8"]  # fmt: skip
+    memory, _ = _run(tmp_path, "memory", job)
+    (tmp_path / "state").mkdir()
+    disk, log = _run(tmp_path, "disk", [*job, "--state-dir", str(tmp_path / "state"), "--master-on-disk"])
+    assert (disk["train_loss"], disk["after"]["val_loss"]) == (memory["train_loss"], memory["after"]["val_loss"])
+    assert 2 <= disk["ledger_bytes_per_param"] < 2.5 and "master+exp_avg+exp_avg_sq" in log, log[-3000:]
+    assert disk["plan"]["verdict"] == "fits" and disk["plan"]["ledger_bytes"] <= disk["ledger_bytes"], disk
+    assert list((tmp_path / "state").iterdir()) == []

@@ -86,6 +86,17 @@ def test_moments_on_disk_leave_the_ledger_and_need_their_space_there(tmp_path, m
     assert small.verdict == "does not fit" and "state file" in small.summary(), small.summary()
 
 
+def test_the_master_on_disk_leaves_the_bf16_copy_alone_in_the_ledger(tmp_path):
+    model = plan.Model(params=GB, counted="test")
+    both = plan.plan(model, plan.Setup(ranks=2, state_dir=str(tmp_path), master_on_disk=True), HOST)
+    assert both.ledger_bytes == 2 * GB and both.disk_bytes == 12 * GB  # the BF16 copy; master and both moments
+    int8 = plan.plan(model, plan.Setup(ranks=2, optimizer_state="int8", state_dir=str(tmp_path), master_on_disk=True),
+                     HOST)  # fmt: skip
+    assert int8.ledger_bytes == 2 * GB and int8.disk_bytes == int(GB * (ledger_bytes_per_param("int8") - 2))
+    assert both.setup.flags()[-1] == "--master-on-disk"
+    assert any("(the FP32 master and the Adam moments)" in line for line in both.lines()), both.lines()
+
+
 def test_a_job_that_does_not_fit_names_the_smallest_change_that_does():
     big = plan.Model(params=int(1.5 * GB), counted="test")  # exact: 21 GB, more than the 16 GB of shared memory
     job = plan.plan(big, plan.Setup(ranks=2), HOST)

@@ -380,7 +380,8 @@ class UpdateLane:
             self._release(key)
 
     def flush_state(self, liveness=None) -> None:
-        """After the updates submitted so far: every record written back (the state file holds them all)."""
+        """After the updates submitted so far: every record written back (the state file holds them all) and none
+        kept read ahead (the file may be written through its mapping next)."""
         if self._records is not None:
             self.call(self._flush_records)
             self.wait_idle(liveness)
@@ -390,6 +391,7 @@ class UpdateLane:
         for key in list(self._held):
             self._release(key)
         self._records.flush()
+        self._records.drop_reads()
 
     def _kernels(self, task: UpdateTask, unit: Unit, grad: np.ndarray, c0: int, c1: int, scale: float) -> None:
         """Update unit-relative [c0, c1) from ``grad`` (its element 0 is c0): in memory at once; with state on

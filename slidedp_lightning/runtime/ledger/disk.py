@@ -455,6 +455,18 @@ class RecordStream:
         self.written_bytes += rec.nbytes
         self._writes[key] = self._io.submit(write)
 
+    def drop_reads(self) -> None:
+        """Forget the records read ahead (their buffers free again): the file may be written through its mapping
+        next (a checkpoint loaded, weights set), and a later acquire then reads what was written."""
+        reads, self._reads = list(self._reads.values()), {}
+        for buf, read in reads:
+            try:
+                read.result()
+            except OSError:
+                pass  # read again when acquired
+            finally:
+                self._pool.put(buf)
+
     def flush(self) -> None:
         """Wait for every write; raise the first I/O error."""
         writes, self._writes = list(self._writes.values()), {}
@@ -487,6 +499,7 @@ class DiskState:
         self._stream: RecordStream | None = None
         self._map: mmap.mmap | None = None
         self.paging = False  # inside paged()
+        self._closed = False
 
     @classmethod
     def create(cls, directory: str, geometry: LedgerGeometry, *, share: bool) -> DiskState:
@@ -534,7 +547,8 @@ class DiskState:
             for piece, rec in enumerate(self.layout.pieces(unit, owner)):
                 if rec.nbytes:
                     for name, view in stream.acquire(unit, piece).items():
-                        view.fill(zero if name == "exp_avg" else 0)
+                        if name != "master":  # (kept on disk too: its weights are written already)
+                            view.fill(zero if name == "exp_avg" else 0)
                     stream.release(unit, piece)
         stream.flush()
 
@@ -558,6 +572,26 @@ class DiskState:
                     raw = whole[lo : lo + elems * geometry.itemsize(region)]
                     out.append((rec.start // per, raw.view(dtype)))
         return out
+
+    def read_range(self, region: str, unit: int, start: int, out: torch.Tensor) -> None:
+        """Copy ``unit``'s elements ``[start, start + out.numel())`` of ``region`` from the file into ``out``
+        (through the mapping: :meth:`unmap` when done)."""
+        self._copy_range(region, unit, start, out, into_file=False)
+
+    def write_range(self, region: str, unit: int, start: int, values: torch.Tensor) -> None:
+        """Write ``values`` at ``unit``'s element ``start`` of ``region`` into the file (through the mapping: its
+        changes reach the file at :meth:`unmap`, which must come before the update lane reads the records again)."""
+        self._copy_range(region, unit, start, values, into_file=True)
+
+    def _copy_range(self, region: str, unit: int, start: int, flat: torch.Tensor, into_file: bool) -> None:
+        stop = start + flat.numel()
+        for first, view in self.part_views(region, unit):
+            lo, hi = max(first, start), min(first + view.numel(), stop)
+            if lo < hi:
+                if into_file:
+                    view[lo - first : hi - first].copy_(flat[lo - start : hi - start])
+                else:
+                    flat[lo - start : hi - start].copy_(view[lo - first : hi - first])
 
     def _mapped(self) -> torch.Tensor:
         if self._map is None:
@@ -607,6 +641,10 @@ class DiskState:
             self._map = None
 
     def close(self) -> None:
+        """Let go of the mapping, the record stream and the file (once; a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self.unmap()
         if self._stream is not None:
             self._stream.close()

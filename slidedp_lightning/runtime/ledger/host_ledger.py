@@ -166,9 +166,15 @@ class HostLedger:
                 if codes is not None:
                     codes[a : min(b, codes.numel())].fill_(zero[name])
 
+    @property
+    def master_on_disk(self) -> bool:
+        """Whether the FP32 master lives in the state file (:attr:`disk`), read and written through it only."""
+        return "master" in self.geometry.on_disk
+
     def weights(self, unit: int) -> torch.Tensor:
         """The unit's weights in FP32: its master, or a copy of it with what the master does not cover (a frozen
-        unit or frozen tail keeping only its BF16 copy) converted from the BF16 copy."""
+        unit or frozen tail keeping only its BF16 copy) converted from the BF16 copy (a master on disk: read into
+        the copy)."""
         master = self.region("master", unit)
         if master is not None and master.numel() == self.geometry.unit_sizes[unit]:
             return master
@@ -177,16 +183,23 @@ class HostLedger:
         out = bf16.float()
         if master is not None:
             out[: master.numel()] = master
+        elif self.master_on_disk and (covered := self.extent("master", unit)):
+            assert self.disk is not None
+            self.disk.read_range("master", unit, 0, out[:covered])
         return out
 
     def write_weights(self, unit: int, start: int, values: torch.Tensor) -> None:
         """Write FP32 ``values`` at unit-relative ``start`` of ``unit``'s weights: into the master where it covers
-        them, into the BF16 copy (rounded) where it does not. The master's BF16 copy is not refreshed here."""
+        them (a master on disk: through the state file's mapping, on the file at ``disk.unmap()``), into the BF16
+        copy (rounded) where it does not. The master's BF16 copy is not refreshed here."""
         end = start + values.numel()
         master = self.region("master", unit)
-        cut = min(max(master.numel() if master is not None else 0, start), end)
-        if cut > start:
-            master[start:cut].copy_(values[: cut - start])  # type: ignore[index]
+        cut = min(max(self.extent("master", unit), start), end)
+        if cut > start and master is not None:
+            master[start:cut].copy_(values[: cut - start])
+        elif cut > start:
+            assert self.disk is not None and self.master_on_disk
+            self.disk.write_range("master", unit, start, values[: cut - start])
         if end > cut:
             bf16 = self.region("bf16", unit)
             assert bf16 is not None, "every unit keeps its master or its BF16 copy"
@@ -237,6 +250,9 @@ class HostLedger:
         ledger never touches the pages it does not own). Units without a master or a BF16 copy are skipped, and so
         are the elements the master does not cover (their BF16 copy is their only one)."""
         g = self.geometry
+        if self.master_on_disk:
+            self._refresh_bf16_from_disk(ranges)
+            return
         whole = not g.trainable_sizes and (
             not g.regions_of_unit or all(g.has("master", u) and g.has("bf16", u) for u in range(g.num_units))
         )
@@ -255,6 +271,21 @@ class HostLedger:
                 lo, hi = a - start, min(b - start, master.numel())
                 if lo < hi:
                     bf16[lo:hi].copy_(master[lo:hi])
+
+    def _refresh_bf16_from_disk(self, ranges: list[tuple[int, int]] | None) -> None:
+        """:meth:`refresh_bf16` from a master on disk: record by record through the state file's mapping, its pages
+        handed back as it goes (a master larger than host memory never sits there whole)."""
+        disk, g = self.disk, self.geometry
+        assert disk is not None
+        starts = g.layout_offsets()
+        with disk.paged():
+            for u in range(g.num_units):
+                bf16 = self.region("bf16", u)
+                a, b = (0, g.unit_sizes[u]) if ranges is None else (ranges[u][0] - starts[u], ranges[u][1] - starts[u])
+                b = min(b, self.extent("master", u))
+                if bf16 is not None and a < b:
+                    disk.read_range("master", u, a, bf16[a:b])  # torch's rounding, as refresh_bf16's
+        disk.unmap()
 
     def mapping_address(self) -> int:
         """The address of the mapping's first byte (file offset 0)."""

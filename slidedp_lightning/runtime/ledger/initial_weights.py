@@ -162,7 +162,7 @@ class InitialWeights:
                     master = ledger.region("master", unit.index)
                     if master is not None and ledger.extent("master", unit.index) == unit.padded:
                         self._copy_unit(unit, master)
-                    else:  # frozen weights that only the BF16 copy keeps
+                    else:  # frozen weights that only the BF16 copy keeps, or a master on disk
                         flat = torch.zeros(unit.padded)
                         self._copy_unit(unit, flat)
                         ledger.write_weights(unit.index, 0, flat)
@@ -254,9 +254,14 @@ class InitialWeights:
                 covered = ledger.extent("master", u)  # beyond: frozen weights, BF16 copy only
                 for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
                     lo -= units[u].offset
-                    out = master[lo : lo + n] if lo + n <= covered else torch.empty(n)  # type: ignore[index]
+                    in_master = master is not None and lo + n <= covered
+                    out = master[lo : lo + n] if in_master else torch.empty(n)  # type: ignore[index]
                     self.source.read_into(name, out, start, bf16[lo : lo + n] if bf16 is not None else None)
+                    if master is None and lo < covered:  # the master on disk: through the state file's mapping
+                        ledger.write_weights(u, lo, out)
                     bar.update(self.source.nbytes(name, n))
+            if ledger.disk is not None:
+                ledger.disk.unmap()  # on the file before the update lane reads its records
         except Exception as exc:  # raised below, after every rank has reported
             error = exc
         finally:
@@ -291,9 +296,18 @@ class InitialWeights:
 def broadcast_weights(ledger: HostLedger, group: Any, **src: int) -> None:
     """Global rank 0's weights to every rank of ``group``: the whole master and the BF16 copies of what it does
     not cover (the other BF16 copies are refreshed from the master afterwards)."""
+    g = ledger.geometry
+    if ledger.master_on_disk:  # unit by unit through the state file (a master larger than host memory)
+        source = src.get("src", src.get("group_src", 0))
+        for u in range(g.num_units):
+            flat = ledger.weights(u) if dist.get_rank() == source else torch.zeros(g.unit_sizes[u])
+            dist.broadcast(flat, group=group, **src)  # type: ignore[arg-type]
+            ledger.write_weights(u, 0, flat)
+        assert ledger.disk is not None
+        ledger.disk.unmap()
+        return
     if ledger.master.numel():
         dist.broadcast(ledger.master, group=group, **src)  # type: ignore[arg-type]
-    g = ledger.geometry
     for u in range(g.num_units):
         covered = g.unit_elems("master", u)
         bf16 = ledger.region("bf16", u)

@@ -59,6 +59,14 @@ def ledger_geometry(layout: Layout, config: EngineConfig, topology: Topology, dt
     on_disk: tuple[str, ...] = ()
     if config.state_dir is not None:
         on_disk = MOMENTS + (("exp_avg_absmax", "exp_avg_sq_absmax") if config.optimizer_state == "int8" else ())
+    if config.master_on_disk:
+        if dtype != torch.bfloat16:
+            raise ValueError(
+                f"the FP32 master on disk (StateOnDisk(master=True)) leaves only the BF16 copy in host memory for the "
+                f"devices to read, and this run computes in {str(dtype).removeprefix('torch.')}: use "
+                "precision='bf16-mixed' (or 'bf16-true'), or keep the master in memory (StateOnDisk(master=False))."
+            )
+        on_disk = ("master", *on_disk)
     return LedgerGeometry(
         total=layout.total,
         num_units=len(layout.units),
@@ -122,19 +130,18 @@ def open_ledger(
         raise ValueError(f"the ledger keeps {geometry.on_disk} on disk: open_ledger needs their state_dir")
     disk = open_disk_state(geometry, state_dir, topology) if state_dir is not None and geometry.on_disk else None
     try:
-        ledger = _open_host_ledger(geometry, num_params, weights, topology)
+        return _open_host_ledger(geometry, num_params, weights, topology, disk)
     except BaseException:
         if disk is not None:
             disk.close()
         raise
-    ledger.disk = disk
-    return ledger
 
 
 def _open_host_ledger(
-    geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology
+    geometry: LedgerGeometry, num_params: int, weights: InitialWeights, topology: Topology, disk: DiskState | None
 ) -> HostLedger:
-    """:func:`open_ledger`'s file in host memory."""
+    """:func:`open_ledger`'s file in host memory, with ``disk`` attached before any weight is written (a master on
+    disk is written through it)."""
     copies = topology.ledger_copies
     weights.release_unwritten()
     by_rank0 = not weights.from_source
@@ -145,6 +152,7 @@ def _open_host_ledger(
     def create() -> HostLedger:
         check_host_memory(geometry, num_params, copies, directory)
         ledger = HostLedger(directory, geometry, create=True, share=shared)
+        ledger.disk = disk
         try:
             if by_rank0:
                 weights.fill(ledger)
@@ -176,7 +184,11 @@ def _open_host_ledger(
         return ledger.handle if shared else None
 
     handle = on_rank0_for_all(create_on_rank0, topology)
-    ledger = created[0] if created else HostLedger(handle, geometry, create=False)
+    if created:
+        ledger = created[0]
+    else:
+        ledger = HostLedger(handle, geometry, create=False)
+        ledger.disk = disk
     try:
         ledger.pids[topology.local_rank] = os.getpid()
         if not by_rank0:

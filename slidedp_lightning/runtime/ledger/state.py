@@ -80,10 +80,20 @@ class LedgerState:
             None if flat is None or not self._covered(where, region) else flat[slot.offset : slot.end].view(slot.shape)
         )
 
+    def _master_on_disk(self, where: Slot) -> bool:
+        """Whether the parameter's FP32 master lies in the state file on disk (not a frozen one without a master)."""
+        return self.ledger.master_on_disk and self._covered(where, "master")
+
     def master_view(self, unit_index: int, slot_index: int) -> torch.Tensor:
         """The parameter's FP32 weights: a view of the master, or (a frozen parameter under bf16 compute, which
-        keeps only its BF16 copy) an FP32 copy of its BF16 copy."""
+        keeps only its BF16 copy) an FP32 copy of its BF16 copy, or (a master on disk) a copy read from the file."""
         view = self._view((unit_index, slot_index), "master")
+        if view is None and self._master_on_disk((unit_index, slot_index)):
+            assert self.ledger.disk is not None
+            slot = self.layout.units[unit_index].slots[slot_index]
+            out = torch.empty(slot.numel)
+            self.ledger.disk.read_range("master", unit_index, slot.offset, out)
+            return out.view(slot.shape)
         if view is None:
             bf16 = self._view((unit_index, slot_index), "bf16")
             assert bf16 is not None, "every unit keeps its master or its BF16 copy"
@@ -145,12 +155,14 @@ class LedgerState:
         """Views for the parameters ``names``: ``model/<name>``, ``exp_avg/<name>`` and ``exp_avg_sq/<name>``
         (writing into them writes the ledger); a wholly frozen unit's parameters have no moments, and without a
         master their ``model/`` tensor is an FP32 copy of the BF16 copy: ``writing`` keeps it, to be written back
-        by :meth:`restored`. Moments kept on disk are not here (:meth:`disk_moment_views`). With host-sharded
+        by :meth:`restored`. State kept on disk is not here (:meth:`disk_state_views`). With host-sharded
         ledgers only this host's elements of each view (:meth:`host_parts`) are valid."""
         slots = self.named_slots()
         out = {}
         for name in names:
             where = slots[name]
+            if self._master_on_disk(where):  # (its pieces: disk_state_views)
+                continue
             out[f"model/{name}"] = self.master_view(*where)
             if writing and self._view(where, "master") is None:
                 self._pending.append((out[f"model/{name}"], self._view(where, "bf16")))  # type: ignore[arg-type]
@@ -181,11 +193,11 @@ class LedgerState:
             out[f"{region}_absmax/{unit.name}"] = (lo, hi, view[lo:hi])
         return out
 
-    def disk_moment_views(self, names: list[str]) -> list[tuple[str, int, int, torch.Tensor]]:
-        """Moments kept on disk: ``(key, start, stop, view)`` for the parameters ``names``, keyed as in
-        :meth:`ledger_tensors`, one entry per record a parameter's elements ``[start, stop)`` lie in (views
-        of the state file mapped; writing them writes it; :meth:`release_disk_views` when done). Empty when the
-        moments are in memory."""
+    def disk_state_views(self, names: list[str]) -> list[tuple[str, int, int, torch.Tensor]]:
+        """Moments (and a master) kept on disk: ``(key, start, stop, view)`` for the parameters ``names``, keyed as
+        in :meth:`ledger_tensors` (``model/`` for the master), one entry per record a parameter's elements
+        ``[start, stop)`` lie in (views of the state file mapped; writing them writes it; :meth:`release_disk_views`
+        when done). Empty when everything is in memory."""
         disk = self.ledger.disk
         if disk is None:
             return []
@@ -193,16 +205,15 @@ class LedgerState:
         out = []
         for name in names:
             where = slots[name]
-            if not self._covered(where, "exp_avg"):
-                continue  # a frozen parameter keeps no moments
+            regions = [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")] if self._covered(where, "exp_avg") else []
+            if self._master_on_disk(where):
+                regions.insert(0, ("model", "master"))
             slot = self.layout.units[where[0]].slots[where[1]]
-            for region in MOMENTS:
+            for key, region in regions:  # (a frozen parameter keeps no moments)
                 for first, view in disk.part_views(region, where[0]):
                     lo, hi = max(first, slot.offset), min(first + view.numel(), slot.end)
                     if lo < hi:
-                        out.append(
-                            (f"{region}/{name}", lo - slot.offset, hi - slot.offset, view[lo - first : hi - first])
-                        )
+                        out.append((f"{key}/{name}", lo - slot.offset, hi - slot.offset, view[lo - first : hi - first]))
         return out
 
     def disk_scale_views(self, unit_index: int) -> list[tuple[str, int, int, torch.Tensor]]:
@@ -224,7 +235,7 @@ class LedgerState:
         return out
 
     def disk_paging(self) -> AbstractContextManager[None]:
-        """Around a checkpoint's reads or writes of :meth:`disk_moment_views`: their pages handed back as it goes
+        """Around a checkpoint's reads or writes of :meth:`disk_state_views`: their pages handed back as it goes
         (``DiskState.paged``); nothing to do when the moments are in memory."""
         return self.ledger.disk.paged() if self.ledger.disk is not None else nullcontext()
 
@@ -301,6 +312,10 @@ class LedgerState:
         if self.int8 and region in MOMENTS:
             if self._covered(where, region):
                 self._quantize_into(where, region, value)
+            return
+        if region == "master" and self._master_on_disk(where):  # on the file at the next unmap (refresh_bf16's)
+            assert self.ledger.disk is not None
+            self.ledger.disk.write_range("master", where[0], slot.offset, value.detach().reshape(-1).float())
             return
         view = self._view(where, region)
         if view is None and region == "master":  # a frozen parameter keeping only its BF16 copy

@@ -263,3 +263,86 @@ def test_a_checkpoint_save_reads_the_state_file_with_its_pages_handed_back(tmp_p
         assert rss_file() - base < 32 << 20, "the state file's mapping outlived the save"
     finally:
         engine.close(restore=False)
+
+
+# -- the FP32 master on disk too (StateOnDisk(master=True)): bf16 compute, the BF16 copy alone in memory ----------
+MASTER_KNOBS = [
+    {},
+    {"grad_route": "host_reduce", "chunk_bytes": 4096},
+    {"update": "deferred", "accumulate": 2},
+    {"param_route": "sharded", "prefetch_window": 1},
+    {"optimizer_state": "int8"},
+]
+
+
+@pytest.mark.parametrize("pieces", ["whole", "16KiB"])
+@pytest.mark.parametrize("knobs", MASTER_KNOBS, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()) or "default")
+def test_the_master_on_disk_trains_bit_identically(tmp_path: Path, knobs: dict, pieces: str, monkeypatch) -> None:
+    """The master, the moments and their scales in the state file: the same losses and FP32 weights (read back from
+    the file) as the ledger in memory, record by record."""
+    if pieces != "whole":
+        monkeypatch.setattr(disk, "PIECE_BYTES", 16 << 10)
+    ref = run(EngineConfig(**knobs), torch.bfloat16)
+    got = run(EngineConfig(state_dir=str(tmp_path), master_on_disk=True, **knobs), torch.bfloat16)
+    _assert_same(got, ref)
+    assert got[3][0] > 0 and got[3][1] > 0 and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("state", ["fp32", "int8"])
+def test_the_ledger_in_memory_keeps_only_the_bf16_copy(tmp_path: Path, state: str) -> None:
+    ram = run(EngineConfig(optimizer_state=state), torch.bfloat16, steps=1)[2]
+    disk_ = run(EngineConfig(optimizer_state=state, state_dir=str(tmp_path), master_on_disk=True), torch.bfloat16,
+                steps=1)[2]  # fmt: skip
+    per_param = 4 + (8 if state == "fp32" else 2 + 8 / 1024)
+    saved = ram.nbytes - disk_.nbytes
+    assert per_param * ram.padded_params <= saved <= per_param * ram.padded_params + 4 * 4096 * 2, (saved, ram)
+
+
+@pytest.mark.parametrize("where", ["disk-disk", "disk-memory", "memory-disk"])
+def test_a_checkpoint_resumes_bit_exact_wherever_the_master_lives(tmp_path: Path, where: str) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    saves, loads = where.split("-")
+    config = {"disk": EngineConfig(state_dir=str(state), master_on_disk=True), "memory": EngineConfig()}
+    straight = run(config[saves], torch.bfloat16, steps=6, save=tmp_path / "ck")
+    resumed = run(config[loads], torch.bfloat16, steps=6, load=tmp_path / "ck")
+    assert resumed[0] == straight[0][3:]
+    assert all(torch.equal(resumed[1][k], straight[1][k]) for k in straight[1])
+    assert os.listdir(state) == []
+
+
+def test_weights_set_and_restored_at_close_go_through_the_master_on_disk(tmp_path: Path) -> None:
+    """load_state_dict writes the master in the file (and its BF16 copy), the next step starts from it, and the model
+    gets FP32 copies of the master read back from the file at close."""
+    model = tiny_model(False, layers=2, seed=0)
+    config = EngineConfig(state_dir=str(tmp_path), master_on_disk=True)
+    engine = SlideDPEngine(model, config, device=CPU, compute_dtype=torch.bfloat16)
+    try:
+        engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        want = {k: v + 0.5 for k, v in engine.state_dict().items()}
+        engine.load_state_dict(want)
+        assert all(torch.equal(v, want[k]) for k, v in engine.state_dict().items())
+        x = token_batches(1, 2, 16)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=x, labels=x).loss.backward()
+        assert engine.end_step()
+        engine.synchronize()
+        after = engine.state_dict()
+        assert any(not torch.equal(after[k], want[k]) for k in want)  # trained from the weights set
+    finally:
+        engine.close(restore=True)
+    assert all(torch.equal(v, after[k]) for k, v in model.state_dict().items() if k in after)
+
+
+def test_the_master_on_disk_is_refused_without_bf16_compute_and_its_copy(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="computes in float32: use precision='bf16-mixed'"):
+        SlideDPEngine(tiny_model(False), EngineConfig(state_dir=str(tmp_path), master_on_disk=True), device=CPU,
+                      compute_dtype=torch.float32)  # fmt: skip
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="keep bf16_copy=True"):
+        SlideDPOptions(optimizer_state=StateOnDisk(str(tmp_path), master=True), bf16_copy=False)
+    with pytest.raises(ValueError, match="needs a state_dir and bf16_copy=True"):
+        EngineConfig(master_on_disk=True)
+    options = SlideDPOptions(optimizer_state=StateOnDisk(str(tmp_path), moments="int8", master=True))
+    config = options.base_engine_config()
+    assert config.master_on_disk and config.state_dir == str(tmp_path) and config.optimizer_state == "int8"
