@@ -207,12 +207,11 @@ def save_hf(
     if engine.topology.global_rank == 0:
         try:
             target = check_export_target(directory)
-            tensors = engine.state.model_tensors(model)
-
-            def fetch(names: list[str]) -> dict[str, torch.Tensor]:
-                return {n: tensors[n] for n in names}
-
-            with export_directory(target, 0 if adapter_only else export_bytes(tensors, dtype)) as tmp:
+            tensors, fetch = engine.state.model_reader(model)  # (a master on disk: read a shard at a time)
+            with (
+                engine.state.disk_paging(),
+                export_directory(target, 0 if adapter_only else export_bytes(tensors, dtype)) as tmp,
+            ):
                 if adapter_only:
                     write_adapters(tmp, peft_wrapper(engine.root, model), fetch, dtype)
                 else:
@@ -220,6 +219,7 @@ def save_hf(
                     write_hf(
                         tmp, meta, read, model.config, getattr(model, "generation_config", None), dtype, max_shard_size
                     )
+            engine.state.release_disk_views()
             log.info(
                 "SlideDP: Hugging Face export (%s%s) written to %s",
                 dtype,

@@ -7,6 +7,7 @@ calling a reader and evicts every resident unit before calling a writer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
@@ -260,16 +261,37 @@ class LedgerState:
         return parts
 
     def model_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """``module``'s state keyed as its own ``state_dict()``: master views (tied weights once) and buffers."""
-        out, seen = {}, set()
+        """``module``'s state keyed as its own ``state_dict()``: master views (tied weights once) and buffers (with
+        a master on disk, copies of it: :meth:`model_reader` reads them one at a time instead)."""
+        meta, read = self.model_reader(module)
+        return read(list(meta))
+
+    def model_reader(
+        self, module: nn.Module
+    ) -> tuple[dict[str, torch.Tensor], Callable[[list[str]], dict[str, torch.Tensor]]]:
+        """:meth:`model_tensors` for an export that writes a shard at a time: ``(meta, read)``, the tensors' shapes
+        and dtypes (meta tensors where reading one means copying it out of the state file on disk, else the
+        tensors themselves) and ``read(names)``, the tensors of ``names`` (copies read from the file where it holds
+        the master: what a shard needs, never the whole model)."""
+        meta: dict[str, torch.Tensor] = {}
+        on_disk: dict[str, Slot] = {}
+        seen = set()
         for name, t in module.state_dict(keep_vars=True).items():
             where = self._slot_of.get(id(t))
             if where is None:
-                out[name] = t.detach()
+                meta[name] = t.detach()
             elif where not in seen:
                 seen.add(where)
-                out[name] = self.master_view(*where)
-        return out
+                if self._master_on_disk(where):
+                    meta[name] = torch.empty(self.layout.units[where[0]].slots[where[1]].shape, device="meta")
+                    on_disk[name] = where
+                else:
+                    meta[name] = self.master_view(*where)
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            return {n: self.master_view(*on_disk[n]) if n in on_disk else meta[n] for n in names}
+
+        return meta, read
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The root's state entries that are not ledger parameters (persistent buffers), as copies."""

@@ -162,3 +162,48 @@ def test_frozen_weights_without_a_master_reach_checkpoints_and_exports_and_resum
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_frozen_weights_beside_a_master_on_disk_train_save_and_resume_as_in_memory(tmp_path) -> None:
+    """The master on disk covers the trainable parameters only: frozen embeddings, a frozen block and a frozen MLP
+    keep their BF16 copy in memory; the same losses, weights, export and checkpoint as the ledger in memory."""
+
+    def frozen_model(seed: int) -> torch.nn.Module:
+        model = aligned_model(seed=seed)
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[1].requires_grad_(False)
+        model.model.layers[0].mlp.requires_grad_(False)
+        return model
+
+    batches = token_batches(4, 2, 16, vocab=256)
+    runs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group
+        for where in ("memory", "disk"):
+            (tmp_path / where).mkdir()
+            disk = {"state_dir": str(tmp_path / where), "master_on_disk": True} if where == "disk" else {}
+            model = frozen_model(0)
+            engine = engine_of(model, torch.bfloat16, **disk)
+            try:
+                opt = adamw(model)
+                engine.attach_optimizer(opt)
+                losses = _train(engine, model, opt, batches[:2])
+                checkpoint.save(engine, {"state_dict": {}}, tmp_path / f"ck-{where}")
+                losses += _train(engine, model, opt, batches[2:])
+                runs[where] = (losses, engine.state_dict(), engine.state.model_tensors(engine.model))
+            finally:
+                engine.close(restore=False)
+        (memory, disk_run) = runs["memory"], runs["disk"]
+        assert disk_run[0] == memory[0]
+        for a, b in ((disk_run[1], memory[1]), (disk_run[2], memory[2])):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        other = frozen_model(7)  # the disk run's checkpoint, resumed into memory
+        engine = engine_of(other, torch.bfloat16)
+        try:
+            opt = adamw(other)
+            engine.attach_optimizer(opt)
+            checkpoint.load(engine, tmp_path / "ck-disk")
+            assert _train(engine, other, opt, batches[2:]) == memory[0][2:]
+            assert all(torch.equal(v, memory[1][k]) for k, v in engine.state_dict().items())
+        finally:
+            engine.close(restore=False)
