@@ -58,6 +58,12 @@ SYSTEMS: dict[str, tuple[str, dict, tuple[float, float]]] = {
     "slidedp_int8_nocopy": ("slidedp", {"optimizer_state": "int8", "bf16_copy": False}, (6.01, 6.9)),
     # FP32 moments in a state file on the disk of the output folder (8 B/param of them there, not in memory)
     "slidedp_disk": ("slidedp", {"state_on_disk": True}, (6.0, 5.6)),
+    # the FP32 master and int8 moments in the state file: the BF16 copy alone in memory (2 B/param; bf16-mixed only)
+    "slidedp_disk_master": (
+        "slidedp",
+        {"state_on_disk": True, "master_on_disk": True, "optimizer_state": "int8"},
+        (2.0, 5.6),
+    ),
 }
 RANKS, SEQ, STEPS = 2, 32, 3
 

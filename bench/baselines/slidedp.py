@@ -3,7 +3,8 @@
 ``spec.knobs`` are ``SlideDPStrategy`` arguments, except ``loss_chunk`` (tokens per chunk of the loss, applied to
 the model with :func:`slidedp_lightning.use_chunked_loss`), ``lane_trace`` (true: record the lanes with
 :class:`slidedp_lightning.LaneTrace` into ``<out>/trace``) and ``state_on_disk`` (true: the moments in a state file
-in ``<out>/state``, ``optimizer_state=StateOnDisk(...)`` with the ``optimizer_state`` knob as its moments).
+in ``<out>/state``, ``optimizer_state=StateOnDisk(...)`` with the ``optimizer_state`` knob as its moments; with
+``master_on_disk`` true, the FP32 master there too).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ def run(spec: JobSpec, out: str) -> int:
     loss_chunk = knobs.pop("loss_chunk", None)
     trace = knobs.pop("lane_trace", False)
     activations = knobs.pop("activation_policy", "full" if spec.checkpointing else None)
+    master = knobs.pop("master_on_disk", False)
     if knobs.pop("state_on_disk", False):
         from slidedp_lightning import StateOnDisk
 
         os.makedirs(f"{out}/state", exist_ok=True)
-        knobs["optimizer_state"] = StateOnDisk(f"{out}/state", moments=knobs.get("optimizer_state", "fp32"))
+        moments = knobs.get("optimizer_state", "fp32")
+        knobs["optimizer_state"] = StateOnDisk(f"{out}/state", moments=moments, master=master)
     strategy = SlideDPStrategy(**knobs, activation_policy=activations, timeout=timedelta(seconds=spec.timeout_s))
     callbacks = []
     if trace:

@@ -602,7 +602,11 @@ class DiskState:
     def paged(self, every_s: float = 0.05) -> Iterator[None]:
         """While a checkpoint reads or writes the mapped views: every ``every_s`` the mapping's changes are written
         to the file and its pages handed back (``MADV_PAGEOUT``), so the pages a checkpoint touched do not pile up
-        in this process's memory (they would, up to the whole file, until the kernel needed the memory)."""
+        in this process's memory (they would, up to the whole file, until the kernel needed the memory). Inside
+        another ``paged()`` it adds nothing."""
+        if self.paging:
+            yield
+            return
         stop = threading.Event()
 
         def page_out() -> None:

@@ -4,6 +4,8 @@ model's own weights copied (meta-device units materialized one at a time) by loc
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +158,7 @@ class InitialWeights:
         kind = "init" if meta else "copy"
         total = 4 * self.layout.num_params
         what = "SlideDP initializing weights" if meta else "SlideDP copying weights"
-        with ByteProgress(what, total, show=True) as bar:
+        with ByteProgress(what, total, show=True) as bar, _paged(ledger):
             if ranges is None:
                 for unit in self.layout.units:
                     master = ledger.region("master", unit.index)
@@ -248,20 +250,20 @@ class InitialWeights:
                     if whole is not None:
                         views += [whole[lo - units[u].offset : lo - units[u].offset + n] for _, _, lo, n in pieces]
             prepare_pages(ledger, ledger_spans(ledger, [v for v in views if v.numel()]), budget)
-            for u, pieces in work:
-                ledger.clear_moments([ranges[i] if i == u else (ranges[i][0], ranges[i][0]) for i in range(len(units))])
-                master, bf16 = ledger.region("master", u), ledger.region("bf16", u)
-                covered = ledger.extent("master", u)  # beyond: frozen weights, BF16 copy only
-                for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
-                    lo -= units[u].offset
-                    in_master = master is not None and lo + n <= covered
-                    out = master[lo : lo + n] if in_master else torch.empty(n)  # type: ignore[index]
-                    self.source.read_into(name, out, start, bf16[lo : lo + n] if bf16 is not None else None)
-                    if master is None and lo < covered:  # the master on disk: through the state file's mapping
-                        ledger.write_weights(u, lo, out)
-                    bar.update(self.source.nbytes(name, n))
-            if ledger.disk is not None:
-                ledger.disk.unmap()  # on the file before the update lane reads its records
+            with _paged(ledger):
+                for u, pieces in work:
+                    ranges_u = [ranges[i] if i == u else (ranges[i][0], ranges[i][0]) for i in range(len(units))]
+                    ledger.clear_moments(ranges_u)
+                    master, bf16 = ledger.region("master", u), ledger.region("bf16", u)
+                    covered = ledger.extent("master", u)  # beyond: frozen weights, BF16 copy only
+                    for name, start, lo, n in pieces:  # gaps and padding stay zero in both copies
+                        lo -= units[u].offset
+                        in_master = master is not None and lo + n <= covered
+                        out = master[lo : lo + n] if in_master else torch.empty(n)  # type: ignore[index]
+                        self.source.read_into(name, out, start, bf16[lo : lo + n] if bf16 is not None else None)
+                        if master is None and lo < covered:  # the master on disk: through the state file's mapping
+                            ledger.write_weights(u, lo, out)
+                        bar.update(self.source.nbytes(name, n))
         except Exception as exc:  # raised below, after every rank has reported
             error = exc
         finally:
@@ -291,6 +293,19 @@ class InitialWeights:
             count,
             rate(self.report.nbytes, self.report.seconds),
         )
+
+
+@contextmanager
+def _paged(ledger: HostLedger) -> Iterator[None]:
+    """Around writes of a master on disk through the state file's mapping: its pages handed back as they are
+    written (a master larger than host memory is never mapped whole), and on the file at the end, before the update
+    lane reads its records. Nothing to do with the master in memory."""
+    if ledger.disk is None or not ledger.master_on_disk:
+        yield
+        return
+    with ledger.disk.paged():
+        yield
+    ledger.disk.unmap()
 
 
 def broadcast_weights(ledger: HostLedger, group: Any, **src: int) -> None:
