@@ -218,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the moments live in a state file on disk (StateOnDisk); the profile needs disk_gbps (calibrate --state-dir)",
     )
     pr.add_argument(
+        "--master-on-disk",
+        action="store_true",
+        help="with --state-on-disk: the FP32 master in the state file too (StateOnDisk(master=True))",
+    )
+    pr.add_argument(
         "--loss-sync",
         action="store_true",
         help="the training step all-reduces its loss over every rank (Lightning's sync_dist logging)",
@@ -298,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer_state=args.optimizer_state,
                 bf16_copy=not args.no_bf16_copy,
                 state_on_disk=args.state_on_disk,
+                master_on_disk=args.master_on_disk,
             )
             print(predict_table(cfg, args.hardware, args.network))
         elif args.cmd == "scaling":
@@ -324,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 optimizer_state=args.optimizer_state,
                 bf16_copy=not args.no_bf16_copy,
                 state_on_disk=args.state_on_disk,
+                master_on_disk=args.master_on_disk,
             )
             print(scaling_table(base, profile, totals))
         elif args.cmd == "loop":

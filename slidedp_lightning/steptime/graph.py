@@ -24,6 +24,7 @@ from slidedp_lightning.constants import (
     GRAD_ROUTES,
     HOST_LAYOUTS,
     LEDGER_BYTES_PER_PARAM,
+    MASTER_BYTES,
     OPTIMIZER_STATES,
     h2d_bytes_per_param,
     ledger_bytes_per_param,
@@ -73,8 +74,12 @@ class StepConfig:
     # the moments in a state file on a local disk (StateOnDisk): every update reads and writes them there too,
     # through the profile's ``disk`` resource (``disk_gbps``: reads and writes at once, ``bench.disk_ceiling``)
     state_on_disk: bool = False
+    # with state_on_disk: the FP32 master there too (StateOnDisk(master=True)): read and written with the moments
+    master_on_disk: bool = False
 
     def __post_init__(self) -> None:
+        if self.master_on_disk and not (self.state_on_disk and self.bf16_copy):
+            raise ValueError("master_on_disk is part of the state on disk (state_on_disk) and needs the BF16 copy")
         if self.optimizer_state not in OPTIMIZER_STATES:
             raise ValueError(f"unknown optimizer_state {self.optimizer_state!r}; choose one of {OPTIMIZER_STATES}")
         if self.param_route not in PARAM_ROUTES:
@@ -141,14 +146,16 @@ def host_ledger_bytes(cfg: StepConfig) -> float:
     divided by N when host-sharded."""
     default = cfg.optimizer_state == "fp32" and cfg.bf16_copy
     per = LEDGER_BYTES_PER_PARAM if default else ledger_bytes_per_param(cfg.optimizer_state, cfg.bf16_copy)
-    per -= disk_bytes_per_param(cfg) / 2  # the moments kept on disk
+    per -= disk_bytes_per_param(cfg) / 2  # the moments (and the master) kept on disk
     return per * cfg.model.total_params * cfg.state_share
 
 
 def disk_bytes_per_param(cfg: StepConfig) -> float:
-    """Bytes the update reads from and writes to the state file per parameter: both moments each way (0 without
-    the state on disk)."""
-    return 2 * 2 * moment_bytes(cfg.optimizer_state) if cfg.state_on_disk else 0.0
+    """Bytes the update reads from and writes to the state file per parameter: both moments (and the FP32 master,
+    ``master_on_disk``) each way (0 without the state on disk)."""
+    if not cfg.state_on_disk:
+        return 0.0
+    return 2 * (2 * moment_bytes(cfg.optimizer_state) + (MASTER_BYTES if cfg.master_on_disk else 0))
 
 
 def _state_io(b: _Builder, cfg: StepConfig, what: str, step: int, u: int, params: float, deps: list[int]) -> int:

@@ -267,3 +267,10 @@ def test_the_state_on_disk_is_a_resource_of_the_update():
         assert sim.step_time >= ana.bounds["disk"] * (1 - 1e-9)
         if not bound_by_disk:  # a fast disk costs (almost) nothing
             assert sim.step_time == pytest.approx(simulate(base, with_disk).step_time, rel=0.02)
+    # the master there too: 4 B/param more out of the ledger, 8 more over the disk a step
+    master = replace(disk, master_on_disk=True)
+    assert host_ledger_bytes(disk) - host_ledger_bytes(master) == pytest.approx(4 * n)
+    slow = Profile(profile.name, {**profile.values, "disk_gbps": 1e-3}, profile.sources)
+    assert analyze(master, slow).bounds["disk"] == pytest.approx(24 * n / 1e6, rel=1e-3)
+    with pytest.raises(ValueError, match="master_on_disk"):
+        replace(base, master_on_disk=True)
