@@ -155,8 +155,8 @@ def write_hf(
     dtype: torch.dtype,
     max_shard_size: str | int,
 ) -> None:
-    """Write the tensors named by ``meta`` (shape and dtype only) one shard at a time, each shard's tensors
-    fetched by ``read(names)``, then the config (and generation config, if any), into ``directory`` (an existing
+    """Write the tensors named by ``meta`` (shape and dtype only) one shard at a time, each tensor fetched by
+    ``read([name])`` and converted before the next is fetched, then the config (and generation config, if any), into ``directory`` (an existing
     directory: the caller swaps it into place; see :func:`export_directory`)."""
     directory = Path(directory)
 
@@ -168,8 +168,8 @@ def write_hf(
         meta, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
     )
     for filename, names in split.filename_to_tensors.items():
-        tensors = read(names)
-        shard = {n: tensors[n].to(meta[n].dtype, copy=True).contiguous() for n in names}
+        # a tensor at a time: one read may be a copy (a master on disk), gone once converted into the shard
+        shard = {n: read([n])[n].to(meta[n].dtype, copy=True).contiguous() for n in names}
         save_file(shard, str(directory / filename), metadata={"format": "pt"})
     if split.is_sharded:
         index = {
@@ -207,7 +207,7 @@ def save_hf(
     if engine.topology.global_rank == 0:
         try:
             target = check_export_target(directory)
-            tensors, fetch = engine.state.model_reader(model)  # (a master on disk: read a shard at a time)
+            tensors, fetch = engine.state.model_reader(model)  # (a master on disk: read a tensor at a time)
             with (
                 engine.state.disk_paging(),
                 export_directory(target, 0 if adapter_only else export_bytes(tensors, dtype)) as tmp,

@@ -272,7 +272,7 @@ class LedgerState:
         """:meth:`model_tensors` for an export that writes a shard at a time: ``(meta, read)``, the tensors' shapes
         and dtypes (meta tensors where reading one means copying it out of the state file on disk, else the
         tensors themselves) and ``read(names)``, the tensors of ``names`` (copies read from the file where it holds
-        the master: what a shard needs, never the whole model)."""
+        the master: what the caller asks for at once, never the whole model)."""
         meta: dict[str, torch.Tensor] = {}
         on_disk: dict[str, Slot] = {}
         seen = set()
