@@ -108,17 +108,19 @@ def _train(engine: SlideDPEngine, model: torch.nn.Module, opt: torch.optim.Optim
     return losses
 
 
+def frozen_model(seed: int) -> torch.nn.Module:
+    """Frozen embeddings, a frozen middle block and the frozen MLP of the first block."""
+    model = aligned_model(seed=seed)
+    model.model.embed_tokens.requires_grad_(False)
+    model.model.layers[1].requires_grad_(False)
+    model.model.layers[0].mlp.requires_grad_(False)
+    return model
+
+
 def test_frozen_weights_without_a_master_reach_checkpoints_and_exports_and_resume(tmp_path) -> None:
     """bf16 compute, frozen embeddings, a frozen middle block and the frozen MLP of the first block: the checkpoint
     holds their weights (the BF16 copy in FP32) and no moments for them; a fresh engine loading it continues exactly
     as the one that saved it."""
-
-    def frozen_model(seed: int) -> torch.nn.Module:
-        model = aligned_model(seed=seed)
-        model.model.embed_tokens.requires_grad_(False)
-        model.model.layers[1].requires_grad_(False)
-        model.model.layers[0].mlp.requires_grad_(False)
-        return model
 
     model = frozen_model(0)
     initial = {n: t.clone() for n, t in model.state_dict().items()}
@@ -167,13 +169,6 @@ def test_frozen_weights_without_a_master_reach_checkpoints_and_exports_and_resum
 def test_frozen_weights_beside_a_master_on_disk_train_save_and_resume_as_in_memory(tmp_path) -> None:
     """The master on disk covers the trainable parameters only: frozen embeddings, a frozen block and a frozen MLP
     keep their BF16 copy in memory; the same losses, weights, export and checkpoint as the ledger in memory."""
-
-    def frozen_model(seed: int) -> torch.nn.Module:
-        model = aligned_model(seed=seed)
-        model.model.embed_tokens.requires_grad_(False)
-        model.model.layers[1].requires_grad_(False)
-        model.model.layers[0].mlp.requires_grad_(False)
-        return model
 
     batches = token_batches(4, 2, 16, vocab=256)
     runs = {}
