@@ -122,3 +122,25 @@ def test_the_master_on_disk_trains_and_resumes_as_the_master_in_memory(job_runne
             assert resumed.losses(rank) == memory.losses(rank)[SAVE_AT:], f"rank {rank}: losses after resume differ"
         c = resumed.state()
         assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.integration
+def test_a_rank_killed_in_an_update_with_the_master_on_disk_leaves_its_checkpoint_exact(job_runner):
+    """The master on disk (bf16-mixed): rank 1 SIGKILLed inside an update after the step-5 save leaves a master half
+    updated in the state file, which goes with the job; the checkpoint resumes into a new state file to the same bits
+    as training straight through with the master in memory."""
+    common = dict(strategy="slidedp", tied=True, batch=BATCH, constant_data=True, precision="bf16-mixed",
+                  grad_route="host_reduce")  # fmt: skip
+    memory = _ok(job_runner("master_mem_grad_routehost_reduce", devices=2, steps=STEPS, save_at=SAVE_AT, **common))
+    disk = dict(common, state_on_disk=True, master_on_disk=True)
+    killed = job_runner("master_disk_killed", devices=2, steps=STEPS, save_at=SAVE_AT, kill_at_step=7,
+                        kill_in="update", pg_timeout=20, **disk)  # fmt: skip
+    assert killed.returncode != 0
+    assert not shm_files(), "a shared-memory ledger file was left behind"
+    assert list((killed.out / "state").iterdir()) == [], "the state file outlived the job"
+    resumed = _ok(job_runner("master_disk_killed_resumed", devices=2, steps=STEPS, ckpt_path=str(killed.out / "ck"),
+                             **disk))  # fmt: skip
+    for rank in range(2):
+        assert resumed.losses(rank) == memory.losses(rank)[SAVE_AT:], f"rank {rank}: losses after resume differ"
+    a, b = memory.state(), resumed.state()
+    assert all(torch.equal(a[k], b[k]) for k in a)
