@@ -94,6 +94,8 @@ def begin(local_ranks: int) -> None:
 
 
 def _die_with_starter() -> None:
+    """``PR_SET_PDEATHSIG`` as :func:`slidedp_lightning.process.signals.end_with_launcher` sets it, which cannot be
+    imported here (its package imports Lightning), then the check that the starter had not already ended."""
     _, _, starter = os.environ[ENV].partition(":")
     if sys.platform.startswith("linux"):
         import ctypes
