@@ -309,7 +309,8 @@ def of_flags(args: Namespace) -> Plan:
 
 def predicted_step(args: Namespace, hardware: str) -> str:
     """One line: the step-time model's prediction (simulator) of the job ``args`` describes on the ``hardware``
-    profile (a shipped name or a calibrated profile file): step time, tokens/s, and what bounds the step. Plain Python
+    profile (a shipped name or a calibrated profile file): step time, tokens/s, and what bounds the step; with
+    ``--state-dir`` the state file's disk too (a profile without ``disk_gbps`` is refused, naming it). Plain Python
     (the simulator's modules by name, not the package: the command line loads them by file)."""
     from slidedp_lightning.steptime.graph import StepConfig
     from slidedp_lightning.steptime.profiles import load_profile
@@ -329,6 +330,7 @@ def predicted_step(args: Namespace, hardware: str) -> str:
         grad_route=args.grad_route if args.grad_route != "auto" else "gpu_reduce",
         chunk_bytes=args.chunk_bytes if isinstance(args.chunk_bytes, int) else None, activation=modelled,
         precision=precision, optimizer_state=args.optimizer_state, bf16_copy=args.bf16_copy, loss_sync=True,
+        state_on_disk=getattr(args, "state_dir", None) is not None, master_on_disk=getattr(args, "master_on_disk", False),
     )  # fmt: skip
     sim = simulate(config, profile)
     note = "" if modelled == policy else f"; activations modelled as {modelled!r}, the run has {policy!r}"

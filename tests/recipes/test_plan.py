@@ -195,6 +195,36 @@ def test_the_dry_run_predicts_the_step_on_a_hardware_profile(tmp_path):
         main([*argv, "--dry-run", "--hardware", "no-such-profile"])
 
 
+def test_the_dry_run_predicts_the_state_on_disk_with_the_profiles_disk(tmp_path, capsys):
+    """--state-dir (--master-on-disk) reaches the prediction: a profile without the disk's rate is refused naming
+    disk_gbps; with a slow one the disk bounds the step, longer with the master there too."""
+    import json
+
+    from slidedp_lightning.steptime.profiles import SHIPPED_PROFILES
+    from slidedp_lightning_cli.finetune import main
+
+    config = Path(plan.__file__).with_name("configs") / "qwen3_tiny.json"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(config.read_text())
+    (tmp_path / "state").mkdir()
+    argv = ["--model", str(tmp_path / "m"), "--devices", "1", "--batch-size", "4", "--seq-len", "512", "--dry-run",
+            "--precision", "bf16-mixed", "--state-dir", str(tmp_path / "state")]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*argv, "--hardware", "h200x1"])
+    assert "disk_gbps" in capsys.readouterr().err
+    shipped = json.loads((SHIPPED_PROFILES / "h200x1.json").read_text())
+    shipped["constants"]["disk_gbps"] = {"value": 1e-4, "source": "assumed: a slow disk"}
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(shipped))
+    steps = []
+    for extra in ([], ["--master-on-disk"]):
+        main([*argv, *extra, "--hardware", str(slow)])
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert "host-bound (disk)" in line, line
+        steps.append(float(line.split("step ")[1].split(" s")[0]))
+    assert steps[1] > 1.4 * steps[0], steps  # 24 B/param over the disk instead of 16
+
+
 def test_the_report_names_a_fix_only_for_a_job_that_needs_one():
     fits = plan.plan(plan.Model(params=GB // 10, counted="test"), plan.Setup(ranks=1), HOST)
     assert fits.verdict == "fits" and fits.as_dict()["fix"] is None
