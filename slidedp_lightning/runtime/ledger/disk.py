@@ -583,15 +583,22 @@ class DiskState:
         changes reach the file at :meth:`unmap`, which must come before the update lane reads the records again)."""
         self._copy_range(region, unit, start, values, into_file=True)
 
-    def _copy_range(self, region: str, unit: int, start: int, flat: torch.Tensor, into_file: bool) -> None:
-        stop = start + flat.numel()
+    def range_views(self, region: str, unit: int, start: int, stop: int) -> list[tuple[int, torch.Tensor]]:
+        """``unit``'s elements ``[start, stop)`` of ``region`` as they lie in the records: ``(offset from start,
+        view)`` per record holding some of them (views of the mapping, as :meth:`part_views`)."""
+        out = []
         for first, view in self.part_views(region, unit):
             lo, hi = max(first, start), min(first + view.numel(), stop)
             if lo < hi:
-                if into_file:
-                    view[lo - first : hi - first].copy_(flat[lo - start : hi - start])
-                else:
-                    flat[lo - start : hi - start].copy_(view[lo - first : hi - first])
+                out.append((lo - start, view[lo - first : hi - first]))
+        return out
+
+    def _copy_range(self, region: str, unit: int, start: int, flat: torch.Tensor, into_file: bool) -> None:
+        for at, view in self.range_views(region, unit, start, start + flat.numel()):
+            if into_file:
+                view.copy_(flat[at : at + view.numel()])
+            else:
+                flat[at : at + view.numel()].copy_(view)
 
     def _mapped(self) -> torch.Tensor:
         if self._map is None:

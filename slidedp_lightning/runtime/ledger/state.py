@@ -206,15 +206,14 @@ class LedgerState:
         out = []
         for name in names:
             where = slots[name]
-            regions = [("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")] if self._covered(where, "exp_avg") else []
+            regions = list(MOMENTS) if self._covered(where, "exp_avg") else []  # (a frozen parameter keeps none)
             if self._master_on_disk(where):
-                regions.insert(0, ("model", "master"))
+                regions.insert(0, "master")
             slot = self.layout.units[where[0]].slots[where[1]]
-            for key, region in regions:  # (a frozen parameter keeps no moments)
-                for first, view in disk.part_views(region, where[0]):
-                    lo, hi = max(first, slot.offset), min(first + view.numel(), slot.end)
-                    if lo < hi:
-                        out.append((f"{key}/{name}", lo - slot.offset, hi - slot.offset, view[lo - first : hi - first]))
+            for region in regions:
+                key = "model" if region == "master" else region
+                for at, view in disk.range_views(region, where[0], slot.offset, slot.end):
+                    out.append((f"{key}/{name}", at, at + view.numel(), view))
         return out
 
     def disk_scale_views(self, unit_index: int) -> list[tuple[str, int, int, torch.Tensor]]:
