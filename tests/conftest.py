@@ -10,8 +10,9 @@ signal handled, so the session handles it and gives the inherited disposition ba
 
 A test that runs a Trainer or Fabric in this process leaves Lightning's launch variables in ``os.environ``
 (``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_PORT``, ...). A job started later inherits them, and Lightning, seeing
-``LOCAL_RANK``, takes its ranks for started by someone else: it starts none and waits for them. Every test gets the
-launch variables it started with back."""
+``LOCAL_RANK``, takes its ranks for started by someone else: it starts none and waits for them. After every test the
+launch variables are back as the session started, including what a module-scoped fixture that runs a Trainer left:
+under pytest-xdist a file's tests may run in a worker after any other file's."""
 
 import os
 import signal
@@ -28,15 +29,43 @@ LAUNCH_VARIABLES = (
 )  # fmt: skip
 
 
+# as the session started, before any fixture of any scope ran a Trainer
+_LAUNCH_VARIABLES_AT_START = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+
+
 @pytest.fixture(autouse=True)
 def _launch_variables_restored():
-    before = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     yield
-    for name, value in before.items():
+    for name, value in _LAUNCH_VARIABLES_AT_START.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+# Files whose tests reuse one another's jobs (cached per process by ``job_runner``): the equivalence suite's reference
+# and case runs serve the lane-delay and ledger tests too.
+SHARED_JOBS = {
+    "tests/integration/test_equivalence.py": "equivalence-jobs",
+    "tests/integration/test_lane_delays.py": "equivalence-jobs",
+    "tests/integration/test_ledger.py": "equivalence-jobs",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``-n 2 --dist loadfile`` (pyproject): a file's tests run in one pytest-xdist worker, where its module-scoped
+    jobs run once, and the files of :data:`SHARED_JOBS` in the same one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_JOBS.get(path, path)
+
+    return FileGroups(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -110,7 +110,9 @@ def test_a_creator_that_proc_refuses_hands_the_descriptor_over_its_socket_to_its
     import shutil
     import tempfile
 
-    tmp_path = tempfile.mkdtemp(prefix="slidedp-test-", dir="/dev/shm")  # reachable by another user
+    # reachable by another user; not named slidedp-*, which the tests that look for files left in /dev/shm watch,
+    # perhaps in another pytest-xdist worker at this moment
+    tmp_path = tempfile.mkdtemp(prefix="ledger-test-", dir="/dev/shm")
     os.chmod(tmp_path, 0o777)
     env = dict(os.environ)
     creator = subprocess.Popen(
