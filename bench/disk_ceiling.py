@@ -2,7 +2,7 @@
 the state file's own I/O (an unnamed, reserved file; direct I/O; several requests in flight), the way
 ``cpu_ops.adam_shaped_copy`` gives the memory-bandwidth ceiling of the update::
 
-    python -m bench.disk_ceiling --dir /local/ssd [--gib 2] [--chunk-mib 8] [--depth 4]
+    python -m bench.disk_ceiling --dir /local/ssd [--gib 2] [--chunk-mib 8] [--depth 4] [--stream [--optimizer-state int8]]
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import time
 
 import numpy as np
 
+from slidedp_lightning.constants import QUANT_BLOCK
 from slidedp_lightning.runtime.ledger.disk import (
     DISK_STATE,
+    PIECE_BYTES,
     DiskCeiling,
     DiskLayout,
     RecordStream,
@@ -26,31 +28,56 @@ from slidedp_lightning.runtime.ledger.disk import (
 from slidedp_lightning.runtime.ledger.geometry import LedgerGeometry
 
 
-def measure_stream(directory: str, nbytes: int, units: int = 16, buffers: int = 4, threads: int = 2) -> dict:
-    """A timed pass of FP32 AdamW over ``units`` equal units whose master and moments (12 B/param) fill ``nbytes``
-    of a state file, after an untimed one, each unit's record read one unit ahead and written behind
-    (:class:`RecordStream`), the update on one thread: seconds, bytes read and written, and Gparam/s."""
-    from cpu_ops import adamw_update, set_kernel_threads
+def measure_stream(
+    directory: str,
+    nbytes: int,
+    units: int = 16,
+    buffers: int = 4,
+    threads: int = 2,
+    optimizer_state: str = "fp32",
+    piece_bytes: int = PIECE_BYTES,
+) -> dict:
+    """A timed pass of AdamW over ``units`` equal units whose master and moments fill ``nbytes`` of a state file
+    (``fp32``: 12 B/param; ``int8``: the FP32 master, the moments' codes and their block scales, about 6 B/param),
+    after an untimed one: each record (a unit's state, in pieces of at most ``PIECE_BYTES``) acquired, the next one
+    read ahead while it is updated, and written behind (:class:`RecordStream`), the update lane's kernel on one thread. Seconds, bytes read and
+    written, and Gparam/s."""
+    from cpu_ops import adamw8_update, adamw_update, set_kernel_threads
 
+    if optimizer_state not in ("fp32", "int8"):
+        raise ValueError(f"optimizer_state must be 'fp32' or 'int8', got {optimizer_state!r}")
     set_kernel_threads(1)
-    per_unit = max(nbytes // units // 12 // 1024, 1) * 1024
+    per_param = 12.0 if optimizer_state == "fp32" else 6.0 + 8.0 / QUANT_BLOCK
+    per_unit = max(int(nbytes / units / per_param) // QUANT_BLOCK, 1) * QUANT_BLOCK
     geometry = LedgerGeometry(total=per_unit * units, num_units=units, world_size=1, staging_slots=0,
-                              staging_elems=0, staging_itemsize=4, unit_sizes=(per_unit,) * units)  # fmt: skip
-    layout = DiskLayout(geometry, DISK_STATE["master_and_moments"])
+                              staging_elems=0, staging_itemsize=4, unit_sizes=(per_unit,) * units,
+                              optimizer_state=optimizer_state)  # fmt: skip
+    layout = DiskLayout(geometry, DISK_STATE["master_and_moments"], piece_bytes)
+    records = [(u, p) for u in range(units) for p in range(len(layout.records[u][0]))]
     state = StateFile.create(directory, layout.nbytes, share=False)
     stream = RecordStream(state, layout, owner=0, buffers=buffers, threads=threads)
-    grad = np.random.default_rng(0).standard_normal(per_unit, dtype=np.float32) * np.float32(1e-3)
-    hyper = dict(lr=1e-5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    grad = np.random.default_rng(0).standard_normal(layout.piece_elems, dtype=np.float32) * np.float32(1e-3)
+    lr, beta1, beta2, eps, weight_decay = 1e-5, 0.9, 0.999, 1e-8, 0.01
+
+    def update(v: dict[str, np.ndarray], step: int) -> None:
+        n = v["master"].shape[0]
+        if optimizer_state == "fp32":
+            adamw_update(v["master"], v["exp_avg"], v["exp_avg_sq"], grad[:n], step=step, lr=lr, beta1=beta1,
+                         beta2=beta2, eps=eps, weight_decay=weight_decay)  # fmt: skip
+        else:
+            adamw8_update(v["master"], v["exp_avg"], v["exp_avg_sq"], v["exp_avg_absmax"], v["exp_avg_sq_absmax"],
+                          grad[:n], segments=np.array([[0, n, 0]], dtype=np.int64),
+                          hyper=[(lr, beta1, beta2, eps, weight_decay, True)], step=step)  # fmt: skip
 
     def one_pass(step: int) -> float:
         t0 = time.perf_counter()
-        stream.prefetch(0)
-        for u in range(units):
-            if u + 1 < units:
-                stream.prefetch(u + 1)
-            v = stream.acquire(u)
-            adamw_update(v["master"], v["exp_avg"], v["exp_avg_sq"], grad, step=step, **hyper)
-            stream.release(u)
+        stream.prefetch(*records[0])
+        for i, key in enumerate(records):  # as the update lane: the record, then a read ahead of the next one
+            views = stream.acquire(*key)
+            if i + 1 < len(records):
+                stream.prefetch(*records[i + 1])
+            update(views, step)
+            stream.release(*key)
         stream.flush()
         return time.perf_counter() - t0
 
@@ -59,7 +86,8 @@ def measure_stream(directory: str, nbytes: int, units: int = 16, buffers: int = 
         stream.read_bytes = stream.written_bytes = 0
         seconds = one_pass(2)
         return {"seconds": seconds, "read_bytes": stream.read_bytes, "written_bytes": stream.written_bytes,
-                "gparam_s": per_unit * units / seconds / 1e9, "units": units, "buffers": buffers}  # fmt: skip
+                "gparam_s": per_unit * units / seconds / 1e9, "units": units, "records": len(records),
+                "state_bytes": layout.nbytes, "buffers": buffers, "optimizer_state": optimizer_state}  # fmt: skip
     finally:
         stream.close()
         state.close()
@@ -78,14 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gib", type=float, default=2.0, help="bytes written then read (GiB)")
     parser.add_argument("--chunk-mib", type=int, default=8, help="bytes per request (MiB)")
     parser.add_argument("--depth", type=int, default=4, help="requests in flight")
-    parser.add_argument("--stream", action="store_true", help="also time the FP32 update streaming its state")
+    parser.add_argument("--stream", action="store_true", help="also time the update streaming its state")
+    parser.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8"), help="the streamed moments")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = parser.parse_args(argv)
     nbytes = int(args.gib * (1 << 30))
     c = measure_ceiling(args.dir, nbytes, args.chunk_mib << 20, args.depth)
     result: dict = {**c.__dict__}
     if args.stream:
-        result["stream"] = measure_stream(args.dir, nbytes)
+        result["stream"] = measure_stream(args.dir, nbytes, optimizer_state=args.optimizer_state)
         result["stream"]["of_ceiling"] = stream_vs_ceiling(result["stream"], c)
     if args.json:
         print(json.dumps(result))
@@ -95,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({c.nbytes / 2**30:.1f} GiB, {c.chunk_bytes >> 20} MiB x {c.depth} in flight, {io})")  # fmt: skip
     if args.stream:
         s = result["stream"]
-        print(f"FP32 update streaming its master and moments ({s['units']} units, {s['buffers']} buffers): "
+        moments = "FP32" if s["optimizer_state"] == "fp32" else "8-bit"
+        print(f"update streaming its FP32 master and {moments} moments ({s['units']} units in {s['records']} "
+              f"records, {s['buffers']} buffers): "
               f"{s['gparam_s']:.3f} Gparam/s, {s['of_ceiling']:.2f} of the disk's ceiling")  # fmt: skip
     return 0
 

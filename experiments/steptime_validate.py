@@ -11,10 +11,13 @@ untied vocabulary and one small block, written with ``save_pretrained`` into the
 downloaded): 17 M parameters, almost all in the embedding and head, against 26 tokens per rank, so the host
 lanes (copies, gloo collectives, the update) outweigh the compute.
 
-    python experiments/steptime_validate.py [--profile this_machine.json] [--steps 14] [--out DIR] [--state-on-disk]
+    python experiments/steptime_validate.py [--profile this_machine.json] [--steps 14] [--out DIR]
+        [--state-on-disk [--master-on-disk]]
 
 ``--state-on-disk``: the ``wide`` model's configurations with the Adam moments in a state file in ``<out>/state``
-(``slidedp-finetune --state-dir``; calibrated with ``calibrate --state-dir``).
+(``slidedp-finetune --state-dir``; calibrated with ``calibrate --state-dir``). ``--master-on-disk``: the FP32
+master there too (``--master-on-disk``), so under ``bf16-mixed`` (the devices read the BF16 copy), calibrated with
+``calibrate --precision bf16-mixed``.
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def run_job(
     trace_dir: str,
     timeout: float,
     state_dir: str | None = None,
+    precision: str = "32-true",
+    master_on_disk: bool = False,
 ) -> None:
     exe = Path(sys.executable).with_name("slidedp-finetune")
     cmd = [
@@ -99,7 +104,7 @@ def run_job(
         "--devices",
         "2",
         "--precision",
-        "32-true",
+        precision,
         "--max-steps",
         str(steps),
         "--batch-size",
@@ -117,6 +122,8 @@ def run_job(
         cmd += ["--model", model_dir]
     if state_dir:
         cmd += ["--state-dir", state_dir]
+    if master_on_disk:
+        cmd += ["--master-on-disk"]
     done = subprocess.run(cmd, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -134,7 +141,16 @@ def main() -> int:
         action="store_true",
         help="run the configurations with the moments on disk (DISK_CONFIGS, in <out>/state) instead",
     )
+    ap.add_argument(
+        "--master-on-disk",
+        action="store_true",
+        help="with --state-on-disk: the FP32 master on disk too, every job and the calibration in bf16-mixed",
+    )
     args = ap.parse_args()
+    if args.master_on_disk and not args.state_on_disk:
+        ap.error("--master-on-disk needs --state-on-disk")
+    precision = "bf16-mixed" if args.master_on_disk else "32-true"
+    disk_knobs = dict(precision=precision, master_on_disk=args.master_on_disk)
     out = Path(args.out or tempfile.mkdtemp(prefix="steptime-validate-"))
     out.mkdir(parents=True, exist_ok=True)
     state_dir = None
@@ -162,13 +178,15 @@ def main() -> int:
                     "--model",
                     models[name][0] or "qwen3-tiny",
                     *(["--state-dir", str(state_dir)] if state_dir else []),
+                    "--precision",
+                    precision,
                 ],
                 check=True,
                 timeout=args.timeout,
             )
         profile = load_profile(profile_path)
         trace = str(out / f"reference_{name}_b{batch}_{param}_{grad}")
-        run_job(models[name][0], batch, param, grad, args.steps, trace, args.timeout)
+        run_job(models[name][0], batch, param, grad, args.steps, trace, args.timeout, precision=precision)
         profiles[name] = with_loop(profile, trace, batch * SEQ)
         (out / f"profile_{name}.json").write_text(json.dumps(profiles[name].to_json(), indent=1))
         print(f"{name}: training loop {profiles[name].loop_overhead * 1e3:.1f} ms per step ({trace})", flush=True)
@@ -178,12 +196,14 @@ def main() -> int:
             continue
         model_dir, shape = models[name]
         profile = profiles[name]
-        trace = str(out / f"{name}_b{batch}_{param}_{grad}{'_disk' if state_dir else ''}")
-        run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout, str(state_dir) if state_dir else None)
+        where = ("_master" if args.master_on_disk else "_disk") if state_dir else ""
+        trace = str(out / f"{name}_b{batch}_{param}_{grad}{where}")
+        run_job(model_dir, batch, param, grad, args.steps, trace, args.timeout, str(state_dir) if state_dir else None,
+                **disk_knobs)  # fmt: skip
         meas = measured(trace)
         # the jobs run with the engine's backpressure (2 units) and the recipe logs its loss with sync_dist=True
-        step = StepConfig(shape, batch, SEQ, 2, param, grad, precision="32-true", max_units_in_flight=2, loss_sync=True)
-        sim = simulate(replace(step, state_on_disk=state_dir is not None), profile)
+        step = StepConfig(shape, batch, SEQ, 2, param, grad, precision=precision, max_units_in_flight=2, loss_sync=True)
+        sim = simulate(replace(step, state_on_disk=state_dir is not None, master_on_disk=args.master_on_disk), profile)
         err = (sim.step_time / meas["step_time"] - 1) * 100
         rows.append(
             dict(

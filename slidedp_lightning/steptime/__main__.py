@@ -254,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ca.add_argument("--seq", type=int, default=26, help="sequence length of the compute measurement")
     ca.add_argument(
+        "--precision",
+        default="32-true",
+        choices=PRECISIONS,
+        help="the precision the compute is timed in; the profile then predicts steps of that precision only",
+    )
+    ca.add_argument(
         "--hosts",
         type=int,
         default=1,
@@ -348,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             if args.hosts < 1:
                 raise ValueError(f"--hosts must be >= 1, got {args.hosts}")
-            raw = measure(args.ranks, args.model, args.seq)
+            raw = measure(args.ranks, args.model, args.seq, args.precision)
             net = measure_network(args.hosts, args.ranks) if args.hosts > 1 else None
             disk = measure_disk(args.state_dir) if args.state_dir else None
             profile = build_profile(raw, args.ranks, args.model, args.seq, net, disk)

@@ -2,7 +2,8 @@
 
 Copies and collectives reuse the runtime's route probe (``probe_routes``) at two sizes (latency + bandwidth);
 compute runs the model's forward/backward at two batch sizes through a one-rank SlideDP engine and reads its
-traced compute lane (per-op overhead + FLOP rate, the runtime's hooks included); the update runs the Numba AdamW
+traced compute lane (per-op overhead + FLOP rate, the runtime's hooks included), in the precision the profile is
+for (``32-true``, or ``bf16-mixed``: BF16 units under BF16 autocast, as the strategy runs it); the update runs the Numba AdamW
 kernel with the runtime's thread budget. Every rank measures while the others do the same.
 
 With ``hosts`` N > 1, a second probe measures the "network" between N simulated hosts of R ranks on this machine
@@ -15,6 +16,7 @@ over all N x R ranks are measured as well and kept in the raw results, for check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +34,8 @@ import cpu_ops
 from slidedp_lightning.constants import update_bytes_per_param
 from slidedp_lightning.runtime.compat import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.route_probe import probe_routes
-from slidedp_lightning.steptime.profiles import LOOP_KEY, LOSS_KEY, Profile
+from slidedp_lightning.steptime.graph import PRECISIONS
+from slidedp_lightning.steptime.profiles import COMPUTE_PRECISION_KEY, LOOP_KEY, LOSS_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
 
 log = logging.getLogger(__name__)
@@ -112,9 +115,19 @@ def _new_model(model_name: str):
     return AutoModelForCausalLM.from_config(Qwen3Config.from_dict(cfg), attn_implementation="sdpa")
 
 
-def _runtime_compute(model_name: str, seq: int, batches: tuple[int, ...], threads: int, group) -> dict[int, tuple]:
+def _autocast(precision: str):
+    """The context forward runs in under ``precision`` (the strategy's precision plugin: BF16 autocast for
+    ``bf16-mixed``)."""
+    if precision == "bf16-mixed":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _runtime_compute(
+    model_name: str, seq: int, batches: tuple[int, ...], threads: int, group, precision: str = "32-true"
+) -> dict[int, tuple]:
     """Per batch size: median forward and backward compute-lane seconds per step as the runtime runs them (its
-    hooks included), read from the lane trace of a one-rank SlideDP engine in this process."""
+    hooks included) in ``precision``, read from the lane trace of a one-rank SlideDP engine in this process."""
     from slidedp_lightning.runtime.engine import EngineConfig, SlideDPEngine
 
     model = _new_model(model_name)
@@ -125,7 +138,7 @@ def _runtime_compute(model_name: str, seq: int, batches: tuple[int, ...], thread
             model,
             EngineConfig(trace_dir=trace, update_threads=threads),
             device=torch.device("cpu"),
-            compute_dtype=torch.float32,
+            compute_dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float32,
         )
         try:
             engine.attach_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
@@ -134,9 +147,11 @@ def _runtime_compute(model_name: str, seq: int, batches: tuple[int, ...], thread
                 first = engine.step
                 for _ in range(RUNTIME_STEPS):  # the recipe's batch: ids, mask and labels, the loss in the model
                     dist.barrier(group=group)
-                    model(
-                        input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False
-                    ).loss.backward()
+                    with _autocast(precision):
+                        loss = model(
+                            input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False
+                        ).loss
+                    loss.backward()
                     engine.end_step()
                 spans = [sp for sp in engine.tracer.spans if sp.lane == "compute"]
                 per_step = [
@@ -152,9 +167,11 @@ def _runtime_compute(model_name: str, seq: int, batches: tuple[int, ...], thread
     return out
 
 
-def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads: int) -> dict[str, float]:
-    """Compute constants: forward and backward from the runtime's traced compute lane (per-op overhead + FLOP rate
-    through two batch sizes), the loss from the plain model."""
+def _compute(
+    model_name: str, seq: int, batches: tuple[int, int], group, threads: int, precision: str = "32-true"
+) -> dict[str, float]:
+    """Compute constants in ``precision``: forward and backward from the runtime's traced compute lane (per-op
+    overhead + FLOP rate through two batch sizes), the loss from the plain model."""
     shape = load_config(model_name)
     model = _new_model(model_name)
     us = units(shape, seq, "none")
@@ -170,7 +187,7 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads
         def loss() -> None:
             holder["loss"] = torch.nn.functional.cross_entropy(holder["logits"].float().flatten(0, 1), ids.flatten())
 
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(precision):
             t_f = _timed(fwd, group)
 
             def fwd_and_loss() -> None:
@@ -178,7 +195,7 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads
                 loss()
 
             losses.append(_timed(fwd_and_loss, group) - t_f)
-    runtime = _runtime_compute(model_name, seq, batches, threads, group)
+    runtime = _runtime_compute(model_name, seq, batches, threads, group, precision)
     (f1, b1), (f2, b2) = runtime[batches[0]], runtime[batches[1]]
     x1, x2 = (b * seq * fwd_per_token for b in batches)
     lat, rate = _fit(x1, f1, x2, f2)
@@ -199,7 +216,7 @@ def _compute(model_name: str, seq: int, batches: tuple[int, int], group, threads
     }
 
 
-def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: int) -> None:
+def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: int, precision: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
     param_group = dist.new_group(backend="gloo")
@@ -256,7 +273,7 @@ def _worker(rank: int, world: int, init: str, out_path: str, model: str, seq: in
             link_rate=min(ag_rate, rs_rate),
             upd_rate=upd_rate,
         )
-        res.update(_compute(model, seq, (8, 32), group, threads))
+        res.update(_compute(model, seq, (8, 32), group, threads, precision))
         if rank == 0:
             Path(out_path).write_text(json.dumps(res))
     finally:
@@ -374,13 +391,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(world: int = 2, model: str = "qwen3-tiny", seq: int = 26) -> dict[str, float]:
-    """Spawn ``world`` gloo ranks and return the raw measurements (seconds, bytes/s, FLOP/s)."""
+def measure(world: int = 2, model: str = "qwen3-tiny", seq: int = 26, precision: str = "32-true") -> dict[str, float]:
+    """Spawn ``world`` gloo ranks and return the raw measurements (seconds, bytes/s, FLOP/s), the compute in
+    ``precision``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"calibrate measures compute in one of {PRECISIONS}, got {precision!r}")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calib.json")
         init = f"tcp://127.0.0.1:{_free_port()}"
-        mp.start_processes(_worker, args=(world, init, out, model, seq), nprocs=world, start_method="spawn")
-        return json.loads(Path(out).read_text())
+        mp.start_processes(_worker, args=(world, init, out, model, seq, precision), nprocs=world, start_method="spawn")
+        return {**json.loads(Path(out).read_text()), COMPUTE_PRECISION_KEY: precision}
 
 
 def measure_disk(directory: str, nbytes: int = 1 << 30) -> tuple[float, str]:
@@ -433,7 +453,9 @@ def build_profile(
         values.update(fresh_gbps=raw["fresh_rate"] / 1e9, alloc_reuse_bytes=ALLOC_REUSE_BYTES)
     if LOSS_KEY in raw:
         values[LOSS_KEY] = raw[LOSS_KEY]
+    values[COMPUTE_PRECISION_KEY] = raw.get(COMPUTE_PRECISION_KEY, "32-true")
     sources = {k: src for k in values}
+    sources[COMPUTE_PRECISION_KEY] = src + f"; forward, backward and loss timed in {values[COMPUTE_PRECISION_KEY]}"
     if "fresh_rate" in raw:
         sources["fresh_gbps"] = (
             src + f"; copy into a new {FRESH_ELEMS * 4 >> 20} MiB buffer per copy, all ranks at once"

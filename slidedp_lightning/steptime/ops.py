@@ -4,7 +4,7 @@ baseline's (:mod:`.slideformer`, ``StepConfig(param_route="slideformer")``)."""
 from __future__ import annotations
 
 from slidedp_lightning.steptime.graph import Op, StepConfig, slidedp_ops
-from slidedp_lightning.steptime.profiles import Profile
+from slidedp_lightning.steptime.profiles import COMPUTE_PRECISION_KEY, Profile
 from slidedp_lightning.steptime.slideformer import slideformer_ops
 
 
@@ -16,6 +16,12 @@ def build_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         raise ValueError(
             f"profile {profile.name!r} has no disk_gbps, the state file's disk: calibrate with --state-dir DIR "
             "(or add the mixed read/write rate of `python -m bench.disk_ceiling --dir DIR`) to model state on disk"
+        )
+    measured = profile.values.get(COMPUTE_PRECISION_KEY)
+    if measured is not None and measured != cfg.precision:
+        raise ValueError(
+            f"profile {profile.name!r} timed its compute in {measured}, this step runs {cfg.precision}: calibrate "
+            f"with --precision {cfg.precision} for its rates"
         )
     if cfg.param_route == "slideformer":
         return slideformer_ops(cfg, profile, steps)

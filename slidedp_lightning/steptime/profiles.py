@@ -53,6 +53,9 @@ LOOP_KEY = "loop_overhead_s"
 # Optional: ``loss_s_per_token``, the loss's seconds per token of a rank's batch on top of ``step_overhead_s``
 # (its fixed part); a large vocabulary makes it grow with the batch.
 LOSS_KEY = "loss_s_per_token"
+# Optional: ``compute_precision``, the precision ``calibrate`` timed the compute in (a CPU "device" computes BF16 and
+# FP32 at different rates); a step of another precision is refused rather than predicted from the wrong rate.
+COMPUTE_PRECISION_KEY = "compute_precision"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 
-from bench.disk_ceiling import main
+import pytest
+
+from bench.disk_ceiling import main, measure_stream
 
 
 def test_both_directions_are_measured_in_the_directory_asked_for(tmp_path, capsys) -> None:
@@ -24,3 +26,17 @@ def test_the_streamed_update_is_timed_against_the_ceiling(tmp_path, capsys) -> N
     assert stream["read_bytes"] == stream["written_bytes"] > 0 and stream["units"] == 16
     assert stream["seconds"] > 0 and 0 < stream["of_ceiling"] and stream["gparam_s"] > 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("optimizer_state", ["fp32", "int8"])
+def test_every_record_of_every_unit_is_streamed_once(tmp_path, optimizer_state) -> None:
+    """Units larger than a record (several pieces each): every byte of the state file is read once and written once,
+    for FP32 moments and for the 8-bit codes with their block scales (about 6 B/param)."""
+    stream = measure_stream(str(tmp_path), 4 << 20, units=4, optimizer_state=optimizer_state, piece_bytes=256 << 10)
+    assert stream["records"] > stream["units"] == 4
+    assert stream["read_bytes"] == stream["written_bytes"] == stream["state_bytes"] > 0
+    params = stream["gparam_s"] * stream["seconds"] * 1e9
+    assert stream["state_bytes"] / params == pytest.approx(12 if optimizer_state == "fp32" else 6, rel=0.1)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="optimizer_state"):
+        measure_stream(str(tmp_path), 4 << 20, optimizer_state="fp16")

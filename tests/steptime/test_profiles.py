@@ -73,3 +73,35 @@ def test_roundtrip(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(load_profile("h100x8").to_json()))
     assert load_profile(path).values == load_profile("h100x8").values
+
+
+def test_a_profile_timed_in_one_precision_predicts_steps_of_that_precision_only():
+    """A calibrated CPU profile says which precision its compute was timed in; a step of another precision is
+    refused with the calibration that fits it (a CPU computes BF16 and FP32 at different rates)."""
+    from dataclasses import replace
+
+    from slidedp_lightning.steptime.profiles import COMPUTE_PRECISION_KEY
+
+    shipped = load_profile("h200x1")
+    step = StepConfig(load_config("qwen3-tiny"), 8, 256, 1, "full")
+    assert step.precision == "bf16-mixed" and COMPUTE_PRECISION_KEY not in shipped.values
+    assert simulate(step, shipped).step_time > 0  # a profile without the key predicts every precision
+    fp32 = Profile(shipped.name, {**shipped.values, COMPUTE_PRECISION_KEY: "32-true"}, shipped.sources)
+    with pytest.raises(ValueError, match="timed its compute in 32-true, this step runs bf16-mixed: calibrate with "
+                       "--precision bf16-mixed"):  # fmt: skip
+        simulate(step, fp32)
+    assert simulate(replace(step, precision="32-true"), fp32).step_time == pytest.approx(
+        simulate(replace(step, precision="32-true"), shipped).step_time
+    )
+
+
+def test_build_profile_records_the_precision_its_compute_was_timed_in():
+    from slidedp_lightning.steptime.calibrate import build_profile
+    from slidedp_lightning.steptime.profiles import COMPUTE_PRECISION_KEY
+
+    raw = {"gpu_flops": 5e10, "op_overhead_s": 1e-4, "bwd_fwd_ratio": 2.0, "step_overhead_s": 0.0, "copy_lat": 0.0,
+           "copy_rate": 2e10, "link_lat": 3e-4, "link_rate": 5e8, "upd_rate": 5e10}  # fmt: skip
+    assert build_profile(raw, 2, "qwen3-tiny", 26).compute_precision == "32-true"  # what calibrate always timed
+    bf16 = build_profile({**raw, COMPUTE_PRECISION_KEY: "bf16-mixed"}, 2, "qwen3-tiny", 26)
+    assert bf16.compute_precision == "bf16-mixed" and "timed in bf16-mixed" in bf16.sources[COMPUTE_PRECISION_KEY]
+    assert bf16.sources[COMPUTE_PRECISION_KEY].startswith("probe:")
