@@ -34,6 +34,8 @@ def test_the_compute_is_timed_in_the_precision_asked_for(one_rank, monkeypatch):
         return model
 
     monkeypatch.setattr(calibrate, "_new_model", hooked)
+    monkeypatch.setattr(calibrate, "RUNTIME_STEPS", 4)  # traced steps per batch size, 1 of them warm-up
+    monkeypatch.setattr(calibrate, "RUNTIME_WARMUP", 1)
     for precision, dtype in (("32-true", torch.float32), ("bf16-mixed", torch.bfloat16)):
         dtypes.clear()
         got = calibrate._compute("qwen3-tiny", 26, (8, 32), one_rank, 1, precision)
