@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -106,3 +107,40 @@ def test_offline_export_refuses_what_is_not_a_checkpoint(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="not a SlideDP distributed checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out")
+
+
+def test_an_unfinished_export_leaves_nothing_and_says_what_it_could_not_remove(tmp_path, monkeypatch, caplog):
+    """A failed export removes its hidden directory, what appeared while it was removed too; a directory that cannot
+    be removed is named in a warning with the reason (the command's "nothing of the export left" would be wrong)."""
+    import shutil
+
+    from slidedp_lightning.hf import export
+
+    out = tmp_path / "hf"
+    with pytest.raises(RuntimeError, match="stopped"), export.export_directory(out) as tmp:
+        (tmp / "model-00001.safetensors").write_bytes(b"x")
+        raise RuntimeError("stopped")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [] and not out.exists()
+
+    real, calls = shutil.rmtree, []
+
+    def late_writer(path, **kw):  # a file appears in it while the first pass runs
+        calls.append(path)
+        real(path, **kw)
+        if len(calls) == 1:
+            path.mkdir()
+            (path / "late").write_bytes(b"y")
+
+    monkeypatch.setattr(export.shutil, "rmtree", late_writer)
+    with pytest.raises(RuntimeError), export.export_directory(out) as tmp:
+        raise RuntimeError("stopped")
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+
+    def refuses(path, **kw):
+        handler = kw.get("onexc") or kw.get("onerror")
+        handler(os.rmdir, str(path), PermissionError(13, "Permission denied"))
+
+    monkeypatch.setattr(export.shutil, "rmtree", refuses)
+    with pytest.raises(RuntimeError), export.export_directory(out) as tmp:
+        raise RuntimeError("stopped")
+    assert f"could not remove {tmp}, left by an unfinished export: {tmp}: [Errno 13] Permission denied" in caplog.text

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import warnings
 from collections.abc import Generator
@@ -121,6 +122,24 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def _remove_unfinished(tmp: Path) -> None:
+    """Remove an unfinished export's hidden directory; what could not be removed is named in a warning, with why."""
+    errors: list[str] = []
+
+    def note(func: Any, where: str, exc: Any) -> None:  # onexc (3.12+) gets the exception, onerror its exc_info
+        errors.append(f"{where}: {exc[1] if isinstance(exc, tuple) else exc}")
+
+    for _ in range(2):  # a second pass for anything that appeared while the first ran
+        errors.clear()
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(tmp, onexc=note)
+        else:
+            shutil.rmtree(tmp, onerror=note)
+        if not tmp.exists():
+            return
+    log.warning("SlideDP: could not remove %s, left by an unfinished export: %s", tmp, "; ".join(errors[:3]))
+
+
 @contextmanager
 def export_directory(directory: str | os.PathLike, nbytes: int = 0) -> Generator[Path, None, None]:
     """A hidden sibling of ``directory`` to write an export into; on success it replaces ``directory`` (what of an
@@ -137,7 +156,7 @@ def export_directory(directory: str | os.PathLike, nbytes: int = 0) -> Generator
             _carry_over(path, tmp)
         checkpoint_files.swap_in(tmp, path)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_unfinished(tmp)
         if not isinstance(err, (KeyboardInterrupt, SystemExit)) and checkpoint_files.no_space(err, path.parent):
             raise checkpoint_files.space_error(err, path, "Hugging Face export", nbytes) from None
         raise
