@@ -225,6 +225,30 @@ def test_the_dry_run_predicts_the_state_on_disk_with_the_profiles_disk(tmp_path,
     assert steps[1] > 1.4 * steps[0], steps  # 24 B/param over the disk instead of 16
 
 
+def test_the_dry_run_refuses_a_profile_timed_in_another_precision(tmp_path, capsys):
+    """A calibrated profile whose compute was timed in 32-true predicts 32-true jobs; a bf16-mixed job is refused,
+    naming the calibration that fits it."""
+    import json
+
+    from slidedp_lightning.steptime.profiles import COMPUTE_PRECISION_KEY, SHIPPED_PROFILES
+    from slidedp_lightning_cli.finetune import main
+
+    config = Path(plan.__file__).with_name("configs") / "qwen3_tiny.json"
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(config.read_text())
+    profile = json.loads((SHIPPED_PROFILES / "h200x1.json").read_text())
+    profile["constants"][COMPUTE_PRECISION_KEY] = {"value": "32-true", "source": "probe: calibrate"}
+    (tmp_path / "fp32.json").write_text(json.dumps(profile))
+    argv = ["--model", str(tmp_path / "m"), "--devices", "1", "--batch-size", "4", "--seq-len", "512", "--dry-run",
+            "--hardware", str(tmp_path / "fp32.json")]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main([*argv, "--precision", "bf16-mixed"])
+    err = capsys.readouterr().err
+    assert "timed its compute in 32-true, this step runs bf16-mixed: calibrate with --precision bf16-mixed" in err, err
+    main([*argv, "--precision", "32-true"])
+    assert "step " in capsys.readouterr().out
+
+
 def test_the_report_names_a_fix_only_for_a_job_that_needs_one():
     fits = plan.plan(plan.Model(params=GB // 10, counted="test"), plan.Setup(ranks=1), HOST)
     assert fits.verdict == "fits" and fits.as_dict()["fix"] is None
