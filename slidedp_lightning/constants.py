@@ -33,6 +33,10 @@ BF16_COPY_BYTES = 2
 LEDGER_BYTES_PER_PARAM = MASTER_BYTES + 2 * MOMENT_BYTES + BF16_COPY_BYTES
 # optimizer_state="int8": each moment is one uint8 code per element plus one FP32 absmax per QUANT_BLOCK elements
 QUANT_BLOCK = 1024
+# a CPU "device" computes a unit of at least this many bytes on the ledger's own range (route full, the ledger's
+# source already in the compute dtype) instead of a copy: the last-level cache of a typical server core complex
+IN_LEDGER_MIN_BYTES = 32 << 20
+UNIT_COPIES = ("auto", "always", "never")  # EngineConfig.unit_copies: in the ledger from that size, never, every one
 INT8_MOMENT_BYTES = 1 + 4 / QUANT_BLOCK
 
 

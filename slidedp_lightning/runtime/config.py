@@ -5,7 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from slidedp_lightning.constants import GRAD_ROUTES, OPTIMIZER_STATES, PARAM_ROUTES, QUANT_BLOCK, UPDATE_MODES
+from slidedp_lightning.constants import (
+    GRAD_ROUTES,
+    OPTIMIZER_STATES,
+    PARAM_ROUTES,
+    QUANT_BLOCK,
+    UNIT_COPIES,
+    UPDATE_MODES,
+)
 from slidedp_lightning.runtime.activation_policy import ActivationPolicy
 
 
@@ -109,7 +116,7 @@ class EngineConfig:
             )
         if self.h2d_convert not in ("host", "device", "auto"):
             raise ValueError(f"h2d_convert must be 'host', 'device' or 'auto', got {self.h2d_convert!r}.")
-        if self.unit_copies not in ("auto", "always", "never"):
+        if self.unit_copies not in UNIT_COPIES:
             raise ValueError(f"unit_copies must be 'auto', 'always' or 'never', got {self.unit_copies!r}.")
         if self.optimizer_state == "int8" and isinstance(self.chunk_bytes, int) and self.chunk_bytes < 4 * QUANT_BLOCK:
             raise ValueError(

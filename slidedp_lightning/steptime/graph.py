@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from slidedp_lightning.constants import (
     GRAD_ROUTES,
     HOST_LAYOUTS,
+    IN_LEDGER_MIN_BYTES,
     LEDGER_BYTES_PER_PARAM,
     MASTER_BYTES,
     OPTIMIZER_STATES,
+    UNIT_COPIES,
     h2d_bytes_per_param,
     ledger_bytes_per_param,
     moment_bytes,
@@ -76,6 +78,9 @@ class StepConfig:
     state_on_disk: bool = False
     # with state_on_disk: the FP32 master there too (StateOnDisk(master=True)): read and written with the moments
     master_on_disk: bool = False
+    # which units a CPU "device" computes on in the ledger instead of a copy (EngineConfig.unit_copies): "auto"
+    # those of at least IN_LEDGER_MIN_BYTES, "never" (copies) every one the dtype allows, "always" none
+    unit_copies: str = "auto"
 
     def __post_init__(self) -> None:
         if self.master_on_disk and not (self.state_on_disk and self.bf16_copy):
@@ -97,6 +102,8 @@ class StepConfig:
             )
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {PRECISIONS}")
+        if self.unit_copies not in UNIT_COPIES:
+            raise ValueError(f"unknown unit_copies {self.unit_copies!r}; choose one of {UNIT_COPIES}")
         for name in ("batch", "seq", "gpus", "prefetch_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -265,6 +272,15 @@ def _collective(kind: str, nbytes: float, steps: int, latency: float) -> tuple[d
     return {}, 0.0
 
 
+def _in_ledger(cfg: StepConfig, unit_bytes: float) -> bool:
+    """A CPU "device" computes this unit (route full) on the ledger's own range, as the runtime's residency does:
+    the ledger's source is in the compute dtype (the master under 32-true, the BF16 copy under bf16-mixed) and the
+    unit is large enough for ``unit_copies``."""
+    if cfg.unit_copies == "always" or not (cfg.precision == "32-true" or cfg.bf16_copy):
+        return False
+    return cfg.unit_copies == "never" or unit_bytes >= IN_LEDGER_MIN_BYTES
+
+
 def slidedp_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
     """SlideDP's ops of ``steps`` consecutive steps of one rank, in lane order (list order = order within a lane);
     any system's: :func:`slidedp_lightning.steptime.ops.build_ops`."""
@@ -292,6 +308,8 @@ def slidedp_ops(cfg: StepConfig, profile: Profile, steps: int = 2) -> list[Op]:
         nbytes = p * hb / r if sharded else p * hb
         nbytes *= cfg.state_share  # host-sharded: the rank's 1/(N R) shard
         gathered = cfg.host_sharded or sharded  # the copy fills a shard, a gather the unit's buffer
+        if profile.host_is_device and not gathered and _in_ledger(cfg, p * pb):
+            return [b.add(Op(f"h2d {tag}", "h2d", step, u, {}, 0.0, deps))]  # resident once updated: no copy
         demand = _fresh({"h2d": nbytes, "dram": nbytes}, profile, nbytes if gathered else p * pb)
         if pb == 2 and not cfg.bf16_copy and cfg.h2d_convert == "host":  # read the master, write the staging
             demand["dram"] = demand.get("dram", 0.0) + 3 * nbytes

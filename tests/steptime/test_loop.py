@@ -66,19 +66,25 @@ def _cfg(model, route="full", grad="gpu_reduce", batch=1, **kw) -> StepConfig:
 
 
 def test_fresh_pages_only_above_the_reuse_size():
+    """Copies into buffers of at least the reuse size write fresh pages (unit_copies "always": every unit copied;
+    under "auto" the large units are computed in the ledger and only their gradients' buffers are fresh)."""
     p, model = _machine(**FRESH), _wide()
-    ops = build_ops(_cfg(model), p, 1)
+    ops = build_ops(_cfg(model, unit_copies="always"), p, 1)
     h2d = {op.unit: op for op in ops if op.lane == "h2d"}
     big = [u for u, op in h2d.items() if "fresh" in op.demand]
     assert big and all(h2d[u].demand["fresh"] == h2d[u].demand["h2d"] >= 32 * MiB for u in big)
     assert any("fresh" not in op.demand for op in h2d.values())  # the block's buffer (2.6 MB) is reused
     fills = [op for op in ops if op.name == "fill"]
     assert {op.unit for op in fills if "fresh" in op.demand} == set(big)
+    auto = build_ops(_cfg(model), p, 1)
+    assert all(not op.demand for op in auto if op.lane == "h2d" and op.unit in big)  # no copy, no fresh pages
+    assert {op.unit for op in auto if op.name == "fill" and "fresh" in op.demand} == set(big)
     # without the constants, or on a GPU, nothing is fresh
-    assert not any("fresh" in op.demand for op in build_ops(_cfg(model), _machine(), 1))
+    assert not any("fresh" in op.demand for op in build_ops(_cfg(model, unit_copies="always"), _machine(), 1))
     assert not any("fresh" in op.demand for op in build_ops(_cfg(model), load_profile("a800x8_nobridge"), 1))
-    slow = simulate(_cfg(model), p).step_time
-    assert slow > simulate(_cfg(model), _machine(**{**FRESH, "fresh_gbps": 200.0})).step_time * 1.2
+    always = _cfg(model, unit_copies="always")
+    slow = simulate(always, p).step_time
+    assert slow > simulate(always, _machine(**{**FRESH, "fresh_gbps": 200.0})).step_time * 1.2
 
 
 def test_issue_runs_on_the_compute_thread():

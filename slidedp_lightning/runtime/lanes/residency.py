@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from slidedp_lightning.constants import IN_LEDGER_MIN_BYTES
 from slidedp_lightning.runtime.compat import all_gather_into
 from slidedp_lightning.runtime.lanes.liveness import Liveness, lane_delay, wait_until
 from slidedp_lightning.runtime.lanes.streams import Lanes
@@ -35,8 +36,6 @@ from slidedp_lightning.runtime.ledger.host_ledger import HostLedger
 from slidedp_lightning.runtime.topology import Topology
 
 log = logging.getLogger(__name__)
-
-IN_LEDGER_MIN_BYTES = 32 << 20  # the last-level cache of a typical server core complex
 
 
 class UnitResidency:
