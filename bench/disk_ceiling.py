@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from slidedp_lightning.constants import QUANT_BLOCK
+from slidedp_lightning.constants import MASTER_BYTES, OPTIMIZER_STATES, QUANT_BLOCK, moment_bytes
 from slidedp_lightning.runtime.ledger.disk import (
     DISK_STATE,
     PIECE_BYTES,
@@ -40,20 +40,20 @@ def measure_stream(
     """A timed pass of AdamW over ``units`` equal units whose master and moments fill ``nbytes`` of a state file
     (``fp32``: 12 B/param; ``int8``: the FP32 master, the moments' codes and their block scales, about 6 B/param),
     after an untimed one: each record (a unit's state, in pieces of at most ``PIECE_BYTES``) acquired, the next one
-    read ahead while it is updated, and written behind (:class:`RecordStream`), the update lane's kernel on one thread. Seconds, bytes read and
-    written, and Gparam/s."""
+    read ahead while it is updated, and written behind (:class:`RecordStream`), the update lane's kernel on one
+    thread. Seconds, bytes read and written, and Gparam/s."""
     from cpu_ops import adamw8_update, adamw_update, set_kernel_threads
 
-    if optimizer_state not in ("fp32", "int8"):
-        raise ValueError(f"optimizer_state must be 'fp32' or 'int8', got {optimizer_state!r}")
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state must be one of {OPTIMIZER_STATES}, got {optimizer_state!r}")
     set_kernel_threads(1)
-    per_param = 12.0 if optimizer_state == "fp32" else 6.0 + 8.0 / QUANT_BLOCK
+    per_param = MASTER_BYTES + 2 * moment_bytes(optimizer_state)
     per_unit = max(int(nbytes / units / per_param) // QUANT_BLOCK, 1) * QUANT_BLOCK
     geometry = LedgerGeometry(total=per_unit * units, num_units=units, world_size=1, staging_slots=0,
                               staging_elems=0, staging_itemsize=4, unit_sizes=(per_unit,) * units,
                               optimizer_state=optimizer_state)  # fmt: skip
     layout = DiskLayout(geometry, DISK_STATE["master_and_moments"], piece_bytes)
-    records = [(u, p) for u in range(units) for p in range(len(layout.records[u][0]))]
+    records = [(u, p) for u in range(units) for p in range(len(layout.pieces(u, 0)))]
     state = StateFile.create(directory, layout.nbytes, share=False)
     stream = RecordStream(state, layout, owner=0, buffers=buffers, threads=threads)
     grad = np.random.default_rng(0).standard_normal(layout.piece_elems, dtype=np.float32) * np.float32(1e-3)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-mib", type=int, default=8, help="bytes per request (MiB)")
     parser.add_argument("--depth", type=int, default=4, help="requests in flight")
     parser.add_argument("--stream", action="store_true", help="also time the update streaming its state")
-    parser.add_argument("--optimizer-state", default="fp32", choices=("fp32", "int8"), help="the streamed moments")
+    parser.add_argument("--optimizer-state", default="fp32", choices=OPTIMIZER_STATES, help="the streamed moments")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = parser.parse_args(argv)
     nbytes = int(args.gib * (1 << 30))
