@@ -3,7 +3,9 @@ rank processes it started, summed, while the fit runs.
 
 PSS counts each private page once and each shared page (the ledger's, the libraries') split among the processes
 that map it, so the sum over the job's processes is the host memory the job holds, the ledger counted once. A
-sample every ``interval_s`` misses a peak shorter than that. Ranks started by another launcher (torchrun, srun) are
+sample every ``interval_s`` misses a peak shorter than that. Reading a process's PSS walks its page tables (16 ms
+for a process with torch loaded and 256 MiB touched, more the more it maps), so the sampler waits longer when a
+sample costs more than ``max_share`` of the wait: it takes at most that share of one core. Ranks started by another launcher (torchrun, srun) are
 not this process's children; the count of processes seen says what was measured.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import lightning.pytorch as L
 
@@ -38,22 +41,29 @@ def pss_bytes(pid: int) -> int:
 
 class PeakHostMemory(L.Callback):
     """``peak_bytes``: the largest summed PSS of this process's tree seen during ``fit`` (sampled in the launching
-    process only; elsewhere ``None``); ``processes``: how many processes the largest sample covered."""
+    process only; elsewhere ``None``); ``processes``: how many processes the largest sample covered;
+    ``longest_wait_s``: the longest wait between two samples."""
 
-    def __init__(self, launching: bool, interval_s: float = 0.25) -> None:
-        self.launching, self.interval_s = launching, interval_s
+    def __init__(self, launching: bool, interval_s: float = 0.25, max_share: float = 0.02) -> None:
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share={max_share}: a share of one core, in (0, 1]")
+        self.launching, self.interval_s, self.max_share = launching, interval_s, max_share
         self.peak_bytes: int | None = None
         self.processes = 0
+        self.longest_wait_s = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _sample(self) -> None:
         while True:
+            start = time.thread_time()
             pids = process_tree(os.getpid())
             total = sum(pss_bytes(pid) for pid in pids)
             if total > (self.peak_bytes or 0):
                 self.peak_bytes, self.processes = total, len(pids)
-            if self._stop.wait(self.interval_s):
+            wait = max(self.interval_s, (time.thread_time() - start) / self.max_share)
+            self.longest_wait_s = max(self.longest_wait_s, wait)
+            if self._stop.wait(wait):
                 return
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

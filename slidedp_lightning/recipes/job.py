@@ -411,7 +411,8 @@ def _memory_line(memory: PeakHostMemory, facts: dict[str, float | int | None]) -
     """The end-of-run line on host memory and the host work the step left exposed."""
     gib = 1024**3
     parts = [
-        f"peak host memory {memory.peak_bytes / gib:.2f} GiB ({memory.processes} processes, PSS)"
+        f"peak host memory {memory.peak_bytes / gib:.2f} GiB ({memory.processes} processes, PSS, a sample every"
+        f" {memory.longest_wait_s:.2g} s or less)"
         if memory.peak_bytes
         else "peak host memory not measured"
     ]
