@@ -10,9 +10,11 @@ signal handled, so the session handles it and gives the inherited disposition ba
 
 A test that runs a Trainer or Fabric in this process leaves Lightning's launch variables in ``os.environ``
 (``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_PORT``, ...). A job started later inherits them, and Lightning, seeing
-``LOCAL_RANK``, takes its ranks for started by someone else: it starts none and waits for them. After every test the
-launch variables are back as the session started, including what a module-scoped fixture that runs a Trainer left:
-under pytest-xdist a file's tests may run in a worker after any other file's."""
+``LOCAL_RANK``, takes its ranks for started by someone else: it starts none and waits for them. ``seed_everything``
+leaves ``PL_GLOBAL_SEED``, which Lightning's distributed sampler of a later job takes for its shuffling seed: that
+job's data order then depends on which tests ran before it in the same process. After every test these variables
+are back as the session started, including what a module-scoped fixture that runs a Trainer left: under
+pytest-xdist a file's tests may run in a worker after any other file's; and a job's environment leaves them out."""
 
 import os
 import signal
@@ -24,13 +26,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _SIGINT_AT_START = pytest.StashKey[object]()
 # what Lightning's launchers and SlideDP's set in the environment of the process that runs a Trainer or Fabric
 LAUNCH_VARIABLES = (
-    "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "SLIDEDP_LAUNCHER",
+    "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLIDEDP_LAUNCHER",
 )  # fmt: skip
+# what Lightning's seed_everything sets
+SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
 
 
 # as the session started, before any fixture of any scope ran a Trainer
-_LAUNCH_VARIABLES_AT_START = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+_LAUNCH_VARIABLES_AT_START = {name: os.environ.get(name) for name in (*LAUNCH_VARIABLES, *SEED_VARIABLES)}
 
 
 @pytest.fixture(autouse=True)

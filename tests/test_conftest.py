@@ -22,3 +22,14 @@ def test_heavy_groups_go_first_heaviest_first_and_the_rest_keep_their_order():
     ordered = heaviest_first([rest[0], *heavy, rest[1], rest[2]])
     assert ordered[: len(heavy)] == heavy[::-1]
     assert ordered[len(heavy) :] == rest
+
+
+def test_a_jobs_environment_leaves_out_what_an_in_process_fit_set(monkeypatch):
+    from tests.integration.conftest import clean_env
+
+    # what an in-process Trainer (LOCAL_RANK, MASTER_PORT) and seed_everything (PL_GLOBAL_SEED) leave behind
+    for name, value in {"LOCAL_RANK": "0", "MASTER_PORT": "12345", "PL_GLOBAL_SEED": "1234"}.items():
+        monkeypatch.setenv(name, value)
+    env = clean_env(EXTRA="1")
+    assert not {"LOCAL_RANK", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_SEED_WORKERS"} & env.keys()
+    assert env["EXTRA"] == "1" and env["OMP_NUM_THREADS"] == "1"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
 from tests.integration.job_config import JobConfig, check_keys
 
 JOB = Path(__file__).with_name("job.py")
@@ -53,23 +54,10 @@ def shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/slidedp-*"))
 
 
-# set by an in-process Lightning fit earlier in the same pytest process: a job started with them would believe
-# its ranks are launched externally and wait for ranks that never come
-LAUNCH_VARS = (
-    "LOCAL_RANK",
-    "NODE_RANK",
-    "GLOBAL_RANK",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-)
-
-
 def clean_env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    """This process's environment for a job: without the launch and seed variables an in-process Lightning fit may
+    have left (tests/conftest.py), so the job starts its own ranks with its own seed."""
+    base = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARIABLES, *SEED_VARIABLES)}
     return {**base, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
 
 

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slidedp_lightning.runtime.host_os import process_children
+from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
 
 JOB = Path(__file__).with_name("reliability_job.py")
-LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+LAUNCH_VARS = (*LAUNCH_VARIABLES, *SEED_VARIABLES)
 
 
 def _stat(path: str) -> list[str] | None:

@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
+
 pytestmark = pytest.mark.slow  # multi-process jobs
 
 JOB = Path(__file__).with_name("reliability_job.py")
 COLLECTIVE_THREADS = ("gloo", "tcpstore", "nccl")
 EXIT_ABORT = "terminate called"
-LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+LAUNCH_VARS = (*LAUNCH_VARIABLES, *SEED_VARIABLES)
 
 
 def run(tmp: Path, timeout: float = 240, **cfg) -> tuple[int, str, float]:

@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from slidedp_lightning.checkpoints.distributed import read_meta
+from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # multi-process jobs
 
 JOB = Path(__file__).with_name("reliability_job.py")
-LAUNCH_VARS = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+
+LAUNCH_VARS = (*LAUNCH_VARIABLES, *SEED_VARIABLES)
 STEPS, JOB_ID = 8, "4242"
 CFG = dict(steps=STEPS, slurm_requeue=True, constant_data=True, strategy={"grad_route": "host_reduce"})
 
