@@ -1,0 +1,107 @@
+"""The capacity job with its state on disk, against the step-time model's prediction for it.
+
+``python experiments/capacity_steptime.py --profile P.json --layers 44 [--master-on-disk] [--steps 6]
+[--checkpoints DIR] [--out DIR]``
+
+Runs ``bench.capacity``'s SlideDP job with the moments (``slidedp_disk``) or the FP32 master and int8 moments
+(``--master-on-disk``: ``slidedp_disk_master``) in a state file, at the depth given, for ``--steps`` steps without the
+checkpoint save and the export, under the same host-memory watchdog; then predicts its step from a profile calibrated
+on the same shapes, e.g. ``python -m slidedp_lightning.steptime calibrate --model L2.json --seq 32 --precision
+bf16-mixed --state-dir DIR`` with a 2-layer config of the shape. Prints measured (median, range, after one warm-up
+step) against predicted, the model's limiting resource, and writes ``summary.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.baselines.runner import GB, run_job  # noqa: E402
+from bench.baselines.sharded_checkpoint import ShardedCheckpoints  # noqa: E402
+from bench.capacity import PRECISION, QWEN3_1_7B, RANKS, SEQ, SYSTEMS, spec_for  # noqa: E402
+from slidedp_lightning.steptime.graph import StepConfig  # noqa: E402
+from slidedp_lightning.steptime.profiles import load_profile  # noqa: E402
+from slidedp_lightning.steptime.simulate import simulate  # noqa: E402
+from slidedp_lightning.steptime.workload import load_config  # noqa: E402
+
+
+def predicted(label: str, checkpoint: Path, profile: str) -> tuple[float, str]:
+    """The step time the model predicts for ``label``'s job on ``checkpoint``'s shapes, and its bottleneck."""
+    knobs = SYSTEMS[label][1]
+    cfg = StepConfig(
+        load_config(str(checkpoint)),
+        batch=1,  # the capacity job's global batch is one sequence a rank
+        seq=SEQ,
+        gpus=RANKS,
+        activation="full",
+        precision=PRECISION,
+        max_units_in_flight=2,
+        optimizer_state=knobs.get("optimizer_state", "fp32"),
+        bf16_copy=knobs.get("bf16_copy", True),
+        state_on_disk=True,
+        master_on_disk=knobs.get("master_on_disk", False),
+    )
+    sim = simulate(cfg, load_profile(profile))
+    return sim.step_time, sim.bottleneck
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", required=True, help="profile JSON from calibrate on the capacity shapes")
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--master-on-disk", action="store_true", help="the FP32 master and int8 moments on disk")
+    p.add_argument("--steps", type=int, default=6, help="training steps (the first one is a warm-up)")
+    p.add_argument("--checkpoints", type=Path, default=Path("results/capacity-checkpoints-qwen3-1.7b-shape"))
+    p.add_argument("--out", type=Path, default=Path("results/capacity-steptime"))
+    p.add_argument("--limit-gb", type=float, default=22.5, help="the host-memory watchdog's limit")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.steps < 3:
+        p.error("--steps must be at least 3: a warm-up step and two measured ones")
+
+    label = "slidedp_disk_master" if args.master_on_disk else "slidedp_disk"
+    checkpoint = ShardedCheckpoints(args.checkpoints, QWEN3_1_7B, SEQ).directory(args.layers)
+    spec = spec_for(label, QWEN3_1_7B, args.layers, checkpoint, timeout_s=3600.0, save=False)
+    spec = replace(spec, steps=args.steps, export=False)
+    folder = args.out / label / f"L{args.layers}"
+    (res,) = run_job([(label, spec)], folder, mem_limit=int(args.limit_gb * GB), preflight=False)
+    shutil.rmtree(folder / label / "state", ignore_errors=True)  # the state file (GBs), if the job left it
+    if res.status != "ok" or not res.step_s:
+        print(f"{label} at {args.layers} layers: {res.status} {res.reason[:500]}", file=sys.stderr)
+        return 1
+
+    want, bottleneck = predicted(label, checkpoint, args.profile)
+    got = statistics.median(res.step_s)
+    summary = {
+        "system": label,
+        "layers": args.layers,
+        "params": spec.model.num_params,
+        "precision": PRECISION,
+        "measured_step_s": res.step_s,
+        "measured_median_s": got,
+        "predicted_s": want,
+        "error_pct": (want / got - 1) * 100,
+        "predicted_bottleneck": bottleneck,
+        "losses": res.losses,
+        "host_peak_gb": res.host_peak / GB,
+        "profile": args.profile,
+    }
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(
+        f"{label}, {args.layers} layers ({spec.model.num_params / 1e9:.2f} B params), {PRECISION}: measured "
+        f"{got:.1f} s a step (median of {len(res.step_s)}; {min(res.step_s):.1f}-{max(res.step_s):.1f}), predicted "
+        f"{want:.1f} s ({summary['error_pct']:+.1f} %, {bottleneck})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
