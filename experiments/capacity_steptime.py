@@ -28,12 +28,12 @@ from bench.baselines.runner import GB, run_job  # noqa: E402
 from bench.baselines.sharded_checkpoint import ShardedCheckpoints  # noqa: E402
 from bench.capacity import PRECISION, QWEN3_1_7B, RANKS, SEQ, SYSTEMS, spec_for  # noqa: E402
 from slidedp_lightning.steptime.graph import StepConfig  # noqa: E402
-from slidedp_lightning.steptime.profiles import load_profile  # noqa: E402
+from slidedp_lightning.steptime.profiles import Profile, load_profile  # noqa: E402
 from slidedp_lightning.steptime.simulate import simulate  # noqa: E402
 from slidedp_lightning.steptime.workload import load_config  # noqa: E402
 
 
-def predicted(label: str, checkpoint: Path, profile: str) -> tuple[float, str]:
+def predicted(label: str, checkpoint: Path, profile: str | Profile) -> tuple[float, str]:
     """The step time the model predicts for ``label``'s job on ``checkpoint``'s shapes, and its bottleneck."""
     knobs = SYSTEMS[label][1]
     cfg = StepConfig(
@@ -49,7 +49,7 @@ def predicted(label: str, checkpoint: Path, profile: str) -> tuple[float, str]:
         state_on_disk=True,
         master_on_disk=knobs.get("master_on_disk", False),
     )
-    sim = simulate(cfg, load_profile(profile))
+    sim = simulate(cfg, profile if isinstance(profile, Profile) else load_profile(profile))
     return sim.step_time, sim.bottleneck
 
 

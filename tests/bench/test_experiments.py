@@ -1,4 +1,4 @@
-"""experiments/table_*.py: importing runs nothing, and each parses ``--help``."""
+"""experiments/table_*.py: importing runs nothing, and each parses ``--help``; capacity_steptime.py predicts its job."""
 
 from __future__ import annotations
 
@@ -47,3 +47,22 @@ def test_help(path: Path, capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "--scale" in out and "--ranks" in out and "--quick" in out
+
+
+def test_the_capacity_step_is_predicted_for_both_states_on_disk(tmp_path):
+    from bench.capacity import QWEN3_1_7B, SEQ
+    from slidedp_lightning.steptime.profiles import Profile, load_profile
+
+    module = load(EXPERIMENTS / "capacity_steptime.py")
+    QWEN3_1_7B.with_layers(4).hf_config(SEQ).save_pretrained(tmp_path)  # the checkpoint's config.json
+    base = load_profile("rtx4090x4")  # the job has 2 ranks
+    times = {}
+    for gbps in (1e-2, 1e3):
+        profile = Profile(base.name, {**base.values, "disk_gbps": gbps}, base.sources)
+        for label in ("slidedp_disk", "slidedp_disk_master"):
+            times[label, gbps] = module.predicted(label, tmp_path, profile)
+    # on a slow disk the step is the disk's: the master's 6 B/param each way against the FP32 moments' 8
+    assert all(t > 0 for t, _ in times.values())
+    assert times["slidedp_disk", 1e-2][1] == times["slidedp_disk_master", 1e-2][1] == "host-bound (disk)"
+    assert times["slidedp_disk_master", 1e-2][0] < times["slidedp_disk", 1e-2][0]
+    assert times["slidedp_disk", 1e3][0] < times["slidedp_disk", 1e-2][0]
