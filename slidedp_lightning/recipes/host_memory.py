@@ -5,8 +5,8 @@ PSS counts each private page once and each shared page (the ledger's, the librar
 that map it, so the sum over the job's processes is the host memory the job holds, the ledger counted once. A
 sample every ``interval_s`` misses a peak shorter than that. Reading a process's PSS walks its page tables (16 ms
 for a process with torch loaded and 256 MiB touched, more the more it maps), so the sampler waits longer when a
-sample costs more than ``max_share`` of the wait: it takes at most that share of one core. Ranks started by another launcher (torchrun, srun) are
-not this process's children; the count of processes seen says what was measured.
+sample costs more than ``max_share`` of the wait: it takes at most that share of one core. Ranks started by another
+launcher (torchrun, srun) are not this process's children; the count of processes seen says what was measured.
 """
 
 from __future__ import annotations
