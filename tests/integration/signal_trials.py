@@ -86,7 +86,7 @@ def run_trial(
     ``in_save``: the delay counts from the moment a checkpoint save has begun."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"out": str(out), **cfg}))
-    base = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "MASTER_PORT")}
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     base.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
     log = open(out / "output.txt", "w")
     proc = subprocess.Popen(
@@ -140,7 +140,7 @@ def baseline(
     """Run the job without a signal: (exit status, seconds to its first training step, seconds in all, output)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"out": str(out), **cfg}))
-    base = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "MASTER_PORT")}
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     base.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
     started = time.monotonic()
     first = None

@@ -28,7 +28,7 @@ def run(tmp: Path, timeout: float = 240, **cfg) -> tuple[int, str, float]:
     """Run one job; returns (exit status, output of every rank, seconds)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps({"out": str(tmp), **cfg}))
-    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     started = time.monotonic()
     proc = subprocess.run(

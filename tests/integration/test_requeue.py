@@ -43,7 +43,7 @@ def launch(out: Path, bin_dir: Path, **cfg) -> list[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARS, "MASTER_PORT") and "SLURM" not in k}
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and "SLURM" not in k}
     base.update(
         PYTHONWARNINGS="ignore",
         OMP_NUM_THREADS="1",
