@@ -31,10 +31,17 @@ LAUNCH_VARIABLES = (
 )  # fmt: skip
 # what Lightning's seed_everything sets
 SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+FIT_VARIABLES = (*LAUNCH_VARIABLES, *SEED_VARIABLES)
+
+
+def environment_for_a_job() -> dict[str, str]:
+    """This process's environment without :data:`FIT_VARIABLES`: a job started with it launches its own ranks with its
+    own seed, whatever an in-process fit left behind."""
+    return {k: v for k, v in os.environ.items() if k not in FIT_VARIABLES}
 
 
 # as the session started, before any fixture of any scope ran a Trainer
-_LAUNCH_VARIABLES_AT_START = {name: os.environ.get(name) for name in (*LAUNCH_VARIABLES, *SEED_VARIABLES)}
+_LAUNCH_VARIABLES_AT_START = {name: os.environ.get(name) for name in FIT_VARIABLES}
 
 
 @pytest.fixture(autouse=True)

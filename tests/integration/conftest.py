@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import glob
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
+from tests.conftest import environment_for_a_job
 from tests.integration.job_config import JobConfig, check_keys
 
 JOB = Path(__file__).with_name("job.py")
@@ -57,8 +56,7 @@ def shm_files() -> set[str]:
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment for a job: without the launch and seed variables an in-process Lightning fit may
     have left (tests/conftest.py), so the job starts its own ranks with its own seed."""
-    base = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_VARIABLES, *SEED_VARIABLES)}
-    return {**base, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
+    return {**environment_for_a_job(), "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra}
 
 
 class JobServer:

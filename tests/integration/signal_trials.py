@@ -14,11 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slidedp_lightning.runtime.host_os import process_children
-from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
+from tests.conftest import environment_for_a_job
 
 JOB = Path(__file__).with_name("reliability_job.py")
-
-LAUNCH_VARS = (*LAUNCH_VARIABLES, *SEED_VARIABLES)
 
 
 def _stat(path: str) -> list[str] | None:
@@ -86,7 +84,7 @@ def run_trial(
     ``in_save``: the delay counts from the moment a checkpoint save has begun."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"out": str(out), **cfg}))
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    base = environment_for_a_job()
     base.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
     log = open(out / "output.txt", "w")
     proc = subprocess.Popen(
@@ -140,7 +138,7 @@ def baseline(
     """Run the job without a signal: (exit status, seconds to its first training step, seconds in all, output)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"out": str(out), **cfg}))
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    base = environment_for_a_job()
     base.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **(env or {}))
     started = time.monotonic()
     first = None

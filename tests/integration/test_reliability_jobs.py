@@ -5,7 +5,6 @@ within seconds."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
+from tests.conftest import environment_for_a_job
 
 pytestmark = pytest.mark.slow  # multi-process jobs
 
@@ -21,14 +20,12 @@ JOB = Path(__file__).with_name("reliability_job.py")
 COLLECTIVE_THREADS = ("gloo", "tcpstore", "nccl")
 EXIT_ABORT = "terminate called"
 
-LAUNCH_VARS = (*LAUNCH_VARIABLES, *SEED_VARIABLES)
-
 
 def run(tmp: Path, timeout: float = 240, **cfg) -> tuple[int, str, float]:
     """Run one job; returns (exit status, output of every rank, seconds)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps({"out": str(tmp), **cfg}))
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = environment_for_a_job()
     env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     started = time.monotonic()
     proc = subprocess.run(

@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from slidedp_lightning.checkpoints.distributed import read_meta
-from tests.conftest import LAUNCH_VARIABLES, SEED_VARIABLES
+from tests.conftest import environment_for_a_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # multi-process jobs
 
 JOB = Path(__file__).with_name("reliability_job.py")
 
-LAUNCH_VARS = (*LAUNCH_VARIABLES, *SEED_VARIABLES)
 STEPS, JOB_ID = 8, "4242"
 CFG = dict(steps=STEPS, slurm_requeue=True, constant_data=True, strategy={"grad_route": "host_reduce"})
 
@@ -43,7 +42,7 @@ def launch(out: Path, bin_dir: Path, **cfg) -> list[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and "SLURM" not in k}
+    base = {k: v for k, v in environment_for_a_job().items() if "SLURM" not in k}
     base.update(
         PYTHONWARNINGS="ignore",
         OMP_NUM_THREADS="1",
