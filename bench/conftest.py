@@ -95,11 +95,19 @@ _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _PREVIOUS = pytest.StashKey[dict]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark's, which reads --dist
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "bench_table(name): the table a benchmark test writes (--bench-table)")
     if not config.pluginmanager.has_plugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): pytest-timeout's limit (ignored without pytest-timeout)")
     if config.getoption("--benchmark"):
+        if config.getoption("numprocesses", None):
+            raise pytest.UsageError(
+                "--benchmark runs one test at a time (timings side by side in one process): drop -n / --numprocesses"
+            )
+        # pyproject's --dist is for the tests' -n runs; pytest-benchmark reads any --dist as "distributed" and would
+        # time nothing (every kernel case NaN)
+        config.option.dist = "no"
         # SIGTERM / SIGHUP end the run as Ctrl-C does: the jobs are killed and every table is written
         config.stash[_PREVIOUS] = {s: signal.signal(s, _interrupt) for s in _SIGNALS}
 

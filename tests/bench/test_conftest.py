@@ -84,6 +84,26 @@ def test_one_table_alone():
     assert functions(collect("--benchmark", "--bench-table", "capacity", "moe")) == {"test_capacity", "test_moe"}
 
 
+class BenchmarkSession:
+    """A plugin that keeps whether pytest-benchmark times the session's benchmarks."""
+
+    disabled: bool | None = None
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.disabled = session.config._benchmarksession.disabled
+
+
+def test_benchmark_times_despite_pyprojects_dist_and_refuses_workers(monkeypatch, capsys):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # this test's own worker, if any
+    args = [str(REPO / "bench"), "--rootdir", str(REPO), "-p", "no:cacheprovider", "--collect-only", "-q"]
+    plugin = BenchmarkSession()
+    assert pytest.main([*args, "--benchmark", "--bench-table", "cpu_adam"], plugins=[plugin]) == 0
+    assert plugin.disabled is False  # pyproject's addopts hold --dist loadfile: pytest-benchmark saw "no"
+    if importlib.util.find_spec("xdist"):
+        assert pytest.main([*args, "--benchmark", "-n", "2"]) == pytest.ExitCode.USAGE_ERROR
+        assert "drop -n / --numprocesses" in capsys.readouterr().err
+
+
 def test_without_benchmark_everything_is_skipped():
     assert "test_throughput" in functions(collect())  # collected, each skipped (no --benchmark)
 
