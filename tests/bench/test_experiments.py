@@ -60,9 +60,25 @@ def test_the_capacity_step_is_predicted_for_both_states_on_disk(tmp_path):
     for gbps in (1e-2, 1e3):
         profile = Profile(base.name, {**base.values, "disk_gbps": gbps}, base.sources)
         for label in ("slidedp_disk", "slidedp_disk_master"):
-            times[label, gbps] = module.predicted(label, tmp_path, profile)
+            sim = module.predicted(label, tmp_path, profile)
+            times[label, gbps] = sim.step_time, sim.bottleneck, sim.busy
     # on a slow disk the step is the disk's: the master's 6 B/param each way against the FP32 moments' 8
-    assert all(t > 0 for t, _ in times.values())
+    assert all(t > 0 for t, _, _ in times.values())
     assert times["slidedp_disk", 1e-2][1] == times["slidedp_disk_master", 1e-2][1] == "host-bound (disk)"
     assert times["slidedp_disk_master", 1e-2][0] < times["slidedp_disk", 1e-2][0]
     assert times["slidedp_disk", 1e3][0] < times["slidedp_disk", 1e-2][0]
+    # the disk lane is the one a slow disk lengthens, and on a slow disk it is most of the step
+    slow, fast = times["slidedp_disk", 1e-2][2], times["slidedp_disk", 1e3][2]
+    assert slow["disk"] > 10 * fast["disk"] and slow["disk"] > 0.5 * times["slidedp_disk", 1e-2][0]
+
+
+def test_the_capacity_lane_table_puts_each_traced_lane_beside_the_model():
+    module = load(EXPERIMENTS / "capacity_steptime.py")
+    rows = module.lane_table(
+        {"compute": 20.0, "update": 4.0, "disk": 0.0}, {"compute": 18.0, "update": 5.0, "disk": 2.0}
+    )
+    assert rows[2:] == [
+        "| compute | 20.00 | 18.00 | 0.90 |",
+        "| update | 4.00 | 5.00 | 1.25 |",
+        "| disk | 0 | 2.00 | - |",
+    ]
