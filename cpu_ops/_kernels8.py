@@ -75,8 +75,11 @@ def _f16_bits_to_f32_intrinsic(typingctx, x):
 
 @intrinsic
 def _prefetch_intrinsic(typingctx, arr, index):
-    """Prefetch the cache line holding ``arr[index]`` for reading (``llvm.prefetch``: ``prefetcht0`` on x86). A hint:
-    it never faults, but callers keep ``index`` in bounds."""
+    """Prefetch the cache line holding ``arr[index]`` for reading into the L2 cache (``llvm.prefetch`` with locality
+    2: ``prefetcht1`` on x86). A hint: it never faults, but callers keep ``index`` in bounds. Into L2, not L1
+    (``prefetcht0``): on Zen 4 a half block of L1 prefetches ahead of the loop made the 8-bit update 20-35 % slower
+    than none at all, the L2 ones 25-35 % faster than the L1 ones (docs/PERFORMANCE.md); the core's own L1 prefetcher
+    streams from L2."""
     if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
         return None
 
@@ -86,7 +89,7 @@ def _prefetch_intrinsic(typingctx, arr, index):
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
         prefetch = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(prefetch, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+        builder.call(prefetch, [ptr, i32(0), i32(2), i32(1)])  # read, into L2 (prefetcht1), data
         return context.get_dummy_value()
 
     return types.none(arr, index), codegen
@@ -401,7 +404,8 @@ def adamw8_kernel(
     The next block's master and gradient are prefetched, half at the start of a block and half before its encode
     pass: the update has so much arithmetic per byte that, left to the out-of-order window and the hardware
     prefetchers, one core keeps too few reads in flight (measured in docs/PERFORMANCE.md: +17-21 % from memory at
-    one thread, no change in cache; prefetching a whole block at once, or the codes and the bf16 copy too, is slower).
+    one thread on Zen 5, no change in cache; prefetching a whole block at once, or the codes and the bf16 copy too, is
+    slower; into L2, see :func:`_prefetch_intrinsic`).
     """
     n = param.shape[0]
     nblocks = m_scale.shape[0]
