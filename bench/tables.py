@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from bench.baselines.hostmem import INTERVAL_S
+from bench.baselines.hostmem import INTERVAL_S, MAX_SHARE
 from bench.baselines.runner import RunResult
 from bench.baselines.workload import SYSTEMS
 from bench.configs import DEFAULT_ROUTE, ROUTES, Scale
@@ -116,7 +116,8 @@ def memory(res: Mapping[str, RunResult], sc: Scale) -> list[Table]:
     notes = [
         f"model {shape.name} ({shape.num_params / 1e6:.1f} M params), {sc.ranks} ranks, the same global batch for "
         "every system",
-        f"host = sum over the job's processes of PSS (/proc/<pid>/smaps_rollup), sampled every {INTERVAL_S:g} s; "
+        f"host = sum over the job's processes of PSS (/proc/<pid>/smaps_rollup), sampled every {INTERVAL_S:g} s "
+        f"(less often where a sample would take over {MAX_SHARE:.0%} of a core); "
         "PSS counts a page shared by k processes 1/k in each, so the shared ledger counts once; 'of which shmem' = "
         "Pss_Shmem; 'RSS sum' counts shared pages once per process; 'whole job' includes start-up, model build and "
         "loading the initial weights",

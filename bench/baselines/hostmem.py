@@ -5,9 +5,11 @@ size). A page mapped by k processes counts 1/k in each, so the shared ledger in 
 total however many ranks map it, a private ledger per rank is counted per rank, and shared library pages count
 only the job's share. ``Pss_Shmem`` (shared-memory part) and the plain ``Rss`` sum (which counts shared pages
 once per process) are kept beside it. Peaks are the maximum of samples taken every ``interval`` seconds
-(:data:`INTERVAL_S` for every system of the benchmark). One sample reads the processes one after the other and
-can take a large part of a second on a loaded machine: it carries the instants its reading began and ended, and
-belongs to a time window only when both lie inside it.
+(:data:`INTERVAL_S` for every system of the benchmark), or less often where a sample costs more than
+``max_share`` of the wait (:data:`MAX_SHARE`): the sampler takes at most that share of one core from the job it
+measures. One sample reads the processes one after the other and can take a large part of a second on a loaded
+machine: it carries the instants its reading began and ended, and belongs to a time window only when both lie
+inside it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ FIELDS = ("Rss", "Pss", "Pss_Shmem", "Pss_Anon")
 # of one core, 0.02 s about a third of one core and slower steps; 0.05 s gives the shortest training window
 # (~1 s) about twice the samples of 0.1 s.
 INTERVAL_S = 0.05
+# The most of one core the sampler takes: a capacity job's ranks map 10+ GB each, and reading their smaps_rollup
+# took ~0.2 s a sample, so at INTERVAL_S the sampler ran ~2/3 of a core (measured: 67 % beside a 44-layer job on the
+# 2-core machine, whose steps were core-bound). Small jobs (~7 ms a process) keep sampling every ~0.05-0.1 s.
+MAX_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,10 @@ def sample(root: int) -> Sample:
 
 
 class Sampler(threading.Thread):
-    """Samples the tree under ``root`` until stopped; calls ``on_limit`` once if PSS exceeds ``limit`` bytes."""
+    """Samples the tree under ``root`` until stopped; calls ``on_limit`` once if PSS exceeds ``limit`` bytes.
+
+    Waits ``max(interval, CPU seconds of the last sample / max_share)`` between samples; ``longest_wait_s`` is the
+    longest of those waits."""
 
     def __init__(
         self,
@@ -85,20 +94,28 @@ class Sampler(threading.Thread):
         interval: float = INTERVAL_S,
         limit: int | None = None,
         on_limit: Callable[[Sample], None] | None = None,
+        max_share: float = MAX_SHARE,
     ) -> None:
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share={max_share}: a share of one core, in (0, 1]")
         super().__init__(daemon=True)
         self.root, self.interval, self.limit, self.on_limit = root, interval, limit, on_limit
+        self.max_share = max_share
         self.samples: list[Sample] = []
+        self.longest_wait_s = 0.0
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.is_set():
+            cpu = time.thread_time()
             s = sample(self.root)
+            wait = max(self.interval, (time.thread_time() - cpu) / self.max_share)
+            self.longest_wait_s = max(self.longest_wait_s, wait)
             self.samples.append(s)
             if self.limit and s.pss > self.limit and self.on_limit is not None:
                 self.on_limit(s)
                 self.on_limit = None
-            self._halt.wait(self.interval)
+            self._halt.wait(wait)
 
     def stop(self) -> None:
         self._halt.set()

@@ -283,6 +283,7 @@ def _collect(res: RunResult, folder: Path, sampler: Sampler) -> None:
     res.extra["tokens"] = [[p["tokens"][i] for p in per] for i in range(n)]
     start, end = min(p["walls"][0] for p in per), max(p["end_wall"] for p in per)
     train, whole = sampler.peak(start, end), sampler.peak()
+    res.extra["host_sample_longest_wait_s"] = sampler.longest_wait_s
     if train is not None:
         res.host_peak, res.host_peak_shmem, res.rss_sum_peak = train.pss, train.pss_shmem, train.rss
     res.host_peak_run = whole.pss if whole is not None else 0
