@@ -77,9 +77,9 @@ def _f16_bits_to_f32_intrinsic(typingctx, x):
 def _prefetch_intrinsic(typingctx, arr, index):
     """Prefetch the cache line holding ``arr[index]`` for reading into the L2 cache (``llvm.prefetch`` with locality
     2: ``prefetcht1`` on x86). A hint: it never faults, but callers keep ``index`` in bounds. Into L2, not L1
-    (``prefetcht0``): on Zen 4 a half block of L1 prefetches ahead of the loop made the 8-bit update 20-35 % slower
-    than none at all, the L2 ones 25-35 % faster than the L1 ones (docs/PERFORMANCE.md); the core's own L1 prefetcher
-    streams from L2."""
+    (``prefetcht0``): on Zen 4 a half block of L1 prefetches ahead of the loop made the 8-bit update 8-25 % slower
+    than none at all (1 thread, 64 M parameters), the L2 ones 20-35 % faster than the L1 ones (docs/PERFORMANCE.md);
+    the core's own L1 prefetcher streams from L2."""
     if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
         return None
 
