@@ -356,6 +356,7 @@ def _peft_skeleton(checkpoint: Path, model: nn.Module, info: dict[str, Any]) -> 
             "with that release, or resume it with this one and save again."
         )
     from peft import PeftConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTuner
 
     adapters = list(configs)
     built = [PeftConfig.from_peft_type(**_config_args(configs[a])) for a in adapters]
@@ -365,8 +366,11 @@ def _peft_skeleton(checkpoint: Path, model: nn.Module, info: dict[str, Any]) -> 
         for name, cfg in zip(adapters[1:], built[1:]):
             peft_model.add_adapter(name, cfg)
         active = [a for a in info.get("peft_active") or adapters[:1] if a in configs]
+        tuner = peft_model.base_model  # the tuner, not PeftModel, activates several adapters at once
         if active:
-            peft_model.base_model.set_adapter(active if len(active) > 1 else active[0])
+            if not isinstance(tuner, BaseTuner):
+                raise ValueError(f"{checkpoint}: peft built a {type(tuner).__name__}, which cannot activate {active}")
+            tuner.set_adapter(active if len(active) > 1 else active[0])
     return peft_model
 
 
