@@ -5,7 +5,9 @@ bandwidth is contended as in training); the per-rank medians are max-reduced, so
 the same numbers and picks the same routes.
 
 - parameters: ``full`` = H2D of the whole unit; ``sharded`` = H2D of this rank's shard + all-gather.
-- gradients: ``gpu_reduce`` = reduce-scatter of the FP32 unit gradient + D2H of this rank's shard;
+- gradients: ``gpu_reduce`` = reduce-scatter of the FP32 unit gradient + D2H of this rank's shard (on gloo host
+  tensors, the runtime's in-place all-reduce and its slice: :func:`~slidedp_lightning.runtime.lanes.grad_route.
+  reduces_in_place`);
   ``host_reduce`` = D2H of the whole unit gradient into host memory + reading the R slots of one shard.
 - chunks (gpu_reduce): the smallest chunk whose reduce-scatter costs at most 10 % more per byte than one
   chunk per unit; ``None`` when no smaller chunk qualifies.
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from slidedp_lightning.runtime.compat import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.config import EngineConfig
+from slidedp_lightning.runtime.lanes.grad_route import reduces_in_place
 from slidedp_lightning.runtime.layout import Layout
 from slidedp_lightning.runtime.topology import Topology
 
@@ -99,13 +102,23 @@ def probe_routes(
             all_gather_into(dev_unit, dev_shard, group=param_group)
 
         t["param_sharded"] = _timed(sharded, device, group)
-    grad = torch.ones(unit_elems, dtype=torch.float32, device=device)
+    # zeros: the in-place form sums into its input again at every repeat
+    grad = torch.zeros(unit_elems, dtype=torch.float32, device=device)
     out = torch.empty(shard, dtype=torch.float32, device=device)
     host_shard = torch.empty(shard, dtype=torch.float32, pin_memory=pin)
+    in_place = r > 1 and device.type == "cpu" and reduces_in_place(group)
+    me = dist.get_rank(group) if in_place else rank
+
+    def reduce(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """This rank's sums of ``g``'s r slices, as the runtime reduces them: in ``o``, or (in place) a view of ``g``."""
+        if in_place:
+            dist.all_reduce(g, group=group)
+            return g.view(r, -1)[me]
+        reduce_scatter_into(o, g, group=group)
+        return o
+
     if want_grad:
-        t["grad_gpu_reduce"] = _timed(
-            lambda: (reduce_scatter_into(out, grad, group=group), host_shard.copy_(out)), device, group
-        )
+        t["grad_gpu_reduce"] = _timed(lambda: host_shard.copy_(reduce(out, grad)), device, group)
         host_unit = torch.empty(unit_elems, dtype=dtype, pin_memory=pin)
         rows = torch.zeros(r, shard, dtype=dtype)  # zeros: garbage (denormals, NaN) would distort the timing
         acc = torch.empty(shard, dtype=torch.float32)
@@ -113,7 +126,7 @@ def probe_routes(
             lambda: (host_unit.copy_(grad), torch.sum(rows, dim=0, dtype=torch.float32, out=acc)), device, group
         )
     if want_chunks:
-        whole = _timed(lambda: reduce_scatter_into(out, grad, group=group), device, group)
+        whole = _timed(lambda: reduce(out, grad), device, group)
         t["chunk_whole"] = whole
         for parts in (8, 4, 2):
             c = shard // parts
@@ -123,7 +136,7 @@ def probe_routes(
 
             def chunked(p: list[tuple[torch.Tensor, torch.Tensor]] = pieces) -> None:
                 for g, o in p:
-                    reduce_scatter_into(o, g, group=group)
+                    reduce(o, g)
 
             secs = _timed(chunked, device, group)
             t[f"chunk_1/{parts}"] = secs

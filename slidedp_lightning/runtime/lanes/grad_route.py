@@ -43,6 +43,16 @@ WATERMARK = 1 << 32  # host_reduce stamps: generation * WATERMARK + elements of 
 OUTLIER_PIECE = 1 << 22
 
 
+def reduces_in_place(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` reduce-scatters host tensors by an in-place all-reduce and a slice.
+
+    gloo runs a reduce-scatter as an all-reduce of a copy of its input, then copies this rank's slice out.
+    All-reducing the flat gradient in place, and reading the slice once it landed, gives the same sums without a
+    second full-size copy of the unit's gradient; over loopback it is also 1.7-1.9x faster (docs/STEPTIME.md).
+    The route probe times this form for the same reason."""
+    return dist.get_backend(group) == "gloo"
+
+
 class _Chained:
     """A host collective that a lane thread issues once the one before it has completed (``future``'s result is
     its handle): ``wait()`` and ``is_completed()`` as for a collective's handle; a failure to issue it is raised by
@@ -205,14 +215,8 @@ class GradRoute:
             )
         self._published: list[Future] = []  # host_reduce: copies to the staging slots still on the D2H lane
         self._reducing: list[ReducedShard] = []  # gpu_reduce: shards whose collective buffers may still be held
-        # gloo runs a reduce-scatter as an all-reduce of a copy of its input, then copies this rank's slice out:
-        # all-reducing the flat gradient in place and copying the slice out once it landed gives the same sums
-        # without holding a second full-size copy of the unit's gradient
         self._in_place = (
-            route == "gpu_reduce"
-            and world_size > 1
-            and not lanes.is_stream("compute")
-            and dist.get_backend(group) == "gloo"
+            route == "gpu_reduce" and world_size > 1 and not lanes.is_stream("compute") and reduces_in_place(group)
         )
         self._group_rank = dist.get_rank(group) if self._in_place else self.shard_rank
         # a host "device" reuses its flat gradients (device streams have CUDA's caching allocator)
