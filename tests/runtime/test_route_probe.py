@@ -53,7 +53,7 @@ def _probe_on_gloo(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.slow  # spawns a process group
 def test_on_gloo_host_tensors_the_probe_times_the_in_place_all_reduce_the_runtime_runs(tmp_path):
-    """gloo's reduce-scatter is 1.7-1.9x slower than the in-place all-reduce and slice that GradRoute runs on host
+    """gloo's reduce-scatter is 1.5-1.8x slower than the in-place all-reduce and slice that GradRoute runs on host
     tensors: a probe (and the step-time calibration built on it) that timed the former priced the reduce lane at
     the wrong rate."""
     with socket.socket() as s:

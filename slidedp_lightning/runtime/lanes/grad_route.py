@@ -48,7 +48,7 @@ def reduces_in_place(group: dist.ProcessGroup | None) -> bool:
 
     gloo runs a reduce-scatter as an all-reduce of a copy of its input, then copies this rank's slice out.
     All-reducing the flat gradient in place, and reading the slice once it landed, gives the same sums without a
-    second full-size copy of the unit's gradient; over loopback it is also 1.7-1.9x faster (docs/STEPTIME.md).
+    second full-size copy of the unit's gradient; over loopback it is also 1.5-1.8x faster (docs/STEPTIME.md).
     The route probe times this form for the same reason."""
     return dist.get_backend(group) == "gloo"
 
