@@ -322,8 +322,7 @@ class UpdateLane:
                 scale = 1.0
             grad = acc
         lane_delay()
-        with self.tracer.span("update", "adamw", task.step - 1, task.unit, task.chunk):
-            self._kernels(task, unit, grad, s0 + task.lo, s0 + task.hi, scale)
+        self._kernels(task, unit, grad, s0 + task.lo, s0 + task.hi, scale)
         lane_delay()
         if task.grad is not None and task.action is UpdateAction.UPDATE:
             task.grad.release()
@@ -398,15 +397,18 @@ class UpdateLane:
         disk record by record, each written back as soon as the update has passed its last element."""
         if not any(g >= 0 and sa < c1 and sb > c0 for sa, sb, g in self.segments[task.unit]):
             return  # frozen parameters only: their weights and moments stay bit-identical
+        args = (task.step - 1, task.unit, task.chunk)
         if self._records is None:
-            self._update_range(task, {r: (a, 0) for r, a in self._arrays[task.unit].items()}, grad, c0, c1, scale)
+            with self.tracer.span("update", "adamw", *args):
+                self._update_range(task, {r: (a, 0) for r, a in self._arrays[task.unit].items()}, grad, c0, c1, scale)
             return
         for piece, rec in enumerate(self._pieces(task.unit)):
             lo, hi = max(rec.start, c0), min(rec.start + rec.elems, c1)
             if lo >= hi or not rec.nbytes:
                 continue
-            arrays = self._record_state(task, piece, rec)
-            self._update_range(task, arrays, grad[..., lo - c0 : hi - c0], lo, hi, scale)
+            arrays = self._record_state(task, piece, rec)  # may wait for its read: the disk lane's time, off the span
+            with self.tracer.span("update", "adamw", *args):
+                self._update_range(task, arrays, grad[..., lo - c0 : hi - c0], lo, hi, scale)
             if hi == rec.start + rec.elems:  # the record's last element: written back now
                 self._release((task.unit, piece))
 

@@ -4,6 +4,7 @@ the ledger in host memory for every knob of the update, and a ledger in memory s
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -210,6 +211,30 @@ def test_the_state_files_io_is_traced_on_the_disk_lane(tmp_path: Path) -> None:
         disk_spans = [s for s in engine.tracer.spans if s.lane == "disk"]
         assert {s.name for s in disk_spans} == {"read", "write"}
         assert all(s.end >= s.start and s.step >= 0 for s in disk_spans)
+
+    (tmp_path / "state").mkdir()
+    config = EngineConfig(state_dir=str(tmp_path / "state"), trace_dir=str(tmp_path / "trace"))
+    run(config, steps=3, inspect=inspect)
+
+
+def test_the_update_span_holds_the_kernel_not_the_wait_for_its_records_read(tmp_path: Path, monkeypatch) -> None:
+    """With slow reads the update waits for its records: that wait is the disk lane's time (its read span), so no
+    update span of a unit starts while a read of that unit is still under way (the lanes the step-time model is
+    held against)."""
+    read_into = disk.StateFile.read_into
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.05)
+        return read_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(disk.StateFile, "read_into", slow)
+
+    def inspect(engine, opt):
+        reads = [s for s in engine.tracer.spans if s.lane == "disk" and s.name == "read"]
+        updates = [s for s in engine.tracer.spans if s.lane == "update"]
+        assert reads and updates
+        inside = [(u, r) for u in updates for r in reads if r.unit == u.unit and r.start < u.start < r.end]
+        assert not inside, inside[:3]
 
     (tmp_path / "state").mkdir()
     config = EngineConfig(state_dir=str(tmp_path / "state"), trace_dir=str(tmp_path / "trace"))
