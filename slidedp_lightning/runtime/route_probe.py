@@ -106,7 +106,7 @@ def probe_routes(
     grad = torch.zeros(unit_elems, dtype=torch.float32, device=device)
     out = torch.empty(shard, dtype=torch.float32, device=device)
     host_shard = torch.empty(shard, dtype=torch.float32, pin_memory=pin)
-    in_place = r > 1 and device.type == "cpu" and reduces_in_place(group)
+    in_place = r > 1 and reduces_in_place(group, device)
     me = dist.get_rank(group) if in_place else rank
 
     def reduce(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

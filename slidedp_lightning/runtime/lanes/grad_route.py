@@ -43,14 +43,15 @@ WATERMARK = 1 << 32  # host_reduce stamps: generation * WATERMARK + elements of 
 OUTLIER_PIECE = 1 << 22
 
 
-def reduces_in_place(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` reduce-scatters host tensors by an in-place all-reduce and a slice.
+def reduces_in_place(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether a reduce-scatter over ``group`` of tensors on ``device`` runs as an in-place all-reduce and a slice:
+    host tensors on gloo.
 
     gloo runs a reduce-scatter as an all-reduce of a copy of its input, then copies this rank's slice out.
     All-reducing the flat gradient in place, and reading the slice once it landed, gives the same sums without a
     second full-size copy of the unit's gradient; over loopback it is also 1.5-1.8x faster (docs/STEPTIME.md).
     The route probe times this form for the same reason."""
-    return dist.get_backend(group) == "gloo"
+    return device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
 class _Chained:
@@ -215,9 +216,7 @@ class GradRoute:
             )
         self._published: list[Future] = []  # host_reduce: copies to the staging slots still on the D2H lane
         self._reducing: list[ReducedShard] = []  # gpu_reduce: shards whose collective buffers may still be held
-        self._in_place = (
-            route == "gpu_reduce" and world_size > 1 and not lanes.is_stream("compute") and reduces_in_place(group)
-        )
+        self._in_place = route == "gpu_reduce" and world_size > 1 and reduces_in_place(group, self.device)
         self._group_rank = dist.get_rank(group) if self._in_place else self.shard_rank
         # a host "device" reuses its flat gradients (device streams have CUDA's caching allocator)
         self.pool = (
