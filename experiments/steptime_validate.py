@@ -86,6 +86,9 @@ def write_wide_model(path: Path) -> Path:
     return path
 
 
+JOB_AS_MODELLED = ("--activation-policy", "none", "--chunked-loss", "0")
+
+
 def run_job(
     model_dir: str | None,
     batch: int,
@@ -118,8 +121,9 @@ def run_job(
         "--log-dir",
         os.path.join(trace_dir, "logs"),
     ]
-    if model_dir:
-        cmd += ["--model", model_dir]
+    if model_dir:  # the job the model simulates: no recomputation and the model's own loss, not a real model's
+        # defaults (full recomputation, the loss in chunks), which the StepConfig below does not describe
+        cmd += ["--model", model_dir, *JOB_AS_MODELLED]
     if state_dir:
         cmd += ["--state-dir", state_dir]
     if master_on_disk:
