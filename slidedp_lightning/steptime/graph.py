@@ -471,8 +471,12 @@ def _gradient(
             )
             red = b.add(Op("reduce_scatter_net", "reduce", step, u, demand, fixed, list(start), k))
         elif r > 1:
-            moved = (2 if replicated else 1) * p * 4 * (r - 1) / r * frac
-            demand, fixed = _collective(kind, moved, (2 if replicated else 1) * (r - 1), lat)
+            # an all-reduce moves twice a reduce-scatter's bytes, except on a CPU "device": there gpu_reduce is itself
+            # gloo's in-place all-reduce of the whole unit (docs/step.md), the form calibrate times, so the link rate
+            # is already the all-reduce's
+            twice = 2 if replicated and not profile.host_is_device else 1
+            moved = twice * p * 4 * (r - 1) / r * frac
+            demand, fixed = _collective(kind, moved, twice * (r - 1), lat)
             red = b.add(
                 Op("all_reduce" if replicated else "reduce_scatter", "reduce", step, u, demand, fixed, list(start), k)
             )

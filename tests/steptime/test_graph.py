@@ -43,3 +43,19 @@ def test_a_cpu_device_computes_its_large_units_in_the_ledger():
     )
     with pytest.raises(ValueError, match="unit_copies"):
         replace(base, unit_copies="sometimes")
+
+
+def test_on_a_cpu_device_the_replicated_all_reduce_costs_what_gpu_reduce_does():
+    """On a CPU "device" gpu_reduce is gloo's in-place all-reduce of the whole unit, the form calibrate times, so the
+    replicated layout's all-reduce moves the same link bytes; with device collectives (NCCL) it moves twice a
+    reduce-scatter's."""
+
+    def link_bytes(profile, param_route: str) -> list[float]:
+        cfg = StepConfig(load_config(WIDE), 1, 26, 2, param_route, precision="32-true")
+        return [op.demand.get("link", 0.0) for op in build_ops(cfg, profile, steps=1) if op.lane == "reduce"]
+
+    cpu = _machine()
+    assert link_bytes(cpu, "replicated") == pytest.approx(link_bytes(cpu, "full"))
+    gpu = replace(cpu, values={**cpu.values, "host_is_device": False})
+    assert link_bytes(gpu, "replicated") == pytest.approx([2 * b for b in link_bytes(gpu, "full")])
+    assert all(b > 0 for b in link_bytes(gpu, "full"))
