@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from slidedp_lightning.recipes.host_memory import SamplingPace
+
 FIELDS = ("Rss", "Pss", "Pss_Shmem", "Pss_Anon")
 # Sampling period of every benchmark job. One pass reads ``smaps_rollup`` of each process, a walk of its page
 # tables (about 7 ms of CPU per rank process of 1 GB on the 2-core machine). Measured there: 0.1 s cost ~15 %
@@ -96,26 +98,26 @@ class Sampler(threading.Thread):
         on_limit: Callable[[Sample], None] | None = None,
         max_share: float = MAX_SHARE,
     ) -> None:
-        if not 0 < max_share <= 1:
-            raise ValueError(f"max_share={max_share}: a share of one core, in (0, 1]")
+        self._pace = SamplingPace(interval, max_share)
         super().__init__(daemon=True)
-        self.root, self.interval, self.limit, self.on_limit = root, interval, limit, on_limit
-        self.max_share = max_share
+        self.root, self.limit, self.on_limit = root, limit, on_limit
         self.samples: list[Sample] = []
-        self.longest_wait_s = 0.0
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.is_set():
             cpu = time.thread_time()
             s = sample(self.root)
-            wait = max(self.interval, (time.thread_time() - cpu) / self.max_share)
-            self.longest_wait_s = max(self.longest_wait_s, wait)
+            wait = self._pace.after(time.thread_time() - cpu)
             self.samples.append(s)
             if self.limit and s.pss > self.limit and self.on_limit is not None:
                 self.on_limit(s)
                 self.on_limit = None
             self._halt.wait(wait)
+
+    @property
+    def longest_wait_s(self) -> float:
+        return self._pace.longest_s
 
     def stop(self) -> None:
         self._halt.set()

@@ -39,18 +39,31 @@ def pss_bytes(pid: int) -> int:
         return 0
 
 
+class SamplingPace:
+    """How long a sampler waits after each sample: ``interval_s``, or longer where the sample's CPU time would make
+    sampling take more than ``max_share`` of one core. ``longest_s``: the longest wait so far."""
+
+    def __init__(self, interval_s: float, max_share: float) -> None:
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share={max_share}: a share of one core, in (0, 1]")
+        self.interval_s, self.max_share, self.longest_s = interval_s, max_share, 0.0
+
+    def after(self, sample_cpu_s: float) -> float:
+        """The wait after a sample that took ``sample_cpu_s`` seconds of this thread's CPU."""
+        wait = max(self.interval_s, sample_cpu_s / self.max_share)
+        self.longest_s = max(self.longest_s, wait)
+        return wait
+
+
 class PeakHostMemory(L.Callback):
     """``peak_bytes``: the largest summed PSS of this process's tree seen during ``fit`` (sampled in the launching
     process only; elsewhere ``None``); ``processes``: how many processes the largest sample covered;
     ``longest_wait_s``: the longest wait between two samples."""
 
     def __init__(self, launching: bool, interval_s: float = 0.25, max_share: float = 0.02) -> None:
-        if not 0 < max_share <= 1:
-            raise ValueError(f"max_share={max_share}: a share of one core, in (0, 1]")
-        self.launching, self.interval_s, self.max_share = launching, interval_s, max_share
+        self.launching, self._pace = launching, SamplingPace(interval_s, max_share)
         self.peak_bytes: int | None = None
         self.processes = 0
-        self.longest_wait_s = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -61,10 +74,12 @@ class PeakHostMemory(L.Callback):
             total = sum(pss_bytes(pid) for pid in pids)
             if total > (self.peak_bytes or 0):
                 self.peak_bytes, self.processes = total, len(pids)
-            wait = max(self.interval_s, (time.thread_time() - start) / self.max_share)
-            self.longest_wait_s = max(self.longest_wait_s, wait)
-            if self._stop.wait(wait):
+            if self._stop.wait(self._pace.after(time.thread_time() - start)):
                 return
+
+    @property
+    def longest_wait_s(self) -> float:
+        return self._pace.longest_s
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.launching and self._thread is None:
