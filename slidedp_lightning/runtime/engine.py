@@ -361,11 +361,15 @@ class SlideDPEngine:
 
     def synchronize(self) -> None:
         """Wait until every rank's updates of every dispatched step are in the ledger (and in its state file on
-        disk, when it has one)."""
+        disk, when it has one: each rank's records written back, which follows its update stamp)."""
         self.lane.wait_idle(self.liveness)
         self.lane.flush_state(self.liveness)
-        version = self.ledger.version[:, self.topology.host_owners]  # the owners whose shards this ledger holds
+        owners = self.topology.host_owners  # the owners whose shards this ledger holds
+        version = self.ledger.version[:, owners]
         wait_until(lambda: bool((version >= self.step).all()), self.liveness, "all ranks' updates")
+        if self.ledger.disk is not None:
+            written = self.ledger.written[:, owners]
+            wait_until(lambda: bool((written >= self.step).all()), self.liveness, "all ranks' state-file writes")
 
     # -- reports --------------------------------------------------------------------------------------
     def device_memory(self) -> dict[str, int]:

@@ -112,21 +112,28 @@ class StepDriver:
         self._step_t0: float | None = None  # tracing: the step's first training forward
         self._mark: Any = None  # tracing: when the compute lane last resumed compute (see Lanes.stamp)
 
-    def _stamp(self) -> Any:
-        """Tracing: a timestamp on the compute lane (None when tracing is off)."""
-        return self.lanes.stamp("compute") if self.tracer.enabled else None
+    def _stamp(self, at: float | None = None) -> Any:
+        """Tracing: a timestamp on the compute lane (None when tracing is off). ``at``: the host time that ends the
+        compute thread's span before, taken just now: the timestamp when the compute lane runs on the host clock, so
+        that the two spans meet (no gap for a preemption or a garbage collection to fall into unattributed)."""
+        if not self.tracer.enabled:
+            return None
+        return at if at is not None and not self.lanes.is_stream("compute") else self.lanes.stamp("compute")
 
-    def _compute_until_now(self, unit: int) -> None:
-        """Tracing: the compute thread ran backward from the last mark until this hook."""
+    def _compute_until_now(self, unit: int) -> float:
+        """Tracing: the compute thread ran backward from the last mark until this hook; returns the host time of
+        the span's end, where the hook's own span starts."""
+        now = time.perf_counter()
         if self.tracer.enabled and self._mark is not None:
-            self.tracer.record("compute", "backward", self.step, self._mark, self._stamp(), unit)
+            self.tracer.record("compute", "backward", self.step, self._mark, self._stamp(at=now), unit)
+        return now
 
     # -- tracing: the compute thread outside the units ("loop" spans, docs/step.md "Lane traces") ------------
-    def _leave(self, name: str | None = None) -> None:
-        """The compute thread leaves the units: the time until it is back becomes a ``loop`` span of this step,
-        named ``name`` or, when None, by where it comes back."""
+    def _leave(self, name: str | None = None, at: float | None = None) -> None:
+        """The compute thread leaves the units (at host time ``at``, default now): the time until it is back becomes
+        a ``loop`` span of this step, named ``name`` or, when None, by where it comes back."""
         if self.tracer.enabled:
-            self._outside = (time.perf_counter(), name, self.step)
+            self._outside = (time.perf_counter() if at is None else at, name, self.step)
 
     def _back(self, name: str) -> float:
         """The compute thread is back in the units (returns the time): the span outside them, if one is open."""
@@ -169,18 +176,18 @@ class StepDriver:
                 if self._outside is None:  # the first step: no loop span is open, and this acquire belongs to one
                     self._outside = (self._step_t0, None, self.step)
             self.residency.acquire(units, self.step, backward=False)
-            if tracing:
-                self._back("model code between units")
-            self._mark = self._stamp()
+            back = self._back("model code between units") if tracing else None
+            self._mark = self._stamp(at=back)
 
         return hook
 
     def _post_forward_hook(self, units: tuple[int, ...]) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.tracer.enabled and torch.is_grad_enabled():
-                self.tracer.record("compute", "forward", self.step, self._mark, self._stamp(), units[-1])
+                end = time.perf_counter()
+                self.tracer.record("compute", "forward", self.step, self._mark, self._stamp(at=end), units[-1])
                 self._mark = None  # loss, logging and the loop run outside the units: backward starts at its hook
-                self._leave()
+                self._leave(at=end)
             self.residency.release(units)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._on_output_grad(units))
@@ -242,18 +249,19 @@ class StepDriver:
                 "reduced and handed to the CPU update (a module called twice in one forward, or retain_graph "
                 "backward passes); each unit takes part in a forward pass once."
             )
-        self._compute_until_now(units[-1])
-        hook_t0 = time.perf_counter() if self.tracer.enabled else 0.0
+        hook_t0 = self._compute_until_now(units[-1])
         self._release_frozen(keep=units)
         self.residency.acquire(units, self.step, backward=True)  # waiting here is traced as a stall
         self._frozen_held += [u for u in units if unit_of[u].has_frozen and u not in self._frozen_held]
         for u in units:
             self.activations.prefetch(u)
+        end = None
         if self._outside is not None:
-            self._back("loss, training step, backward to the first unit")
+            end = self._back("loss, training step, backward to the first unit")
         elif self.tracer.enabled:
-            self.tracer.record("loop", "hook: acquire for backward", self.step, hook_t0, time.perf_counter(), units[-1])
-        self._mark = self._stamp()
+            end = time.perf_counter()
+            self.tracer.record("loop", "hook: acquire for backward", self.step, hook_t0, end, units[-1])
+        self._mark = self._stamp(at=end)
 
     def _release_frozen(self, keep: tuple[int, ...] = ()) -> None:
         """Release the units with frozen parameters held for backward, except ``keep``."""
@@ -279,8 +287,7 @@ class StepDriver:
             self._unit_ready(ui)
 
     def _unit_ready(self, u: int) -> None:
-        self._compute_until_now(u)
-        hook_t0 = time.perf_counter() if self.tracer.enabled else 0.0
+        hook_t0 = self._compute_until_now(u)
         if u not in self._frozen_held:  # otherwise released by _release_frozen
             self.residency.release_backward(u)
         # complete: _pending[u] reached 0, so every slot holds the gradient its post-accumulate hook collected;
@@ -313,9 +320,11 @@ class StepDriver:
                 first=self._micro == 0,
             )
             self.lane.submit(task)
+        end = None
         if self.tracer.enabled:  # the hook's own work around the stall and issue spans in it
-            self.tracer.record("loop", "hook: dispatch gradient", self.step, hook_t0, time.perf_counter(), u)
-        self._mark = self._stamp()
+            end = time.perf_counter()
+            self.tracer.record("loop", "hook: dispatch gradient", self.step, hook_t0, end, u)
+        self._mark = self._stamp(at=end)
 
     def _action(self) -> UpdateAction:
         """What the update lane does with the gradient of the backward pass now running."""
@@ -324,9 +333,9 @@ class StepDriver:
         return UpdateAction.ACCUMULATE_UPDATE if self._micro else UpdateAction.UPDATE
 
     def _check_backward_complete(self) -> None:
-        self._compute_until_now(0)
+        end = self._compute_until_now(0)
         self._mark = None
-        self._leave("after backward: the training loop")
+        self._leave("after backward: the training loop", at=end)
         self._callback_queued = False
         self._release_frozen()
         missing = [
@@ -389,10 +398,10 @@ class StepDriver:
         the updates queued before (readers of the stamps wait for every unit)."""
         frozen = [u for u, unit in enumerate(self.layout.units) if unit.frozen]
         if frozen:
-            version, owner, step = self.lane.ledger.version, self.lane.owner, self.step + 1
+            ledger, owner, step = self.lane.ledger, self.lane.owner, self.step + 1
 
             def stamp() -> None:
-                version[frozen, owner] = step
+                ledger.version[frozen, owner] = ledger.written[frozen, owner] = step
 
             self.lane.call(stamp)
 

@@ -139,6 +139,16 @@ class TinyLM(L.LightningModule):
                 os.kill(os.getpid(), signal.SIGKILL)
 
             update.UpdateLane._apply = die
+        if batch_idx == 0 and self.global_rank == cfg.slow_writes_rank:  # on its I/O threads, from now on
+            from slidedp_lightning.runtime.ledger import disk
+
+            write = disk.StateFile.write_from
+
+            def slow_write(state, offset, buf):
+                time.sleep(0.3)
+                write(state, offset, buf)
+
+            disk.StateFile.write_from = slow_write
         if cfg.library:
             loss = library_models.lm_loss(cfg.library, self.model, batch)
         else:

@@ -112,6 +112,7 @@ class JobConfig:
     kill_rank: int = 1
     kill_in: str = "forward"
     kill_in_save: int | None = None  # this rank SIGKILLs itself inside the save at save_at
+    slow_writes_rank: int | None = None  # this rank's state-file writes each take 0.3 s longer (a slow disk)
     nan_at_step: int = -1
     nan_rank: int = 0
     # one fit per variant in the same processes: {name: knobs}, outputs under out/<name>

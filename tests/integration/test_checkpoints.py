@@ -125,6 +125,23 @@ def test_the_master_on_disk_trains_and_resumes_as_the_master_in_memory(job_runne
 
 
 @pytest.mark.integration
+def test_the_weights_a_job_ends_with_hold_a_slow_disks_last_writes(job_runner):
+    """The master on disk, rank 1's state-file writes each 0.3 s slow: the weights rank 0 reads from the file as the
+    job ends (each unit's whole master, rank 1's shard too) hold rank 1's last update, as the master in memory does.
+    A rank's update stamp alone says its update ran, not that its records reached the file."""
+    common = dict(strategy="slidedp", tied=True, batch=BATCH, constant_data=True, precision="bf16-mixed",
+                  grad_route="host_reduce")  # fmt: skip
+    memory = _ok(job_runner("master_mem_grad_routehost_reduce", devices=2, steps=STEPS, save_at=SAVE_AT, **common))
+    slow = _ok(job_runner("master_disk_slow_writes", devices=2, steps=STEPS, state_on_disk=True, master_on_disk=True,
+                          slow_writes_rank=1, **common))  # fmt: skip
+    for rank in range(2):
+        assert slow.losses(rank) == memory.losses(rank), f"rank {rank}: losses differ"
+    a, b = memory.state(), slow.state()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs: rank 1's last writes were not in the file when it was read"
+
+
+@pytest.mark.integration
 def test_a_rank_killed_in_an_update_with_the_master_on_disk_leaves_its_checkpoint_exact(job_runner):
     """The master on disk (bf16-mixed): rank 1 SIGKILLed inside an update after the step-5 save leaves a master half
     updated in the state file, which goes with the job; the checkpoint resumes into a new state file to the same bits

@@ -25,15 +25,22 @@ from slidedp_lightning_cli.task import early_ranks  # noqa: E402  (plain Python:
 early_ranks.begin(ranks)
 was_early = early_ranks.ENV in os.environ
 local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-(out / f"{os.getpid()}.start").write_text(json.dumps({"started": started, "early": was_early}))
+
+
+def write(suffix: str, content: dict) -> None:
+    """``OUT/<pid><suffix>``, whole or not at all (a rank killed as it writes leaves no empty file behind)."""
+    tmp = out / f"{os.getpid()}{suffix}.tmp"
+    tmp.write_text(json.dumps(content))
+    os.replace(tmp, out / f"{os.getpid()}{suffix}")
+
+
+write(".start", {"started": started, "early": was_early})
 NAMES = ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "NODE_RANK", early_ranks.ENV)
 
 
 def report(**more) -> None:
     env = {k: os.environ.get(k) for k in NAMES}
-    (out / f"{os.getpid()}.json").write_text(
-        json.dumps({"local_rank": local_rank, "early": was_early, "started": started, "env": env, **more})
-    )
+    write(".json", {"local_rank": local_rank, "early": was_early, "started": started, "env": env, **more})
 
 
 if local_rank != 0:

@@ -165,6 +165,7 @@ class UpdateLane:
         self._order: list[tuple[int, int]] = []  # records in the order this step acquired them
         self._last_order: list[tuple[int, int]] = []  # ... and the previous step's
         self._records_step = 0
+        self._written_lock = threading.Lock()
         self._queue: queue.Queue[UpdateTask | _Call | None] = queue.Queue()
         self._idle = threading.Condition()
         self._outstanding = 0
@@ -329,9 +330,18 @@ class UpdateLane:
         if task.last:
             if self._records is not None:
                 self._release_unit(task.unit)  # a record the update did not reach to its end (frozen elements)
+                self._records.when_written(task.unit, lambda: self._stamp_written(task.unit, task.step))
+            else:
+                self.ledger.written[task.unit, self.owner] = task.step
             self.ledger.version[task.unit, self.owner] = task.step
 
     # -- the shard records of the regions on disk (update-lane thread only) --------------------------------
+    def _stamp_written(self, unit: int, step: int) -> None:
+        """The state file holds ``unit``'s records of update ``step`` (on the I/O thread that wrote the last)."""
+        with self._written_lock:  # two steps' writes of a unit may end on two I/O threads
+            written = self.ledger.written
+            written[unit, self.owner] = max(int(written[unit, self.owner]), step)
+
     def _trace_io(self, op: str, unit: int, start: float, end: float) -> None:
         if self._records_step > 0:  # not the setup's clearing pass
             self.tracer.record("disk", op, self._records_step - 1, start, end, unit)

@@ -455,6 +455,31 @@ class RecordStream:
         self.written_bytes += rec.nbytes
         self._writes[key] = self._io.submit(write)
 
+    def when_written(self, unit: int, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once the writes of ``unit``'s records released so far have ended: now when none is running,
+        else on the I/O thread that ends the last. Never after a failed write (:meth:`check` raises its error)."""
+        writes = [f for (u, _), f in self._writes.items() if u == unit]
+
+        def call_if_written() -> None:
+            if all(not f.cancelled() and f.exception() is None for f in writes):
+                fn()
+
+        running = [f for f in writes if not f.done()]
+        if not running:
+            call_if_written()
+            return
+        left, lock = [len(running)], threading.Lock()
+
+        def ended(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                call_if_written()
+
+        for f in running:
+            f.add_done_callback(ended)
+
     def drop_reads(self) -> None:
         """Forget the records read ahead (their buffers free again): the file may be written through its mapping
         next (a checkpoint loaded, weights set), and a later acquire then reads what was written."""

@@ -162,7 +162,7 @@ class LedgerGeometry:
 
     def _stamp_elems(self) -> int:
         r, u, k = self.world_size, self.num_units, self.staging_slots
-        return u * r + r + r * k + r * r * k + 8
+        return 2 * u * r + r + r * k + r * r * k + 8
 
     @property
     def offsets(self) -> dict[str, int]:

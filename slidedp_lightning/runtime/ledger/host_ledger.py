@@ -36,7 +36,8 @@ class HostLedger:
     ``bf16`` (BF16 transfer copy), each a whole region (the units that have it, back to back; :meth:`region` is
     one unit's range; empty when no unit has it) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
     Stamps (int64 numpy views, written by one process, read by all): ``version[unit, owner]`` = updates
-    applied; ``pids[rank]``; ``grad_gen[rank, slot]`` = watermark of a staging slot (generation * 2**32 + elements
+    applied; ``written[unit, owner]`` = updates whose records the state file holds (regions on disk: an update's
+    records are written back after its version is stamped); ``pids[rank]``; ``grad_gen[rank, slot]`` = watermark of a staging slot (generation * 2**32 + elements
     written so far, see grads.WATERMARK);
     ``consumed[owner, writer, slot]`` = generation an owner has finished reading.
     """
@@ -104,6 +105,7 @@ class HostLedger:
             return out
 
         self.version = take((u, r))
+        self.written = take((u, r))
         self.pids = take((r,))
         self.grad_gen = take((r, k))
         self.consumed = take((r, r, k))

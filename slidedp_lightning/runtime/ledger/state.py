@@ -382,7 +382,7 @@ class LedgerState:
                 where = self._slot_of[id(params[int(index)])]
                 self._write(where, s["exp_avg"], "exp_avg")
                 self._write(where, s["exp_avg_sq"], "exp_avg_sq")
-            self.ledger.version[:] = steps.pop() if steps else 0
+            self.ledger.version[:] = self.ledger.written[:] = steps.pop() if steps else 0
         for group, saved_group in zip(optimizer.param_groups, state.get("param_groups", [])):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         self._barrier()
@@ -401,5 +401,5 @@ class LedgerState:
         self._barrier()
         if self.topology.writes_ledger:
             self.ledger.refresh_bf16(self._host_ranges)
-            self.ledger.version[:] = step
+            self.ledger.version[:] = self.ledger.written[:] = step
         self._barrier()

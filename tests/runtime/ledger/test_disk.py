@@ -251,6 +251,58 @@ def test_a_record_is_read_only_after_its_last_write(tmp_path, monkeypatch) -> No
         file.close()
 
 
+def test_when_written_waits_for_the_units_writes_and_never_follows_a_failed_one(tmp_path, monkeypatch) -> None:
+    """The callback of a unit's writes: at once with none running, after the slow write of its record (not before,
+    whatever other units write), and never when that write failed."""
+    import threading
+    import time
+
+    layout, file, stream = _stream_setup(tmp_path)
+    write, gate = file.write_from, threading.Event()
+
+    def gated_write(offset, buf):
+        if offset == layout.record(1, 0).offset:
+            gate.wait(10)
+            if not gate.is_set() or failing:
+                raise DiskStateError(errno.EIO, "write failed")
+        write(offset, buf)
+
+    monkeypatch.setattr(file, "write_from", gated_write)
+    failing, called = False, []
+    try:
+        stream.when_written(0, lambda: called.append("unit 0, nothing written"))
+        assert called == ["unit 0, nothing written"]
+        for u in (1, 2):
+            stream.acquire(u)
+            stream.release(u)
+        stream.when_written(1, lambda: called.append("unit 1"))
+        stream.when_written(2, lambda: called.append("unit 2"))
+
+        def until(what: str) -> bool:
+            deadline = time.monotonic() + 10
+            while what not in called and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return what in called
+
+        assert until("unit 2") and called[1:] == ["unit 2"]  # unit 1's write is still held
+        gate.set()
+        stream.flush()  # (a future's callbacks run just after its waiters wake)
+        assert until("unit 1") and called[1:] == ["unit 2", "unit 1"]
+        gate.clear()
+        failing = True
+        stream.acquire(1)
+        stream.release(1)
+        stream.when_written(1, lambda: called.append("unit 1 again"))
+        gate.set()
+        with pytest.raises(DiskStateError):
+            stream.flush()
+        time.sleep(0.1)
+        assert "unit 1 again" not in called
+    finally:
+        stream.close()
+        file.close()
+
+
 def test_reads_ahead_are_used_once_and_never_block_and_a_missed_guess_frees_its_buffer(tmp_path) -> None:
     layout, file, stream = _stream_setup(tmp_path, buffers=2)
     try:
