@@ -10,7 +10,9 @@ on the same shapes, e.g. ``python -m slidedp_lightning.steptime calibrate --mode
 bf16-mixed --state-dir DIR`` with a 2-layer config of the shape. Prints measured (median, range, after one warm-up
 step) against predicted, the model's limiting resource, and writes ``summary.json`` under ``--out``. With ``--trace``
 the job records its lanes (:class:`slidedp_lightning.LaneTrace`) and each lane's busy seconds a step (rank 0, median
-after the warm-up) are printed beside the model's: where the prediction is short, which lane it underestimates.
+after the warm-up) are printed beside the model's: where the prediction is short, which lane it underestimates;
+and the prediction again with the disk at the rate the job got from it (``steptime disk``), which leaves the error of
+the rest of the model.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.baselines.runner import GB, run_job  # noqa: E402
 from bench.baselines.sharded_checkpoint import ShardedCheckpoints  # noqa: E402
 from bench.capacity import PRECISION, QWEN3_1_7B, RANKS, SEQ, SYSTEMS, spec_for  # noqa: E402
+from slidedp_lightning.steptime.calibrate import with_disk  # noqa: E402
 from slidedp_lightning.steptime.graph import LANES, StepConfig  # noqa: E402
 from slidedp_lightning.steptime.profiles import Profile, load_profile  # noqa: E402
 from slidedp_lightning.steptime.simulate import SimResult, simulate  # noqa: E402
@@ -126,6 +129,22 @@ def main() -> int:
             f"{traced['bottleneck']}; the compute thread stalled {traced['stall']:.1f} s"
         )
         print("\n".join(lane_table(traced["busy"], sim.busy)))
+        # the disk as this job used it, in place of the calibration's probe: what is left is the rest of the model
+        own = with_disk(load_profile(args.profile), folder / label / "trace", skip=1)
+        again = predicted(label, checkpoint, own)
+        summary["with_traced_disk"] = {
+            "disk_gbps": own.values["disk_gbps"],
+            "predicted_s": again.step_time,
+            "error_pct": (again.step_time / got - 1) * 100,
+            "predicted_bottleneck": again.bottleneck,
+        }
+        (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(
+            f"with the disk at the {own.values['disk_gbps']:.2f} GB/s this job got from it (the profile's probe: "
+            f"{load_profile(args.profile).values['disk_gbps']:.2f}): predicted {again.step_time:.1f} s "
+            f"({summary['with_traced_disk']['error_pct']:+.1f} %, {again.bottleneck}), disk lane "
+            f"{again.busy.get('disk', 0.0):.2f} s against {traced['busy'].get('disk', 0.0):.2f} s traced"
+        )
     return 0
 
 

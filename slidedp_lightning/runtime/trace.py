@@ -49,6 +49,7 @@ class Span:
     chunk: int
     start: float  # or, until resolved, a device timing event (see Tracer.set_device_clock)
     end: float
+    nbytes: int = 0  # the bytes it moved, where the lane counts them (the disk lane's reads and writes)
 
 
 def _length(intervals: list[tuple[float, float]]) -> float:
@@ -157,7 +158,7 @@ class Tracer:
     def _resolved(self, s: Span) -> Span:
         if isinstance(s.start, float) and isinstance(s.end, float):
             return s
-        return Span(s.lane, s.name, s.step, s.unit, s.chunk, self._seconds(s.start), self._seconds(s.end))
+        return Span(s.lane, s.name, s.step, s.unit, s.chunk, self._seconds(s.start), self._seconds(s.end), s.nbytes)
 
     # -- recording -------------------------------------------------------------------------------
     def span(self, lane: str, name: str, step: int, unit: int = -1, chunk: int = -1):
@@ -166,10 +167,10 @@ class Tracer:
             return _NULL
         return _SpanContext(self, lane, name, step, unit, chunk)
 
-    def record(self, lane: str, name: str, step: int, start, end, unit: int = -1, chunk: int = -1):
+    def record(self, lane: str, name: str, step: int, start, end, unit: int = -1, chunk: int = -1, nbytes: int = 0):
         """One span; ``start``/``end`` are host seconds or device timing events (see set_device_clock)."""
         if self.enabled:
-            span = Span(lane, name, step, unit, chunk, start, end)
+            span = Span(lane, name, step, unit, chunk, start, end, nbytes)
             self.spans.append(span)  # list.append and dict.setdefault are atomic
             self._by_step.setdefault(step, []).append(span)
 
@@ -300,10 +301,13 @@ class Tracer:
                     "tid": ROWS.index(s.lane),
                     "ts": (s.start - self.origin) * 1e6,
                     "dur": (s.end - s.start) * 1e6,
-                    "args": {"step": s.step, "unit": s.unit, "chunk": s.chunk},
+                    "args": {"step": s.step, "unit": s.unit, "chunk": s.chunk}
+                    | ({"bytes": s.nbytes} if s.nbytes else {}),
                 }
             )
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        # ts counts from origin_s, this process's time.perf_counter() at the tracer's start (the host's monotonic
+        # clock: the ranks of one host share it, so their traces can be laid on one time line)
+        return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"origin_s": self.origin}}
 
     def close(self) -> None:
         """Write the remaining steps, the Gantt figure (TensorBoard and ``gantt_rank{r}.png``) and the Chrome

@@ -1,4 +1,4 @@
-"""``python -m slidedp_lightning.steptime {predict,scaling,calibrate,loop,profiles}``."""
+"""``python -m slidedp_lightning.steptime {predict,scaling,calibrate,loop,disk,profiles}``."""
 
 from __future__ import annotations
 
@@ -278,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lo.add_argument("--hosts", type=int, default=1, help="hosts the traced run's ranks were spread over (default 1)")
     lo.add_argument("--out", default=None, help="profile JSON to write (default: --profile)")
+    dk = sub.add_parser(
+        "disk", help="set a profile's disk_gbps to the rate a traced run with its state on disk got from the disk"
+    )
+    dk.add_argument("--profile", required=True, help="profile JSON (rewritten unless --out)")
+    dk.add_argument("--trace", required=True, help="trace_dir of a training run with StateOnDisk on this machine")
+    dk.add_argument("--out", default=None, help="profile JSON to write (default: --profile)")
     sub.add_parser("profiles", help="list the shipped hardware profiles")
     return p
 
@@ -349,6 +355,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"{out}: loop_overhead_s = {profile.loop_overhead * 1e3:.1f} ms ({profile.sources['loop_overhead_s']})"
             )
+        elif args.cmd == "disk":
+            from slidedp_lightning.steptime.calibrate import with_disk
+
+            profile = with_disk(load_profile(args.profile), args.trace)
+            out = args.out or args.profile
+            with open(out, "w") as f:
+                json.dump(profile.to_json(), f, indent=1)
+            print(f"{out}: disk_gbps = {profile.values['disk_gbps']:.2f} ({profile.sources['disk_gbps']})")
         else:
             from slidedp_lightning.steptime.calibrate import build_profile, measure, measure_disk, measure_network
 

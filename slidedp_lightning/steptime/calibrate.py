@@ -35,7 +35,7 @@ from slidedp_lightning.constants import update_bytes_per_param
 from slidedp_lightning.runtime.compat import all_gather_into, reduce_scatter_into
 from slidedp_lightning.runtime.route_probe import probe_routes
 from slidedp_lightning.steptime.graph import PRECISIONS
-from slidedp_lightning.steptime.profiles import COMPUTE_PRECISION_KEY, LOOP_KEY, LOSS_KEY, Profile
+from slidedp_lightning.steptime.profiles import COMPUTE_PRECISION_KEY, GB, LOOP_KEY, LOSS_KEY, Profile
 from slidedp_lightning.steptime.workload import load_config, units
 
 log = logging.getLogger(__name__)
@@ -517,4 +517,24 @@ def with_loop(profile: Profile, trace_dir: str | Path, tokens: int, hosts: int =
         f"of {tokens} tokens ({loss * 1e3:.1f} ms) and its all-reduce ({sync * 1e3:.2f} ms)"
     )
     log.info("training loop: %.1f ms per step outside the traced work (%s)", loop * 1e3, trace_dir)
+    return Profile(profile.name, values, sources, profile.description)
+
+
+def with_disk(profile: Profile, trace_dir: str | Path, skip: int = 2) -> Profile:
+    """``profile`` with ``disk_gbps`` measured from the lane traces of a real training run with its state on disk
+    (``trace_dir``, every rank of one host; the steps after ``skip``): the bytes its ranks read and wrote a step over
+    the time any of them had a read or write under way (:func:`~slidedp_lightning.steptime.traces.disk_rate`). The
+    disk as the job used it, in place of the probe's minute, which on a disk whose rate moves is another disk."""
+    from slidedp_lightning.steptime.traces import disk_rate
+
+    rate, seen = disk_rate(trace_dir, skip)
+    values, sources = dict(profile.values), dict(profile.sources)
+    before = values.get("disk_gbps")
+    values["disk_gbps"] = rate / GB
+    sources["disk_gbps"] = (
+        f"probe: lane traces of a training run ({trace_dir}, {seen['steps']} steps): the median step read and wrote "
+        f"{seen['bytes'] / GB:.2f} GB in {seen['busy_s']:.2f} s of disk time"
+        + ("" if before is None else f" (the profile's probe had {before:.2f} GB/s)")
+    )
+    log.info("state file's disk: %.2f GB/s as the traced run used it (%s)", rate / GB, trace_dir)
     return Profile(profile.name, values, sources, profile.description)

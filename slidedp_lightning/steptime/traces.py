@@ -129,3 +129,38 @@ def other_threads_cpu(trace_dir: str | Path, skip: int = 2) -> float | None:
             if "cpu_process" in steps[k] and "cpu_compute_thread" in steps[k]
         ]
     return statistics.median(samples) if samples else None
+
+
+def disk_rate(trace_dir: str | Path, skip: int = 2) -> tuple[float, dict[str, float]]:
+    """The rate the state file's disk gave a traced run (state on disk): per step after ``skip``, the bytes every
+    rank of the host read and wrote over the time any of them had a read or write under way (their disk spans on
+    one time line), the median over steps in bytes per second; with the medians of those bytes and seconds."""
+    trace_dir = Path(trace_dir)
+    ranks = traced_ranks(trace_dir)
+    if not ranks:
+        raise FileNotFoundError(f"no lane traces under {trace_dir}")
+    nbytes: dict[int, int] = defaultdict(int)
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for r in ranks:
+        trace = json.loads((trace_dir / f"trace_rank{r}.json").read_text())
+        origin = trace.get("otherData", {}).get("origin_s")
+        disk = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "disk"]
+        if origin is None or any("bytes" not in e["args"] for e in disk):
+            raise ValueError(
+                f"{trace_dir}: rank {r}'s trace has no clock origin or no bytes on its disk spans (written by an "
+                "older version): trace the run again"
+            )
+        for e in disk:
+            k = e["args"]["step"]
+            nbytes[k] += e["args"]["bytes"]
+            spans[k].append((origin + e["ts"] * 1e-6, origin + (e["ts"] + e["dur"]) * 1e-6))
+    steps = sorted(spans)[skip:]
+    if not steps:
+        raise ValueError(f"{trace_dir}: no disk spans after skipping {skip} steps (was the state on disk?)")
+    busy = {k: sum(b - a for a, b in merge_intervals(spans[k])) for k in steps}
+    rate = statistics.median(nbytes[k] / busy[k] for k in steps if busy[k] > 0)
+    return rate, {
+        "bytes": statistics.median(nbytes[k] for k in steps),
+        "busy_s": statistics.median(busy.values()),
+        "steps": len(steps),
+    }

@@ -342,9 +342,9 @@ class UpdateLane:
             written = self.ledger.written
             written[unit, self.owner] = max(int(written[unit, self.owner]), step)
 
-    def _trace_io(self, op: str, unit: int, start: float, end: float) -> None:
+    def _trace_io(self, op: str, unit: int, start: float, end: float, nbytes: int) -> None:
         if self._records_step > 0:  # not the setup's clearing pass
-            self.tracer.record("disk", op, self._records_step - 1, start, end, unit)
+            self.tracer.record("disk", op, self._records_step - 1, start, end, unit, nbytes=nbytes)
 
     def _record_state(self, task: UpdateTask, piece: int, rec: Record) -> dict[str, tuple[np.ndarray | None, int]]:
         """The unit's arrays for the elements of one of its records, each with the unit-relative element its index

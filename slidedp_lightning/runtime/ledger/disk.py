@@ -362,9 +362,9 @@ class RecordStream:
         owner: int,
         buffers: int = 4,
         threads: int = 2,
-        on_io: Callable[[str, int, float, float], None] | None = None,
+        on_io: Callable[[str, int, float, float, int], None] | None = None,
     ) -> None:
-        """``on_io(op, unit, start, end)``: called on the I/O thread after each read or write ("read", "write";
+        """``on_io(op, unit, start, end, nbytes)``: called on the I/O thread after each read or write ("read", "write";
         ``time.perf_counter`` seconds), for lane traces."""
         if buffers < 2:
             raise ValueError(f"a record stream needs at least 2 buffers (one updated, one read ahead), got {buffers}")
@@ -377,11 +377,11 @@ class RecordStream:
         self.read_bytes = self.written_bytes = 0
         self._on_io = on_io
 
-    def _timed(self, op: str, unit: int, io: Callable[[], None]) -> None:
+    def _timed(self, op: str, unit: int, nbytes: int, io: Callable[[], None]) -> None:
         start = time.perf_counter()
         io()
         if self._on_io is not None:
-            self._on_io(op, unit, start, time.perf_counter())
+            self._on_io(op, unit, start, time.perf_counter(), nbytes)
 
     def _read(self, key: Key, buf: np.ndarray) -> Future[None]:
         rec = self.layout.record(key[0], self.owner, key[1])
@@ -390,7 +390,7 @@ class RecordStream:
         def read() -> None:
             if after is not None:
                 after.result()  # the record's last write first
-            self._timed("read", key[0], lambda: self.state.read_into(rec.offset, buf[: rec.nbytes]))
+            self._timed("read", key[0], rec.nbytes, lambda: self.state.read_into(rec.offset, buf[: rec.nbytes]))
 
         self.read_bytes += rec.nbytes
         return self._io.submit(read)
@@ -448,7 +448,7 @@ class RecordStream:
             try:
                 if previous is not None:
                     previous.result()
-                self._timed("write", key[0], lambda: self.state.write_from(rec.offset, buf[: rec.nbytes]))
+                self._timed("write", key[0], rec.nbytes, lambda: self.state.write_from(rec.offset, buf[: rec.nbytes]))
             finally:
                 self._pool.put(buf)
 
@@ -550,7 +550,7 @@ class DiskState:
         owner: int,
         buffers: int = 4,
         threads: int = 2,
-        on_io: Callable[[str, int, float, float], None] | None = None,
+        on_io: Callable[[str, int, float, float, int], None] | None = None,
     ) -> RecordStream:
         """This process's record stream of ``owner``'s shards (one per process, made on first use)."""
         if self._stream is None:

@@ -211,6 +211,14 @@ def test_the_state_files_io_is_traced_on_the_disk_lane(tmp_path: Path) -> None:
         disk_spans = [s for s in engine.tracer.spans if s.lane == "disk"]
         assert {s.name for s in disk_spans} == {"read", "write"}
         assert all(s.end >= s.start and s.step >= 0 for s in disk_spans)
+        # each span carries its record's bytes: every record of this rank's shards written once a step
+        layout, owner = engine.ledger.disk.layout, engine.topology.owner_rank
+        records = [rec for u in range(len(engine.layout.units)) for rec in layout.pieces(u, owner)]
+        assert all(s.nbytes in {rec.nbytes for rec in layout.pieces(s.unit, owner)} for s in disk_spans)
+        per_step = sum(rec.nbytes for rec in records)
+        assert [sum(s.nbytes for s in disk_spans if s.name == "write" and s.step == k) for k in range(3)] == [
+            per_step
+        ] * 3
 
     (tmp_path / "state").mkdir()
     config = EngineConfig(state_dir=str(tmp_path / "state"), trace_dir=str(tmp_path / "trace"))
