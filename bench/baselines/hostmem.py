@@ -14,13 +14,13 @@ inside it.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from slidedp_lightning.recipes.host_memory import SamplingPace
+from slidedp_lightning.runtime.host_os import process_tree
 
 FIELDS = ("Rss", "Pss", "Pss_Shmem", "Pss_Anon")
 # Sampling period of every benchmark job. One pass reads ``smaps_rollup`` of each process, a walk of its page
@@ -44,21 +44,6 @@ class Sample:
     wall_end: float = 0.0  # time.time() when the last process was read (0: same as wall)
 
 
-def tree(root: int) -> list[int]:
-    """``root`` and all its descendants (from ``/proc/<pid>/task/<tid>/children``)."""
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
-
-
 def rollup(pid: int) -> dict[str, int]:
     """Bytes of the ``FIELDS`` of one process (empty if it is gone)."""
     got: dict[str, int] = {}
@@ -76,7 +61,7 @@ def rollup(pid: int) -> dict[str, int]:
 def sample(root: int) -> Sample:
     t0 = time.time()
     pss = rss = shm = n = 0
-    for pid in tree(root):
+    for pid in process_tree(root):
         r = rollup(pid)
         if r:
             n += 1

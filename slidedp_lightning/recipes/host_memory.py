@@ -17,17 +17,7 @@ import time
 
 import lightning.pytorch as L
 
-from slidedp_lightning.runtime.host_os import process_children
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process below it."""
-    out, frontier = [root], [root]
-    while frontier:
-        kids = process_children(frontier.pop())
-        out += kids
-        frontier += kids
-    return out
+from slidedp_lightning.runtime.host_os import process_tree
 
 
 def pss_bytes(pid: int) -> int:

@@ -1,7 +1,10 @@
-"""Small operating-system helpers: byte formatting, glibc heap trim, MemAvailable, process state and start time
-from /proc. Plain Python (the standard library only): ``slidedp-finetune``'s plan reads it before torch is imported."""
+"""Small operating-system helpers: byte formatting, glibc heap trim, MemAvailable, process state, start time and
+trees from /proc. Plain Python (the standard library only): ``slidedp-finetune``'s plan reads it before torch is
+imported."""
 
 from __future__ import annotations
+
+import os
 
 
 def format_bytes(n: float) -> str:
@@ -68,3 +71,19 @@ def process_children(pid: int) -> list[int]:
             return [int(k) for k in f.read().split()]
     except OSError:
         return []
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it: the children any of each process's threads started (a process gone
+    while it is read keeps its place, without children)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return out
