@@ -4,7 +4,8 @@ Per model, runs ``calibrate --model`` on it (or reuses ``--profile``) and one tr
 size and routes that none of the configurations below uses) whose lane traces give the training loop's time per
 step (``steptime loop``), then each configuration below as a traced ``slidedp-finetune`` job in a subprocess, and
 prints predicted vs measured median step time (a whole iteration: first forward to the next step's) and the
-bottleneck labels (model vs lane traces), with the exposed time (iteration less compute) and compute stall.
+bottleneck labels (model vs lane traces), with the exposed time (iteration less compute) and compute stall; with the
+state on disk, each job's prediction again with the disk at the rate that job got from it (``steptime disk``).
 
 Two models: the recipe's tiny Qwen3 (compute-bound here) and ``wide``, a random-init Qwen3 with a large
 untied vocabulary and one small block, written with ``save_pretrained`` into the output folder (nothing is
@@ -31,7 +32,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from slidedp_lightning.steptime.calibrate import with_loop
+from slidedp_lightning.steptime.calibrate import with_disk, with_loop
 from slidedp_lightning.steptime.graph import StepConfig
 from slidedp_lightning.steptime.profiles import load_profile
 from slidedp_lightning.steptime.simulate import simulate
@@ -209,6 +210,16 @@ def main() -> int:
         step = StepConfig(shape, batch, SEQ, 2, param, grad, precision=precision, max_units_in_flight=2, loss_sync=True)
         sim = simulate(replace(step, state_on_disk=state_dir is not None, master_on_disk=args.master_on_disk), profile)
         err = (sim.step_time / meas["step_time"] - 1) * 100
+        job_disk = {}
+        if state_dir:  # again with the disk as this job got it (steptime disk): the error of the rest of the model
+            own = with_disk(profile, trace)
+            again = simulate(replace(step, state_on_disk=True, master_on_disk=args.master_on_disk), own)
+            job_disk = dict(
+                job_disk_gbps=own.values["disk_gbps"],
+                predicted_ms_job_disk=again.step_time * 1e3,
+                error_pct_job_disk=(again.step_time / meas["step_time"] - 1) * 100,
+                predicted_label_job_disk=again.bottleneck,
+            )
         rows.append(
             dict(
                 model=name,
@@ -229,6 +240,7 @@ def main() -> int:
                 traced_stall_ms=meas["stall"] * 1e3,
                 traced_busy_ms={k: v * 1e3 for k, v in meas["busy"].items()},
                 predicted_busy_ms={k: v * 1e3 for k, v in sim.busy.items()},
+                **job_disk,
             )
         )
     print(
@@ -242,6 +254,13 @@ def main() -> int:
             f"{r['predicted_label']:19s} {r['traced_label']:19s} {r['predicted_exposed_ms']:8.1f} "
             f"{r['traced_exposed_host_ms']:8.1f} {r['traced_stall_ms']:6.1f}"
         )
+    for r in rows:
+        if "job_disk_gbps" in r:
+            print(
+                f"{r['model']} {r['param_route']}/{r['grad_route']}: with the disk at the {r['job_disk_gbps']:.2f} GB/s "
+                f"the job got from it (probe: {profiles[r['model']].values['disk_gbps']:.2f}): predicted "
+                f"{r['predicted_ms_job_disk']:.1f} ms ({r['error_pct_job_disk']:+.1f} %, {r['predicted_label_job_disk']})"
+            )
     agree = sum(r["predicted_label"] == r["traced_label"] for r in rows)
     host = [r for r in rows if r["traced_label"] != "gpu-bound"]
     print(
