@@ -139,15 +139,19 @@ def classify(busy: dict[str, float]) -> str:
     return f"host-bound ({lane})"
 
 
+STEADY = 2  # the step reported: after two steps, any backlog a lane starts with is worked off
+
+
 def simulate(cfg: StepConfig, profile: Profile) -> SimResult:
-    """Simulate two steps and report the second (steady state: its fetches wait on the first step's updates)."""
-    ops = build_ops(cfg, profile, steps=2)
+    """Simulate ``STEADY + 1`` steps and report the last (steady state: its fetches wait on the step before's
+    updates, and a lane slower than the compute, such as a disk, carries no backlog from the graph's start)."""
+    ops = build_ops(cfg, profile, steps=STEADY + 1)
     times = run(ops, profile.capacities(cfg.gpus, cfg.hosts))
     spans = [Span(op.shown or op.lane, op.name, op.step, op.unit, a, b) for op, (a, b) in zip(ops, times)]
-    ends = [max(s.end for s in spans if s.lane == "compute" and s.step == k) for k in (0, 1)]
+    ends = [max(s.end for s in spans if s.lane == "compute" and s.step == k) for k in (STEADY - 1, STEADY)]
     lo, hi = ends
     step_time = hi - lo
-    this = [s for s in spans if s.step == 1]
+    this = [s for s in spans if s.step == STEADY]
     busy = {
         lane: sum(b - a for a, b in merge_intervals([(s.start, s.end) for s in this if s.lane == lane]))
         for lane in LANES

@@ -113,3 +113,21 @@ def test_slideformer_config_errors():
         simulate(
             StepConfig(load_config("qwen3-tiny"), 1, 8, 2, "slideformer", "host_reduce"), load_profile("a800x8_bridge")
         )
+
+
+@pytest.mark.parametrize("grad_route", ["gpu_reduce", "host_reduce"])
+def test_a_disk_bound_step_is_its_disk_time_without_the_graphs_start_up_backlog(grad_route):
+    """The step reported is a steady one: bound by a slow disk, it takes the disk's time for one step's reads and
+    writes, not also the backlog the graph starts with (the step before's writes, queued ahead of the first reads;
+    a two-step simulation reported 1.4x that)."""
+    from dataclasses import replace
+
+    from slidedp_lightning.steptime.profiles import Profile
+
+    profile = load_profile("h200x1")
+    slow = Profile(profile.name, {**profile.values, "disk_gbps": 1e-3}, profile.sources)
+    cfg = StepConfig(load_config("qwen3-tiny"), 8, 256, 1, "full", grad_route, activation="full", state_on_disk=True)
+    bound = analyze(cfg, slow).bounds["disk"]
+    assert simulate(cfg, slow).step_time == pytest.approx(bound, rel=0.01)
+    master = replace(cfg, master_on_disk=True, precision="bf16-mixed")
+    assert simulate(master, slow).step_time == pytest.approx(analyze(master, slow).bounds["disk"], rel=0.01)
