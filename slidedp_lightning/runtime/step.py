@@ -122,8 +122,8 @@ class StepDriver:
 
     def _compute_until_now(self, unit: int) -> float:
         """Tracing: the compute thread ran backward from the last mark until this hook; returns the host time of
-        the span's end, where the hook's own span starts."""
-        now = time.perf_counter()
+        the span's end, where the hook's own span starts (0.0 when tracing is off)."""
+        now = time.perf_counter() if self.tracer.enabled else 0.0
         if self.tracer.enabled and self._mark is not None:
             self.tracer.record("compute", "backward", self.step, self._mark, self._stamp(at=now), unit)
         return now

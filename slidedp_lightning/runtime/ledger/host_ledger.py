@@ -37,8 +37,8 @@ class HostLedger:
     one unit's range; empty when no unit has it) and, for ``host_reduce``, ``staging`` (per-rank gradient slots).
     Stamps (int64 numpy views, written by one process, read by all): ``version[unit, owner]`` = updates
     applied; ``written[unit, owner]`` = updates whose records the state file holds (regions on disk: an update's
-    records are written back after its version is stamped); ``pids[rank]``; ``grad_gen[rank, slot]`` = watermark of a staging slot (generation * 2**32 + elements
-    written so far, see grads.WATERMARK);
+    records are written back after its version is stamped); ``pids[rank]``; ``grad_gen[rank, slot]`` = watermark
+    of a staging slot (generation * 2**32 + elements written so far, see grads.WATERMARK);
     ``consumed[owner, writer, slot]`` = generation an owner has finished reading.
     """
 
