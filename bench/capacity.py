@@ -20,6 +20,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,9 @@ SYSTEMS: dict[str, tuple[str, dict, tuple[float, float]]] = {
         (2.0, 5.6),
     ),
 }
+# systems that run in one precision only: with the FP32 master on disk the devices read the BF16 copy, the only
+# weights in host memory, so the run must compute in bf16 (the job refuses 32-true before its first step)
+NEEDS_PRECISION = {"slidedp_disk_master": "bf16-mixed"}
 RANKS, SEQ, STEPS = 2, 32, 3
 
 
@@ -85,6 +89,7 @@ class Attempt:
 class Search:
     label: str
     attempts: list[Attempt] = field(default_factory=list)
+    why_not_run: str = ""  # a system this host cannot run as the others (see :data:`NEEDS_PRECISION`)
 
     @property
     def largest(self) -> Attempt | None:
@@ -190,17 +195,36 @@ def first_guess(label: str, shape: ModelShape, limit: int) -> int:
     return max(1, int((limit / GB - besides - slope * embed) / (slope * per_layer)))
 
 
+def not_run(label: str) -> str:
+    """Why ``label`` is not searched on this host ("" when it is): a system that needs another precision than
+    :data:`PRECISION`, the one every system here trains in."""
+    needed = NEEDS_PRECISION.get(label)
+    if needed is None or needed == PRECISION:
+        return ""
+    return f"not run: needs {needed}, and this host computes in {PRECISION} (no fast bf16)"
+
+
 def search(
-    label: str, shape: ModelShape, ckpts: ShardedCheckpoints, out: Path, limit: int, budget_s: float, save: bool = True
+    label: str,
+    shape: ModelShape,
+    ckpts: ShardedCheckpoints,
+    out: Path,
+    limit: int,
+    budget_s: float,
+    save: bool = True,
+    attempt_at: Callable[[int], Attempt] | None = None,
 ) -> Search:
-    """The deepest fitting model: gallop from the first guess, then bisect, within ``budget_s``."""
+    """The deepest fitting model: gallop from the first guess, then bisect, within ``budget_s``; past it only while
+    no depth has fit yet (down, by doubling steps: a few attempts), since a system's row needs one that fits.
+    ``attempt_at(layers)`` runs one attempt (default: :func:`attempt`)."""
     found = Search(label)
+    run_at = attempt_at or (lambda layers: attempt(label, shape, layers, ckpts, out, limit, save))
     t0 = time.perf_counter()
     lo, hi = 0, None  # deepest known to fit, shallowest known not to (or to fail otherwise)
     layers = first_guess(label, shape, limit)
     step = max(1, round(layers * 0.05))  # the guess is close: small steps first, doubling
-    while not found.attempts or time.perf_counter() - t0 < budget_s:  # one attempt at least, however late
-        a = attempt(label, shape, layers, ckpts, out, limit, save)
+    while lo == 0 or time.perf_counter() - t0 < budget_s:
+        a = run_at(layers)
         found.attempts.append(a)
         log.info("capacity %s: %d layers (%.2f B params): %s", label, layers, a.params / 1e9, a.status)
         if a.fits:
@@ -218,7 +242,7 @@ def search(
         else:
             layers = (lo + hi) // 2
     if lo > 1 and not any(a.fits and a.layers <= lo // 2 for a in found.attempts):
-        found.attempts.append(attempt(label, shape, lo // 2, ckpts, out, limit, save))  # a second size for the slope
+        found.attempts.append(run_at(lo // 2))  # a second size for the slope
     return found
 
 
@@ -238,7 +262,9 @@ def table(searches: list[Search], shape: ModelShape, limit: int, save: bool = Tr
         a = s.largest
         tried = ", ".join(f"{x.layers}:{'ok' if x.fits else x.status.split(':')[0]}" for x in s.attempts)
         if a is None:
-            why = "not run: the run's time was used up" if not s.attempts else "fits at no depth tried"
+            why = s.why_not_run or (
+                "not run: the run's time was used up" if not s.attempts else "fits at no depth tried"
+            )
             rows.append(f"| {s.label} | — | {why} | | | | | | | | | {tried} |")
             continue
         r, x = a.result, a.result.get("extra", {})
@@ -324,11 +350,17 @@ def main(argv: list[str] | None = None) -> int:
     searches: list[Search] = []
     t0 = time.perf_counter()
     # each system's share of the time: as the parameters of its first guess (a deeper model's attempt takes longer)
-    weight = {label: shape.with_layers(first_guess(label, shape, limit)).num_params for label in args.systems}
+    weight = {
+        label: 0 if not_run(label) else shape.with_layers(first_guess(label, shape, limit)).num_params
+        for label in args.systems
+    }
     for i, label in enumerate(args.systems):
         left = args.minutes * 60 - (time.perf_counter() - t0)
-        share = weight[label] / sum(weight[x] for x in args.systems[i:])
-        if args.layers:
+        share = weight[label] / max(1, sum(weight[x] for x in args.systems[i:]))
+        if not_run(label):
+            searches.append(Search(label, why_not_run=not_run(label)))
+            log.info("capacity %s: %s", label, not_run(label))
+        elif args.layers:
             found = Search(label)
             for layers in args.layers:
                 found.attempts.append(attempt(label, shape, layers, ckpts, out, limit, save=not args.no_save))
@@ -338,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             searches.append(search(label, shape, ckpts, out, limit, left * share, not args.no_save))
         text = table(searches, shape, limit, not args.no_save, not args.layers) + "\n\n" + extrapolate(searches)
         (out / "capacity.md").write_text(text + "\n")
-        data = [{"label": s.label, "attempts": [a.__dict__ for a in s.attempts]} for s in searches]
+        data = [{"label": s.label, "attempts": [a.__dict__ for a in s.attempts], "not_run": s.why_not_run}
+                for s in searches]  # fmt: skip
         (out / "capacity.json").write_text(json.dumps(data, indent=1, default=str))
     print(table(searches, shape, limit, not args.no_save, not args.layers) + "\n\n" + extrapolate(searches))
     print(f"\n{time.perf_counter() - t0:.0f} s; results in {out}")

@@ -1,8 +1,12 @@
-"""bench.capacity's report: a slope only where the peak grew with the model, never a negative extrapolation."""
+"""bench.capacity: its search (the deepest fitting depth; a row for every system) and its report (a slope only where
+the peak grew with the model, never a negative extrapolation)."""
 
 from __future__ import annotations
 
-from bench.capacity import GB, Attempt, Search, extrapolate
+from pathlib import Path
+
+from bench import capacity
+from bench.capacity import GB, QWEN3_1_7B, Attempt, Search, extrapolate, first_guess, search
 
 
 def _search(label: str, peaks_gb: dict[int, float]) -> Search:
@@ -23,3 +27,46 @@ def test_the_extrapolation_says_why_a_system_has_none() -> None:
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| slidedp")}
     assert "no slope: its fitting sizes' peaks did not grow" in rows["slidedp_int8"]
     assert "-" not in rows["slidedp_int8"].replace("—", "") and " B (" in rows["slidedp"]
+
+
+def _fake_attempts(deepest_fitting: int, tried: list[int]):
+    def attempt_at(layers: int) -> Attempt:
+        tried.append(layers)
+        status = "fits" if layers <= deepest_fitting else "does not fit"
+        return Attempt(layers, layers * 10**8, status, {"host_peak_run": layers * GB})
+
+    return attempt_at
+
+
+def _run_search(deepest_fitting: int, budget_s: float) -> tuple[Search, list[int]]:
+    tried: list[int] = []
+    found = search("slidedp", QWEN3_1_7B, None, Path("unused"), int(22.5 * GB), budget_s,  # type: ignore[arg-type]
+                   attempt_at=_fake_attempts(deepest_fitting, tried))  # fmt: skip
+    return found, tried
+
+
+def test_a_search_past_its_time_goes_on_down_until_a_depth_fits_then_stops() -> None:
+    found, tried = _run_search(deepest_fitting=3, budget_s=0.0)
+    first = first_guess("slidedp", QWEN3_1_7B, int(22.5 * GB))
+    assert first > 6 and tried[0] == first
+    assert all(b < a for a, b in zip(tried, tried[1:]))  # down only, then the smaller second size for the slope
+    fitting = [layers for layers in tried if layers <= 3]
+    assert fitting and tried[-len(fitting) :] == fitting and len(fitting) == 2  # the first fit, then one for the slope
+    assert found.largest is not None and found.largest.layers == fitting[0]
+
+
+def test_a_search_with_time_finds_the_deepest_fitting_depth() -> None:
+    for deepest in (1, 12, 40):
+        found, tried = _run_search(deepest_fitting=deepest, budget_s=600.0)
+        assert found.largest is not None and found.largest.layers == deepest, tried
+        assert deepest + 1 in tried or deepest == 1  # the boundary was tried from both sides
+
+
+def test_a_system_that_needs_bf16_is_not_run_where_the_host_computes_in_fp32(monkeypatch) -> None:
+    monkeypatch.setattr(capacity, "PRECISION", "bf16-mixed")
+    assert capacity.not_run("slidedp_disk_master") == "" and capacity.not_run("slidedp") == ""
+    monkeypatch.setattr(capacity, "PRECISION", "32-true")
+    why = capacity.not_run("slidedp_disk_master")
+    assert "bf16-mixed" in why and "32-true" in why and capacity.not_run("slidedp_disk") == ""
+    text = capacity.table([Search("slidedp_disk_master", why_not_run=why)], QWEN3_1_7B, int(22.5 * GB))
+    assert why in text
