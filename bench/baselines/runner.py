@@ -2,7 +2,7 @@
 
 A job that cannot run is reported, never dropped: ``infeasible`` (the preflight estimate exceeds the memory
 there is; the estimate and the limit are in the reason), ``oom`` (sampled host memory crossed the limit and the
-job was stopped), ``timeout``, ``failed`` (the last lines of its output are the reason), ``not installed`` (the
+job was stopped, or the job failed while the kernel's OOM killer killed a process: memory ran out between samples), ``timeout``, ``failed`` (the last lines of its output are the reason), ``not installed`` (the
 system needs a package of the ``bench`` extra; the reason names it), ``interrupted`` (the benchmark was stopped
 while the job ran). No process of a job outlives it (``bench/baselines/lifetime.py``).
 """
@@ -149,6 +149,18 @@ def _launch_env(spec: JobSpec) -> dict[str, str]:
     return env
 
 
+def oom_kills() -> int | None:
+    """Processes the kernel's OOM killer has killed since boot (``oom_kill`` of /proc/vmstat; None where unreadable)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def run_job(
     runs: list[tuple[str, JobSpec]],
     out: Path,
@@ -184,6 +196,7 @@ def run_job(
         except TimeoutError as exc:
             return [RunResult(name, spec, "timeout", f"timeout: {exc}; not started") for name, spec in runs]
     logf = open(out / "output.log", "w")  # noqa: SIM115
+    kills_before = oom_kills()
     t0 = time.time()
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.baselines.job", str(cfg)],
@@ -243,6 +256,17 @@ def run_job(
         else:
             status = "failed"
             reason = f"exit code {proc.returncode}: " + " | ".join(output.strip().splitlines()[-6:])[-1500:]
+            kills = oom_kills()
+            if kills_before is not None and kills is not None and kills > kills_before:
+                # memory ran out between two of the watchdog's samples: a model that does not fit, as above
+                peak = sampler.peak()
+                status, reason = (
+                    "oom",
+                    (
+                        f"oom: the kernel's OOM killer stopped {kills - kills_before} process(es) while the job ran "
+                        f"(last sampled PSS {peak.pss / GB if peak else 0:.2f} GB, limit {limit / GB:.1f} GB); {reason}"
+                    ),
+                )
     results = []
     for name, spec in runs:
         res = RunResult(name, spec, status, reason)
