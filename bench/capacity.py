@@ -204,6 +204,18 @@ def not_run(label: str) -> str:
     return f"not run: needs {needed}, and this host computes in {PRECISION} (no fast bf16)"
 
 
+def _needs_slope_size(found: Search, lo: int) -> bool:
+    """Whether the search has only sizes too close for a slope: none fits at half the deepest fitting depth."""
+    return lo > 1 and not any(a.fits and a.layers <= lo // 2 for a in found.attempts)
+
+
+def _time_for_another(found: Search, lo: int, spent_s: float, budget_s: float) -> bool:
+    """Whether one more attempt, and the slope's second size where one is still needed, end within the budget: each
+    takes about as long as this system's attempts so far."""
+    per = sum(a.seconds for a in found.attempts) / len(found.attempts)
+    return spent_s + per * (1 + _needs_slope_size(found, lo)) <= budget_s
+
+
 def search(
     label: str,
     shape: ModelShape,
@@ -214,8 +226,9 @@ def search(
     save: bool = True,
     attempt_at: Callable[[int], Attempt] | None = None,
 ) -> Search:
-    """The deepest fitting model: gallop from the first guess, then bisect, within ``budget_s``; past it only while
-    no depth has fit yet (down, by doubling steps: a few attempts), since a system's row needs one that fits.
+    """The deepest fitting model: gallop from the first guess, then bisect, within ``budget_s``: once a depth fits,
+    an attempt starts only if it and the slope's second size are expected to end in time; before that the search
+    goes on down past the budget (by doubling steps: a few attempts), since a system's row needs a depth that fits.
     ``attempt_at(layers)`` runs one attempt (default: :func:`attempt`)."""
     found = Search(label)
     run_at = attempt_at or (lambda layers: attempt(label, shape, layers, ckpts, out, limit, save))
@@ -223,7 +236,7 @@ def search(
     lo, hi = 0, None  # deepest known to fit, shallowest known not to (or to fail otherwise)
     layers = first_guess(label, shape, limit)
     step = max(1, round(layers * 0.05))  # the guess is close: small steps first, doubling
-    while lo == 0 or time.perf_counter() - t0 < budget_s:
+    while True:
         a = run_at(layers)
         found.attempts.append(a)
         log.info("capacity %s: %d layers (%.2f B params): %s", label, layers, a.params / 1e9, a.status)
@@ -241,7 +254,9 @@ def search(
             break
         else:
             layers = (lo + hi) // 2
-    if lo > 1 and not any(a.fits and a.layers <= lo // 2 for a in found.attempts):
+        if lo and not _time_for_another(found, lo, time.perf_counter() - t0, budget_s):
+            break
+    if _needs_slope_size(found, lo):
         found.attempts.append(run_at(lo // 2))  # a second size for the slope
     return found
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench import capacity
 from bench.capacity import GB, QWEN3_1_7B, Attempt, Search, extrapolate, first_guess, search
 
@@ -29,24 +31,41 @@ def test_the_extrapolation_says_why_a_system_has_none() -> None:
     assert "-" not in rows["slidedp_int8"].replace("—", "") and " B (" in rows["slidedp"]
 
 
-def _fake_attempts(deepest_fitting: int, tried: list[int]):
+class Clock:
+    """A stand-in for ``time.perf_counter`` that only the fake attempts move."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fake_attempts(deepest_fitting: int, tried: list[int], clock: Clock, attempt_s: float):
     def attempt_at(layers: int) -> Attempt:
         tried.append(layers)
+        clock.now += attempt_s
         status = "fits" if layers <= deepest_fitting else "does not fit"
-        return Attempt(layers, layers * 10**8, status, {"host_peak_run": layers * GB})
+        return Attempt(layers, layers * 10**8, status, {"host_peak_run": layers * GB}, attempt_s)
 
     return attempt_at
 
 
-def _run_search(deepest_fitting: int, budget_s: float) -> tuple[Search, list[int]]:
+def _run_search(deepest_fitting: int, budget_s: float, attempt_s: float = 100.0) -> tuple[Search, list[int], float]:
+    """The search's attempts and the time they took (each ``attempt_s``) for a model fitting up to ``deepest_fitting``
+    layers."""
     tried: list[int] = []
-    found = search("slidedp", QWEN3_1_7B, None, Path("unused"), int(22.5 * GB), budget_s,  # type: ignore[arg-type]
-                   attempt_at=_fake_attempts(deepest_fitting, tried))  # fmt: skip
-    return found, tried
+    clock = Clock()
+    t0 = clock.now
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capacity.time, "perf_counter", clock)
+        found = search("slidedp", QWEN3_1_7B, None, Path("unused"), int(22.5 * GB), budget_s,  # type: ignore[arg-type]
+                       attempt_at=_fake_attempts(deepest_fitting, tried, clock, attempt_s))  # fmt: skip
+    return found, tried, clock.now - t0
 
 
 def test_a_search_past_its_time_goes_on_down_until_a_depth_fits_then_stops() -> None:
-    found, tried = _run_search(deepest_fitting=3, budget_s=0.0)
+    found, tried, _ = _run_search(deepest_fitting=3, budget_s=0.0)
     first = first_guess("slidedp", QWEN3_1_7B, int(22.5 * GB))
     assert first > 6 and tried[0] == first
     assert all(b < a for a, b in zip(tried, tried[1:]))  # down only, then the smaller second size for the slope
@@ -57,9 +76,20 @@ def test_a_search_past_its_time_goes_on_down_until_a_depth_fits_then_stops() -> 
 
 def test_a_search_with_time_finds_the_deepest_fitting_depth() -> None:
     for deepest in (1, 12, 40):
-        found, tried = _run_search(deepest_fitting=deepest, budget_s=600.0)
+        found, tried, _ = _run_search(deepest_fitting=deepest, budget_s=10**6)
         assert found.largest is not None and found.largest.layers == deepest, tried
         assert deepest + 1 in tried or deepest == 1  # the boundary was tried from both sides
+
+
+def test_a_search_that_has_a_fit_ends_within_its_time_with_the_slopes_second_size() -> None:
+    # 17, 16 and 14 do not fit, 10 does (400 s), and 5 gives the slope: the least a row needs takes 500 s
+    for budget_s in (0.0, 450.0, 500.0, 650.0, 900.0):
+        found, tried, took = _run_search(deepest_fitting=12, budget_s=budget_s)
+        assert took <= max(budget_s, 500.0), (budget_s, tried)
+        fitting = sorted(a.layers for a in found.attempts if a.fits)
+        assert len(fitting) >= 2 and fitting[0] <= fitting[-1] // 2, tried  # a slope, within the time
+    _, tried, took = _run_search(deepest_fitting=12, budget_s=10**6)
+    assert took == 100.0 * len(tried) and 12 in tried  # with time enough, the search narrows to the boundary
 
 
 def test_a_system_that_needs_bf16_is_not_run_where_the_host_computes_in_fp32(monkeypatch) -> None:
