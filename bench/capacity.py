@@ -66,9 +66,6 @@ SYSTEMS: dict[str, tuple[str, dict, tuple[float, float]]] = {
         (2.0, 5.6),
     ),
 }
-# systems that run in one precision only: with the FP32 master on disk the devices read the BF16 copy, the only
-# weights in host memory, so the run must compute in bf16 (the job refuses 32-true before its first step)
-NEEDS_PRECISION = {"slidedp_disk_master": "bf16-mixed"}
 RANKS, SEQ, STEPS = 2, 32, 3
 
 
@@ -89,7 +86,7 @@ class Attempt:
 class Search:
     label: str
     attempts: list[Attempt] = field(default_factory=list)
-    why_not_run: str = ""  # a system this host cannot run as the others (see :data:`NEEDS_PRECISION`)
+    why_not_run: str = ""  # a system this host cannot run as the others (see :func:`not_run`)
 
     @property
     def largest(self) -> Attempt | None:
@@ -196,12 +193,12 @@ def first_guess(label: str, shape: ModelShape, limit: int) -> int:
 
 
 def not_run(label: str) -> str:
-    """Why ``label`` is not searched on this host ("" when it is): a system that needs another precision than
-    :data:`PRECISION`, the one every system here trains in."""
-    needed = NEEDS_PRECISION.get(label)
-    if needed is None or needed == PRECISION:
+    """Why ``label`` is not searched on this host ("" when it is): with the FP32 master on disk the devices read the
+    BF16 copy, the only weights in host memory, so that system computes in bf16 only (the job refuses 32-true, the
+    precision every system trains in on a host without fast bf16)."""
+    if not SYSTEMS[label][1].get("master_on_disk") or PRECISION == "bf16-mixed":
         return ""
-    return f"not run: needs {needed}, and this host computes in {PRECISION} (no fast bf16)"
+    return f"not run: needs bf16-mixed, and this host computes in {PRECISION} (no fast bf16)"
 
 
 def _needs_slope_size(found: Search, lo: int) -> bool:
@@ -372,9 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, label in enumerate(args.systems):
         left = args.minutes * 60 - (time.perf_counter() - t0)
         share = weight[label] / max(1, sum(weight[x] for x in args.systems[i:]))
-        if not_run(label):
-            searches.append(Search(label, why_not_run=not_run(label)))
-            log.info("capacity %s: %s", label, not_run(label))
+        why_not = not_run(label)
+        if why_not:
+            searches.append(Search(label, why_not_run=why_not))
+            log.info("capacity %s: %s", label, why_not)
         elif args.layers:
             found = Search(label)
             for layers in args.layers:

@@ -2,9 +2,10 @@
 
 A job that cannot run is reported, never dropped: ``infeasible`` (the preflight estimate exceeds the memory
 there is; the estimate and the limit are in the reason), ``oom`` (sampled host memory crossed the limit and the
-job was stopped, or the job failed while the kernel's OOM killer killed a process: memory ran out between samples), ``timeout``, ``failed`` (the last lines of its output are the reason), ``not installed`` (the
-system needs a package of the ``bench`` extra; the reason names it), ``interrupted`` (the benchmark was stopped
-while the job ran). No process of a job outlives it (``bench/baselines/lifetime.py``).
+job was stopped, or the job failed while the kernel's OOM killer killed a process: memory ran out between two
+samples), ``timeout``, ``failed`` (the last lines of its output are the reason), ``not installed`` (the system needs
+a package of the ``bench`` extra; the reason names it), ``interrupted`` (the benchmark was stopped while the job
+ran). No process of a job outlives it (``bench/baselines/lifetime.py``).
 """
 
 from __future__ import annotations
@@ -260,12 +261,10 @@ def run_job(
             if kills_before is not None and kills is not None and kills > kills_before:
                 # memory ran out between two of the watchdog's samples: a model that does not fit, as above
                 peak = sampler.peak()
-                status, reason = (
-                    "oom",
-                    (
-                        f"oom: the kernel's OOM killer stopped {kills - kills_before} process(es) while the job ran "
-                        f"(last sampled PSS {peak.pss / GB if peak else 0:.2f} GB, limit {limit / GB:.1f} GB); {reason}"
-                    ),
+                status = "oom"
+                reason = (
+                    f"oom: the kernel's OOM killer stopped {kills - kills_before} process(es) while the job ran "
+                    f"(last sampled PSS {peak.pss / GB if peak else 0:.2f} GB, limit {limit / GB:.1f} GB); {reason}"
                 )
     results = []
     for name, spec in runs:
